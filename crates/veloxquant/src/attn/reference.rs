@@ -1,0 +1,56 @@
+//! Reference decode attention: decode every page to f32 with the format's reference
+//! decoder, append the fp16 tail, then dense softmax attention in f64.
+
+use super::check_query;
+use crate::cache::{PagedCache, StreamStore};
+use crate::error::Result;
+
+/// All keys (or values) of one stream as n × d f32, pages first, then the tail.
+pub fn materialize(s: &StreamStore) -> Vec<f32> {
+    let f = s.format();
+    let per_page = f.page_tokens() * f.head_dim();
+    let mut out = vec![0f32; s.pages().len() * per_page];
+    for (p, o) in s.pages().iter().zip(out.chunks_exact_mut(per_page)) {
+        f.decode_page(p, o);
+    }
+    out.extend(s.tail().iter().map(|v| v.to_f32()));
+    out
+}
+
+/// q: [n_heads][d] → [n_heads][d]. Softmax scale 1/√d.
+pub fn decode_attention_ref(
+    cache: &PagedCache,
+    layer: usize,
+    q: &[f32],
+    n_heads: usize,
+) -> Result<Vec<f32>> {
+    let g = check_query(cache, layer, q, n_heads)?;
+    let d = cache.config().head_dim;
+    let lc = cache.layer(layer)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = vec![0f32; n_heads * d];
+    for (kvh, (ks, vs)) in lc.keys.iter().zip(&lc.values).enumerate() {
+        let (k, v) = (materialize(ks), materialize(vs));
+        let n = k.len() / d;
+        for h in kvh * g..(kvh + 1) * g {
+            let qh = &q[h * d..(h + 1) * d];
+            let s: Vec<f64> = (0..n)
+                .map(|t| {
+                    qh.iter()
+                        .zip(&k[t * d..(t + 1) * d])
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+            let l: f64 = w.iter().sum();
+            for j in 0..d {
+                let acc: f64 = (0..n).map(|t| w[t] * v[t * d + j] as f64).sum();
+                out[h * d + j] = (acc / l) as f32;
+            }
+        }
+    }
+    Ok(out)
+}

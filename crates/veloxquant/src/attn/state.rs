@@ -1,0 +1,135 @@
+//! Online-softmax partial state for G query heads: running max m, running sum l and the
+//! unnormalized accumulator. Partials over disjoint key ranges merge exactly (flash-decoding);
+//! an empty partial (m = −∞, l = 0) merges as a no-op.
+
+#[derive(Clone, Debug)]
+pub struct Partial {
+    pub g: usize,
+    pub d: usize,
+    pub m: Vec<f32>,
+    pub l: Vec<f32>,
+    pub acc: Vec<f32>,
+}
+
+impl Partial {
+    pub fn empty(g: usize, d: usize) -> Self {
+        Self {
+            g,
+            d,
+            m: vec![f32::NEG_INFINITY; g],
+            l: vec![0.0; g],
+            acc: vec![0.0; g * d],
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.l.iter().all(|&l| l == 0.0)
+    }
+
+    /// Fold in scores s (g × n) of n new keys: rescales the accumulator and returns, in `w`,
+    /// the weights exp(s − m) the caller must now accumulate values with.
+    pub fn absorb_scores(&mut self, s: &[f32], n: usize, w: &mut [f32]) {
+        for h in 0..self.g {
+            let row = &s[h * n..(h + 1) * n];
+            let m_new = row.iter().fold(self.m[h], |a, &b| a.max(b));
+            let alpha = if self.m[h] == f32::NEG_INFINITY {
+                0.0
+            } else {
+                (self.m[h] - m_new).exp()
+            };
+            let mut sum = 0.0;
+            for (wi, &si) in w[h * n..(h + 1) * n].iter_mut().zip(row) {
+                *wi = (si - m_new).exp();
+                sum += *wi;
+            }
+            self.l[h] = self.l[h] * alpha + sum;
+            self.m[h] = m_new;
+            if alpha != 1.0 {
+                self.acc[h * self.d..(h + 1) * self.d]
+                    .iter_mut()
+                    .for_each(|a| *a *= alpha);
+            }
+        }
+    }
+
+    /// Merge another partial over a disjoint key range (same accumulator domain).
+    pub fn merge(&mut self, o: &Partial) {
+        for h in 0..self.g {
+            if o.l[h] == 0.0 {
+                continue;
+            }
+            let m = self.m[h].max(o.m[h]);
+            let a = if self.l[h] == 0.0 {
+                0.0
+            } else {
+                (self.m[h] - m).exp()
+            };
+            let b = (o.m[h] - m).exp();
+            self.l[h] = self.l[h] * a + o.l[h] * b;
+            self.m[h] = m;
+            let (x, y) = (
+                &mut self.acc[h * self.d..(h + 1) * self.d],
+                &o.acc[h * self.d..(h + 1) * self.d],
+            );
+            x.iter_mut().zip(y).for_each(|(p, q)| *p = *p * a + q * b);
+        }
+    }
+
+    /// acc / l per head.
+    pub fn output(&self, out: &mut [f32]) {
+        for h in 0..self.g {
+            let inv = if self.l[h] > 0.0 {
+                1.0 / self.l[h]
+            } else {
+                0.0
+            };
+            for (o, a) in out[h * self.d..(h + 1) * self.d]
+                .iter_mut()
+                .zip(&self.acc[h * self.d..(h + 1) * self.d])
+            {
+                *o = a * inv;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_and_merge_equals_one_pass() {
+        let (g, d, n) = (2, 3, 10);
+        let s: Vec<f32> = (0..g * n)
+            .map(|i| ((i * 7 % 11) as f32) * 0.3 - 1.0)
+            .collect();
+        let v: Vec<f32> = (0..n * d).map(|i| (i % 5) as f32 - 2.0).collect();
+        let run = |lo: usize, hi: usize| {
+            let mut p = Partial::empty(g, d);
+            let m = hi - lo;
+            let sub: Vec<f32> = (0..g)
+                .flat_map(|h| s[h * n + lo..h * n + hi].to_vec())
+                .collect();
+            let mut w = vec![0.0; g * m];
+            p.absorb_scores(&sub, m, &mut w);
+            for h in 0..g {
+                for t in 0..m {
+                    for j in 0..d {
+                        p.acc[h * d + j] += w[h * m + t] * v[(lo + t) * d + j];
+                    }
+                }
+            }
+            p
+        };
+        let whole = run(0, n);
+        let mut parts = run(0, 4);
+        parts.merge(&run(4, 4)); // empty partition
+        parts.merge(&run(4, n));
+        let (mut a, mut b) = (vec![0.0; g * d], vec![0.0; g * d]);
+        whole.output(&mut a);
+        parts.output(&mut b);
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+        }
+    }
+}

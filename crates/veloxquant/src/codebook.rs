@@ -1,0 +1,186 @@
+//! Lloyd-Max scalar codebooks for a unit Gaussian, computed by the closed-form iteration.
+//!
+//! After a random rotation each coordinate of a unit vector in R^d is ≈ N(0, 1/d), so the
+//! N(0,1) codebook scaled by 1/√d is the TurboQuant quantizer (Zandieh et al., arXiv
+//! 2504.19874). Values are pinned against shared/REFERENCE.md §1 in the tests.
+
+use std::sync::OnceLock;
+
+/// Optimal b-bit quantizer of N(0,1): ascending centroids and the 2^b − 1 thresholds.
+#[derive(Clone, Debug)]
+pub struct GaussianCodebook {
+    pub bits: u32,
+    pub centroids: Vec<f64>,
+    pub thresholds: Vec<f64>,
+    /// Expected squared error for N(0,1) input.
+    pub mse: f64,
+}
+
+fn pdf(x: f64) -> f64 {
+    (-0.5 * x * x).exp() / (2.0 * std::f64::consts::PI).sqrt()
+}
+
+fn cdf(x: f64) -> f64 {
+    0.5 * libm::erfc(-x / std::f64::consts::SQRT_2)
+}
+
+/// Centroid (conditional mean) of N(0,1) on [a, b].
+fn cell_mean(a: f64, b: f64) -> (f64, f64) {
+    let p = cdf(b) - cdf(a);
+    ((pdf(a) - pdf(b)) / p, p)
+}
+
+fn lloyd_max(bits: u32) -> GaussianCodebook {
+    let n = 1usize << bits;
+    // Start from equal-probability cells; iterate centroid ↔ midpoint to a fixed point.
+    let mut c: Vec<f64> = (0..n)
+        .map(|i| 2.5 * ((i as f64 + 0.5) / n as f64 * 2.0 - 1.0))
+        .collect();
+    let mut t = vec![0.0; n - 1];
+    for _ in 0..200_000 {
+        for i in 0..n - 1 {
+            t[i] = 0.5 * (c[i] + c[i + 1]);
+        }
+        let mut delta: f64 = 0.0;
+        for i in 0..n {
+            let a = if i == 0 { f64::NEG_INFINITY } else { t[i - 1] };
+            let b = if i == n - 1 { f64::INFINITY } else { t[i] };
+            let (m, _) = cell_mean(a, b);
+            delta = delta.max((m - c[i]).abs());
+            c[i] = m;
+        }
+        if delta < 1e-13 {
+            break;
+        }
+    }
+    for i in 0..n - 1 {
+        t[i] = 0.5 * (c[i] + c[i + 1]);
+    }
+    let mut energy = 0.0;
+    for i in 0..n {
+        let a = if i == 0 { f64::NEG_INFINITY } else { t[i - 1] };
+        let b = if i == n - 1 { f64::INFINITY } else { t[i] };
+        let (_, p) = cell_mean(a, b);
+        energy += p * c[i] * c[i];
+    }
+    GaussianCodebook {
+        bits,
+        centroids: c,
+        thresholds: t,
+        mse: 1.0 - energy,
+    }
+}
+
+/// The cached b-bit codebook, b ∈ 1..=4.
+pub fn gaussian(bits: u32) -> &'static GaussianCodebook {
+    static BOOKS: [OnceLock<GaussianCodebook>; 4] = [const { OnceLock::new() }; 4];
+    assert!(
+        (1..=4).contains(&bits),
+        "codebook bits are checked by the formats"
+    );
+    BOOKS[bits as usize - 1].get_or_init(|| lloyd_max(bits))
+}
+
+/// A codebook scaled by 1/√d, in f32: what encoders compare against and decoders emit.
+#[derive(Clone, Debug)]
+pub struct ScaledCodebook {
+    pub bits: u32,
+    pub centroids: Vec<f32>,
+    pub thresholds: Vec<f32>,
+}
+
+impl ScaledCodebook {
+    pub fn new(bits: u32, d: usize) -> Self {
+        let g = gaussian(bits);
+        let s = 1.0 / (d as f64).sqrt();
+        Self {
+            bits,
+            centroids: g.centroids.iter().map(|c| (c * s) as f32).collect(),
+            thresholds: g.thresholds.iter().map(|t| (t * s) as f32).collect(),
+        }
+    }
+
+    /// Index of the cell holding y: the number of thresholds strictly below y.
+    #[inline]
+    pub fn quantize(&self, y: f32) -> u8 {
+        self.thresholds.iter().filter(|&&t| t < y).count() as u8
+    }
+
+    /// Centroids padded to 16 entries (the SIMD table lookup reads 16).
+    pub fn table16(&self) -> [f32; 16] {
+        let mut t = [0f32; 16];
+        t[..self.centroids.len()].copy_from_slice(&self.centroids);
+        t
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // shared/REFERENCE.md §1 (converged Lloyd-Max values for N(0,1)).
+    const REF: [(u32, f64, &[f64], &[f64]); 4] = [
+        (1, 0.363380, &[0.797885], &[0.0]),
+        (2, 0.117482, &[0.452780, 1.510418], &[0.0, 0.981599]),
+        (
+            3,
+            0.034548,
+            &[0.245094, 0.756005, 1.343909, 2.151946],
+            &[0.0, 0.500550, 1.049957, 1.747927],
+        ),
+        (
+            4,
+            0.009501,
+            &[
+                0.128395, 0.388048, 0.656759, 0.942340, 1.256231, 1.618046, 2.069017, 2.732590,
+            ],
+            &[
+                0.0, 0.258222, 0.522404, 0.799550, 1.099286, 1.437139, 1.843532, 2.400803,
+            ],
+        ),
+    ];
+
+    #[test]
+    fn pins_reference_values() {
+        for (bits, mse, pos_c, pos_t) in REF {
+            let cb = gaussian(bits);
+            assert!(
+                (cb.mse - mse).abs() < 1e-5,
+                "b={bits} mse {} vs {mse}",
+                cb.mse
+            );
+            let n = cb.centroids.len();
+            for (i, &c) in pos_c.iter().enumerate() {
+                assert!((cb.centroids[n / 2 + i] - c).abs() < 1e-5, "b={bits} c{i}");
+                assert!(
+                    (cb.centroids[n / 2 - 1 - i] + c).abs() < 1e-5,
+                    "b={bits} symmetric c{i}"
+                );
+            }
+            for (i, &t) in pos_t.iter().enumerate() {
+                assert!(
+                    (cb.thresholds[n / 2 - 1 + i] - t).abs() < 1e-5,
+                    "b={bits} t{i}"
+                );
+            }
+        }
+        assert!((gaussian(1).mse - (1.0 - 2.0 / std::f64::consts::PI)).abs() < 1e-9);
+    }
+
+    #[test]
+    fn quantize_picks_nearest_centroid() {
+        let cb = ScaledCodebook::new(3, 64);
+        for i in -400..400 {
+            let y = i as f32 / 1000.0;
+            let q = cb.quantize(y) as usize;
+            let best = (0..8)
+                .min_by(|&a, &b| {
+                    (cb.centroids[a] - y)
+                        .abs()
+                        .total_cmp(&(cb.centroids[b] - y).abs())
+                })
+                .unwrap();
+            assert!((cb.centroids[q] - y).abs() <= (cb.centroids[best] - y).abs() + 1e-7);
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! The central abstraction: a *format* encodes one stream (keys or values) of one KV head,
+//! a page of `T` tokens at a time, and runs the attention verbs directly on its bytes.
+//!
+//! Adding a format = one module here + one line in [`REGISTRY`]. Every format provides the
+//! readable reference verbs (`encode_page`, `decode_page`); the fused verbs (`scores`,
+//! `accumulate`, `finish`) default to decode-then-compute and are overridden where a fast
+//! path exists. `tests/conformance.rs` runs every registered format through the same checks.
+
+pub mod fp16;
+pub mod q4_0;
+pub mod q8_0;
+pub mod rows;
+pub mod turboquant_mse;
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::error::{Result, VqError};
+
+/// Which stream a format instance serves (rotation seeds differ per stream).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stream {
+    Keys,
+    Values,
+}
+
+/// Static facts about a format family.
+#[derive(Debug)]
+pub struct FormatDesc {
+    /// One snake_case name everywhere: module, CLI value, kernel key, tests.
+    pub name: &'static str,
+    pub for_keys: bool,
+    pub for_values: bool,
+    /// Bit widths accepted in the spec (empty: the format has no bits parameter).
+    pub bits: &'static [u32],
+    pub default_bits: u32,
+    /// Whether the `rot` option (Hadamard / dense rotation before quantizing) applies.
+    pub rotatable: bool,
+    /// Whether the norm mode (`plain` / `eden`) applies.
+    pub has_norm_mode: bool,
+    pub build: fn(&FormatSpec, &FormatCtx) -> Result<Arc<dyn Format>>,
+}
+
+/// Every format, in display order.
+pub static REGISTRY: &[&FormatDesc] =
+    &[&fp16::DESC, &q8_0::DESC, &q4_0::DESC, &turboquant_mse::DESC];
+
+pub fn lookup(name: &str) -> Result<&'static FormatDesc> {
+    REGISTRY
+        .iter()
+        .copied()
+        .find(|d| d.name == name)
+        .ok_or_else(|| VqError::UnknownFormat(name.into()))
+}
+
+/// How a norm is stored: the plain ‖x‖, or EDEN-corrected ‖x‖/⟨y,ŷ⟩ which makes the inner
+/// product estimate unbiased (shared/REFERENCE.md §2) at no extra storage.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum NormMode {
+    #[default]
+    Plain,
+    Eden,
+}
+
+/// A user's choice of format: `name[:bits][:rot][:eden]`, e.g. `turboquant_mse:4:eden`,
+/// `q4_0:rot`, `fp16`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FormatSpec {
+    pub name: &'static str,
+    pub bits: u32,
+    pub rotate: bool,
+    pub norm: NormMode,
+}
+
+impl FormatSpec {
+    pub fn desc(&self) -> &'static FormatDesc {
+        lookup(self.name).expect("a spec is only built from a registered name")
+    }
+
+    pub fn parse(s: &str) -> Result<Self> {
+        let mut parts = s.trim().split(':');
+        let desc = lookup(parts.next().unwrap_or(""))?;
+        let mut spec = Self {
+            name: desc.name,
+            bits: desc.default_bits,
+            rotate: false,
+            norm: NormMode::Plain,
+        };
+        let bad = |why: String| VqError::InvalidSpec {
+            spec: s.into(),
+            why,
+        };
+        for p in parts {
+            match p {
+                "rot" if desc.rotatable => spec.rotate = true,
+                "eden" if desc.has_norm_mode => spec.norm = NormMode::Eden,
+                "plain" if desc.has_norm_mode => spec.norm = NormMode::Plain,
+                _ => match p.parse::<u32>() {
+                    Ok(b) if !desc.bits.is_empty() => spec.bits = b,
+                    _ => return Err(bad(format!("option {p:?} does not apply to {}", desc.name))),
+                },
+            }
+        }
+        if !desc.bits.is_empty() && !desc.bits.contains(&spec.bits) {
+            return Err(VqError::UnsupportedBits {
+                format: desc.name.into(),
+                bits: spec.bits,
+                supported: bits_list(desc.bits),
+            });
+        }
+        Ok(spec)
+    }
+
+    pub fn build(&self, ctx: &FormatCtx) -> Result<Arc<dyn Format>> {
+        if ctx.head_dim == 0 {
+            return Err(VqError::UnsupportedHeadDim {
+                format: self.name.into(),
+                d: 0,
+                why: "d must be > 0",
+            });
+        }
+        if ctx.page_tokens == 0 {
+            return Err(VqError::InvalidConfig("page size T must be > 0".into()));
+        }
+        let desc = self.desc();
+        let ok_stream = match ctx.stream {
+            Stream::Keys => desc.for_keys,
+            Stream::Values => desc.for_values,
+        };
+        if !ok_stream {
+            return Err(VqError::InvalidSpec {
+                spec: self.to_string(),
+                why: format!("not usable for {:?}", ctx.stream),
+            });
+        }
+        (desc.build)(self, ctx)
+    }
+}
+
+fn bits_list(bits: &[u32]) -> &'static str {
+    match bits {
+        [1, 2, 3, 4] => "1, 2, 3, 4",
+        [4] => "4",
+        [8] => "8",
+        [16] => "16",
+        _ => "see the format's docs",
+    }
+}
+
+impl fmt::Display for FormatSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name)?;
+        let desc = self.desc();
+        if desc.bits.len() > 1 {
+            write!(f, ":{}", self.bits)?;
+        }
+        if self.rotate {
+            f.write_str(":rot")?;
+        }
+        if self.norm == NormMode::Eden {
+            f.write_str(":eden")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::str::FromStr for FormatSpec {
+    type Err = VqError;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::parse(s)
+    }
+}
+
+/// Where a format instance lives: head size, page size, stream and its rotation seed.
+#[derive(Clone, Copy, Debug)]
+pub struct FormatCtx {
+    pub head_dim: usize,
+    pub page_tokens: usize,
+    pub stream: Stream,
+    pub seed: u64,
+}
+
+/// A query prepared once per decode step and reused for every page (rotated, scaled, or
+/// turned into lookup tables).
+#[derive(Clone, Debug, Default)]
+pub struct QueryState {
+    pub n_q: usize,
+    /// n_q × d, in the format's domain (e.g. rotated).
+    pub q: Vec<f32>,
+}
+
+/// One format instance for one (layer, KV head, stream).
+pub trait Format: Send + Sync + fmt::Debug {
+    fn spec(&self) -> &FormatSpec;
+    fn head_dim(&self) -> usize;
+    fn page_tokens(&self) -> usize;
+    /// Fixed size of an encoded page: codes plus all per-token / per-group side information.
+    fn page_bytes(&self) -> usize;
+    /// Bytes of state shared by all pages of this instance (trained codebooks), 0 if none.
+    fn state_bytes(&self) -> usize {
+        0
+    }
+
+    /// Encode T×d finite f32 values into one page (`page.len() == page_bytes()`).
+    fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()>;
+    /// Reference decode of one page to T×d f32.
+    fn decode_page(&self, page: &[u8], out: &mut [f32]);
+
+    /// Prepare n_q queries (n_q × d) for scoring; default: used as they are.
+    fn prepare_query(&self, q: &[f32], n_q: usize) -> QueryState {
+        QueryState { n_q, q: q.to_vec() }
+    }
+
+    /// out[h·T + t] = q_h · k_t for every prepared query h and key t of the page.
+    fn scores(&self, qs: &QueryState, page: &[u8], out: &mut [f32]) {
+        let (d, t) = (self.head_dim(), self.page_tokens());
+        let mut k = vec![0f32; t * d];
+        self.decode_page(page, &mut k);
+        for h in 0..qs.n_q {
+            let q = &qs.q[h * d..(h + 1) * d];
+            for (i, row) in k.chunks_exact(d).enumerate() {
+                out[h * t + i] = q.iter().zip(row).map(|(a, b)| a * b).sum();
+            }
+        }
+    }
+
+    /// acc[h·d ..] += Σ_t w[h·T + t] · v_t, in the format's domain.
+    fn accumulate(&self, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
+        let (d, t) = (self.head_dim(), self.page_tokens());
+        let mut v = vec![0f32; t * d];
+        self.decode_page(page, &mut v);
+        for h in 0..n_q {
+            let a = &mut acc[h * d..(h + 1) * d];
+            for (i, row) in v.chunks_exact(d).enumerate() {
+                let wt = w[h * t + i];
+                a.iter_mut().zip(row).for_each(|(x, y)| *x += wt * y);
+            }
+        }
+    }
+
+    /// Bring n_q accumulators back from the format's domain (e.g. one inverse rotation).
+    fn finish(&self, _acc: &mut [f32], _n_q: usize) {}
+
+    /// Bits per value with all side information counted (per-page bytes; shared state is
+    /// amortized by the cache, which knows the context).
+    fn bits_per_value(&self) -> f64 {
+        (self.page_bytes() * 8) as f64 / (self.page_tokens() * self.head_dim()) as f64
+    }
+}
+
+/// Reject NaN/Inf before anything is encoded (policy: reject, never encode garbage).
+pub fn check_finite(what: &'static str, x: &[f32], d: usize) -> Result<()> {
+    match x.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(VqError::NonFinite {
+            what,
+            token: i / d.max(1),
+            channel: i % d.max(1),
+        }),
+    }
+}
+
+pub(crate) fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(VqError::ShapeMismatch { op, expected, got })
+    }
+}

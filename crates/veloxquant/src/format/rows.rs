@@ -1,0 +1,291 @@
+//! Row-coded page layouts shared by fp16, q8_0, q4_0 and turboquant_mse: every token is one
+//! fixed-size row of codes, optionally followed (after all T rows) by one f16 scale per
+//! token. The fused CPU kernels in `cpu/` read exactly these bytes; the GPU kernels will too.
+//!
+//! | kind     | row bytes                  | per-token tail  |
+//! |----------|----------------------------|-----------------|
+//! | F16      | 2·d (f16 LE)               | –               |
+//! | Q8_0     | d/32 blocks × 34 (f16 scale, 32 × i8)      | – |
+//! | Q4_0     | d/32 blocks × 18 (f16 scale, 16 B nibbles) | – |
+//! | Codes(b) | ⌈d·b/32⌉·4 (pack.rs stream) | f16 norm       |
+
+use half::f16;
+
+use crate::cpu;
+use crate::pack;
+
+#[derive(Clone, Debug)]
+pub enum RowKind {
+    F16,
+    Q8_0,
+    Q4_0,
+    /// Packed b-bit indices into a 16-entry centroid table (b ≤ 4).
+    Codes {
+        bits: u32,
+        table: [f32; 16],
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct RowLayout {
+    pub kind: RowKind,
+    pub d: usize,
+    pub t: usize,
+    pub row_bytes: usize,
+    /// Offset of the T f16 per-token scales, if the kind has them.
+    pub scales_at: Option<usize>,
+}
+
+pub const Q8_BLOCK_BYTES: usize = 34;
+pub const Q4_BLOCK_BYTES: usize = 18;
+pub const QBLOCK: usize = 32;
+
+impl RowLayout {
+    pub fn new(kind: RowKind, d: usize, t: usize) -> Self {
+        let row_bytes = match &kind {
+            RowKind::F16 => 2 * d,
+            RowKind::Q8_0 => d / QBLOCK * Q8_BLOCK_BYTES,
+            RowKind::Q4_0 => d / QBLOCK * Q4_BLOCK_BYTES,
+            RowKind::Codes { bits, .. } => pack::packed_bytes(d, *bits),
+        };
+        let scales_at = matches!(kind, RowKind::Codes { .. }).then_some(row_bytes * t);
+        Self {
+            kind,
+            d,
+            t,
+            row_bytes,
+            scales_at,
+        }
+    }
+
+    pub fn page_bytes(&self) -> usize {
+        let rows = self.row_bytes * self.t;
+        match self.scales_at {
+            Some(_) => (rows + 2 * self.t).div_ceil(4) * 4,
+            None => rows,
+        }
+    }
+
+    /// Per-token scale (the stored norm), 1 for kinds without one.
+    #[inline]
+    pub fn row_scale(&self, page: &[u8], t: usize) -> f32 {
+        match self.scales_at {
+            Some(o) => f16::from_le_bytes([page[o + 2 * t], page[o + 2 * t + 1]]).to_f32(),
+            None => 1.0,
+        }
+    }
+
+    pub fn set_row_scale(&self, page: &mut [u8], t: usize, s: f32) {
+        if let Some(o) = self.scales_at {
+            page[o + 2 * t..o + 2 * t + 2].copy_from_slice(&f16::from_f32(s).to_le_bytes());
+        }
+    }
+
+    pub fn row<'a>(&self, page: &'a [u8], t: usize) -> &'a [u8] {
+        &page[t * self.row_bytes..(t + 1) * self.row_bytes]
+    }
+
+    /// Reference decode of row t, without the per-token scale.
+    pub fn decode_row(&self, page: &[u8], t: usize, out: &mut [f32]) {
+        let row = self.row(page, t);
+        match &self.kind {
+            RowKind::F16 => {
+                for (o, b) in out.iter_mut().zip(row.chunks_exact(2)) {
+                    *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+            RowKind::Q8_0 => {
+                for (blk, o) in row
+                    .chunks_exact(Q8_BLOCK_BYTES)
+                    .zip(out.chunks_exact_mut(QBLOCK))
+                {
+                    let s = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                    for (v, &q) in o.iter_mut().zip(&blk[2..]) {
+                        *v = s * (q as i8) as f32;
+                    }
+                }
+            }
+            RowKind::Q4_0 => {
+                // llama.cpp layout: byte j holds element j (low nibble) and j+16 (high).
+                for (blk, o) in row
+                    .chunks_exact(Q4_BLOCK_BYTES)
+                    .zip(out.chunks_exact_mut(QBLOCK))
+                {
+                    let s = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                    for j in 0..16 {
+                        o[j] = s * ((blk[2 + j] & 0xF) as i32 - 8) as f32;
+                        o[j + 16] = s * ((blk[2 + j] >> 4) as i32 - 8) as f32;
+                    }
+                }
+            }
+            RowKind::Codes { bits, table } => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = table[pack::get(row, i, *bits) as usize];
+                }
+            }
+        }
+    }
+
+    /// Reference decode of a whole page, scales applied: T×d.
+    pub fn decode_page(&self, page: &[u8], out: &mut [f32]) {
+        for (t, o) in out.chunks_exact_mut(self.d).enumerate().take(self.t) {
+            self.decode_row(page, t, o);
+            let s = self.row_scale(page, t);
+            if s != 1.0 {
+                o.iter_mut().for_each(|v| *v *= s);
+            }
+        }
+    }
+
+    /// out[h·T + t] = q_h · row_t (fast path where the CPU has one).
+    pub fn scores(&self, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
+        cpu::scores(self, q, n_q, page, out)
+    }
+
+    /// acc[h·d ..] += Σ_t w[h·T + t] · row_t.
+    pub fn accumulate(&self, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
+        cpu::accumulate(self, w, n_q, page, acc)
+    }
+}
+
+use std::sync::Arc;
+
+use super::{check_finite, check_len, Format, FormatCtx, FormatSpec, QueryState};
+use crate::codebook::ScaledCodebook;
+use crate::error::{Result, VqError};
+use crate::rotate::Rotation;
+
+/// Encodes one (already rotated) row into its code bytes; returns the per-token scale to
+/// store (ignored by kinds without one).
+pub type RowEncoder = fn(&RowFormat, &[f32], &mut [u8]) -> f32;
+
+/// A format whose pages are [`RowLayout`]s, optionally rotated first. fp16, q8_0, q4_0 and
+/// turboquant_mse are all this, differing only in their row encoder.
+#[derive(Debug)]
+pub struct RowFormat {
+    pub spec: FormatSpec,
+    pub layout: RowLayout,
+    pub rot: Option<Rotation>,
+    /// Thresholds and centroids for `Codes` kinds.
+    pub codebook: Option<ScaledCodebook>,
+    pub encode_row: RowEncoder,
+}
+
+impl RowFormat {
+    pub fn build(
+        spec: &FormatSpec,
+        ctx: &FormatCtx,
+        kind: RowKind,
+        encode_row: RowEncoder,
+    ) -> Result<Arc<dyn Format>> {
+        let rot = if spec.rotate {
+            Some(Rotation::new(ctx.head_dim, ctx.seed)?)
+        } else {
+            None
+        };
+        let codebook = match &kind {
+            RowKind::Codes { bits, .. } => Some(ScaledCodebook::new(*bits, ctx.head_dim)),
+            _ => None,
+        };
+        let layout = RowLayout::new(kind, ctx.head_dim, ctx.page_tokens);
+        Ok(Arc::new(Self {
+            spec: spec.clone(),
+            layout,
+            rot,
+            codebook,
+            encode_row,
+        }))
+    }
+
+    /// Formats built on llama.cpp-style blocks of 32 need d to be a multiple of 32.
+    pub fn require_blocks(spec: &FormatSpec, d: usize) -> Result<()> {
+        if d % QBLOCK != 0 {
+            return Err(VqError::UnsupportedHeadDim {
+                format: spec.to_string(),
+                d,
+                why: "needs a multiple of 32",
+            });
+        }
+        Ok(())
+    }
+
+    fn rotate_rows(&self, x: &mut [f32]) {
+        if let Some(r) = &self.rot {
+            x.chunks_exact_mut(self.layout.d)
+                .for_each(|row| r.apply(row));
+        }
+    }
+
+    fn unrotate_rows(&self, x: &mut [f32]) {
+        if let Some(r) = &self.rot {
+            x.chunks_exact_mut(self.layout.d)
+                .for_each(|row| r.apply_inverse(row));
+        }
+    }
+}
+
+impl Format for RowFormat {
+    fn spec(&self) -> &FormatSpec {
+        &self.spec
+    }
+    fn head_dim(&self) -> usize {
+        self.layout.d
+    }
+    fn page_tokens(&self) -> usize {
+        self.layout.t
+    }
+    fn page_bytes(&self) -> usize {
+        self.layout.page_bytes()
+    }
+    fn state_bytes(&self) -> usize {
+        let rot = match &self.rot {
+            Some(Rotation::Hadamard { signs, .. }) => signs.len() * 4,
+            Some(Rotation::Dense { m, .. }) => m.len() * 4,
+            None => 0,
+        };
+        rot + self
+            .codebook
+            .as_ref()
+            .map_or(0, |c| (c.centroids.len() + c.thresholds.len()) * 4)
+    }
+
+    fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {
+        let (d, t) = (self.layout.d, self.layout.t);
+        check_len("encode_page input", d * t, x.len())?;
+        check_len("encode_page output", self.page_bytes(), page.len())?;
+        check_finite("encode_page input", x, d)?;
+        page.fill(0);
+        let mut row = vec![0f32; d];
+        for i in 0..t {
+            row.copy_from_slice(&x[i * d..(i + 1) * d]);
+            self.rotate_rows(&mut row);
+            let rb = self.layout.row_bytes;
+            let s = (self.encode_row)(self, &row, &mut page[i * rb..(i + 1) * rb]);
+            self.layout.set_row_scale(page, i, s);
+        }
+        Ok(())
+    }
+
+    fn decode_page(&self, page: &[u8], out: &mut [f32]) {
+        self.layout.decode_page(page, out);
+        self.unrotate_rows(out);
+    }
+
+    fn prepare_query(&self, q: &[f32], n_q: usize) -> QueryState {
+        let mut q = q[..n_q * self.layout.d].to_vec();
+        self.rotate_rows(&mut q);
+        QueryState { n_q, q }
+    }
+
+    fn scores(&self, qs: &QueryState, page: &[u8], out: &mut [f32]) {
+        self.layout.scores(&qs.q, qs.n_q, page, out)
+    }
+
+    fn accumulate(&self, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
+        self.layout.accumulate(w, n_q, page, acc)
+    }
+
+    fn finish(&self, acc: &mut [f32], n_q: usize) {
+        self.unrotate_rows(&mut acc[..n_q * self.layout.d]);
+    }
+}
