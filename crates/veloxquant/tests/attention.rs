@@ -1,0 +1,136 @@
+//! Fused decode attention against the reference path over the whole test matrix: every
+//! format and bit width, d ∈ {64, 128, 96}, GQA 1/3/4, lengths off the page grid, R ∈ {0, 32}.
+
+mod common;
+
+use common::{all_specs, rel_err};
+use veloxquant::attn::{decode_attention, decode_attention_ref};
+use veloxquant::rng::SplitMix64;
+use veloxquant::{CacheConfig, FormatSpec, PagedCache, VqError};
+
+fn filled(
+    k: &FormatSpec,
+    v: &FormatSpec,
+    d: usize,
+    n_kv: usize,
+    recent: usize,
+    n: usize,
+    seed: u64,
+) -> PagedCache {
+    let mut cfg = CacheConfig::new(1, n_kv, d, k.clone(), v.clone());
+    cfg.recent = recent;
+    let mut cache = PagedCache::new(cfg).unwrap();
+    let mut rng = SplitMix64::new(seed);
+    // Keys with a few large channels, like real models; values Gaussian.
+    let keys: Vec<f32> = (0..n_kv * n * d)
+        .map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 })
+        .collect();
+    let vals = rng.gaussian_vec(n_kv * n * d);
+    // Two appends: a prefill chunk, then single tokens.
+    let first = n * 2 / 3;
+    let per = |x: &[f32], lo: usize, hi: usize| -> Vec<f32> {
+        (0..n_kv)
+            .flat_map(|h| x[(h * n + lo) * d..(h * n + hi) * d].to_vec())
+            .collect()
+    };
+    cache
+        .append(0, &per(&keys, 0, first), &per(&vals, 0, first), first)
+        .unwrap();
+    for t in first..n {
+        cache
+            .append(0, &per(&keys, t, t + 1), &per(&vals, t, t + 1), 1)
+            .unwrap();
+    }
+    cache
+}
+
+#[test]
+fn fused_matches_reference_everywhere() {
+    let specs = all_specs();
+    let mut worst = 0f64;
+    for (i, k) in specs.iter().enumerate() {
+        // Pair each key format with a value format from elsewhere in the list too.
+        let v = &specs[(i * 7 + 3) % specs.len()];
+        for (kf, vf) in [(k, k), (k, v)] {
+            for d in [64, 128, 96] {
+                for gqa in [1, 3, 4] {
+                    for n in [1, 17, 97, 200] {
+                        for recent in [0, 32] {
+                            let n_kv = 2;
+                            let cache = filled(kf, vf, d, n_kv, recent, n, (d * n + gqa) as u64);
+                            let q = SplitMix64::new(n as u64).gaussian_vec(n_kv * gqa * d);
+                            let got = decode_attention(&cache, 0, &q, n_kv * gqa).unwrap();
+                            let want = decode_attention_ref(&cache, 0, &q, n_kv * gqa).unwrap();
+                            let e = rel_err(&got, &want);
+                            worst = worst.max(e);
+                            assert!(
+                                e <= 1e-4,
+                                "K {kf} V {vf} d={d} gqa={gqa} n={n} R={recent}: rel err {e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    println!("worst fused-vs-reference relative error: {worst:.2e}");
+}
+
+#[test]
+fn attention_error_shrinks_with_bits() {
+    // The whole chain, end to end: more bits per value, closer to the fp16 cache's output.
+    let fp = FormatSpec::parse("fp16").unwrap();
+    let (d, n) = (128, 500);
+    let exact = filled(&fp, &fp, d, 1, 0, n, 9);
+    let q = SplitMix64::new(2).gaussian_vec(4 * d);
+    let a = decode_attention(&exact, 0, &q, 4).unwrap();
+    let errs: Vec<f64> = (1..=4)
+        .map(|b| {
+            let tq = FormatSpec::parse(&format!("turboquant_mse:{b}:eden")).unwrap();
+            let comp = filled(&tq, &tq, d, 1, 0, n, 9);
+            rel_err(&decode_attention(&comp, 0, &q, 4).unwrap(), &a)
+        })
+        .collect();
+    assert!(
+        errs.windows(2).all(|w| w[1] < w[0]),
+        "errors by bits 1..4: {errs:?}"
+    );
+    assert!(
+        errs[3] > 1e-4,
+        "compression must change something: {errs:?}"
+    );
+}
+
+#[test]
+fn attention_bad_input_is_a_typed_error() {
+    let fp = FormatSpec::parse("fp16").unwrap();
+    let empty = PagedCache::new(CacheConfig::new(2, 2, 64, fp.clone(), fp.clone())).unwrap();
+    let q = vec![0.1f32; 4 * 64];
+    assert_eq!(
+        decode_attention(&empty, 1, &q, 4),
+        Err(VqError::EmptyCache { layer: 1 })
+    );
+    assert!(matches!(
+        decode_attention(&empty, 2, &q, 4),
+        Err(VqError::OutOfRange { .. })
+    ));
+    let cache = filled(&fp, &fp, 64, 2, 0, 40, 1);
+    assert!(matches!(
+        decode_attention(&cache, 0, &q[1..], 4),
+        Err(VqError::ShapeMismatch { .. })
+    ));
+    assert!(matches!(
+        decode_attention(&cache, 0, &q[..3 * 64], 3),
+        Err(VqError::InvalidConfig(_))
+    ));
+    let mut bad = q.clone();
+    bad[5] = f32::NAN;
+    assert!(matches!(
+        decode_attention(&cache, 0, &bad, 4),
+        Err(VqError::NonFinite { .. })
+    ));
+    assert!(matches!(
+        decode_attention_ref(&cache, 0, &bad, 4),
+        Err(VqError::NonFinite { .. })
+    ));
+}
