@@ -21,7 +21,7 @@ pub(crate) fn check_query(
 ) -> Result<usize> {
     let cfg = cache.config();
     let lc = cache.layer(layer)?;
-    if n_heads == 0 || n_heads % cfg.n_kv_heads != 0 {
+    if n_heads == 0 || !n_heads.is_multiple_of(cfg.n_kv_heads) {
         return Err(VqError::InvalidConfig(format!(
             "n_heads {n_heads} must be a positive multiple of n_kv_heads {}",
             cfg.n_kv_heads

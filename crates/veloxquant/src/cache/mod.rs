@@ -16,6 +16,9 @@ use crate::error::{Result, VqError};
 use crate::format::{check_finite, FormatCtx, FormatSpec, Stream};
 use crate::rng::derive_seed;
 
+/// One encoded page, shared by reference count.
+pub type Page = Arc<[u8]>;
+
 /// Default page size: KIVI-style per-channel groups and GPU tiles both want 32.
 pub const DEFAULT_PAGE_TOKENS: usize = 32;
 
@@ -203,7 +206,7 @@ impl PagedCache {
     }
 
     /// The shared page buffers (for tests of sharing and of resident accounting).
-    pub fn pages(&self, layer: usize, head: usize) -> (&[Arc<[u8]>], &[Arc<[u8]>]) {
+    pub fn pages(&self, layer: usize, head: usize) -> (&[Page], &[Page]) {
         let l = &self.layers[layer];
         (l.keys[head].pages(), l.values[head].pages())
     }

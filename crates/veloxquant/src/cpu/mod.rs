@@ -5,6 +5,8 @@
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_512;
 
 use std::sync::OnceLock;
 
@@ -15,6 +17,7 @@ use crate::format::rows::RowLayout;
 pub enum SimdLevel {
     Scalar,
     Avx2,
+    Avx512,
 }
 
 /// Detected once per process.
@@ -32,27 +35,78 @@ pub fn simd_level() -> SimdLevel {
     })
 }
 
+/// Levels this machine can run, best first (tests run every one against the scalar path).
+pub fn available_levels() -> Vec<SimdLevel> {
+    let best = simd_level();
+    [SimdLevel::Avx512, SimdLevel::Avx2, SimdLevel::Scalar]
+        .into_iter()
+        .filter(|l| match best {
+            SimdLevel::Avx512 => true,
+            SimdLevel::Avx2 => *l != SimdLevel::Avx512,
+            SimdLevel::Scalar => *l == SimdLevel::Scalar,
+        })
+        .collect()
+}
+
 /// out[h·T + t] = q_h · (scale_t · row_t) for n_q queries of d floats.
 pub fn scores(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
-    assert!(page.len() >= l.page_bytes() && q.len() >= n_q * l.d && out.len() >= n_q * l.t);
-    #[cfg(target_arch = "x86_64")]
-    if simd_level() == SimdLevel::Avx2 && l.d % 8 == 0 {
-        // SAFETY: AVX2/FMA/F16C were detected at run time; the assert above gives the
-        // buffer sizes the kernel's unchecked loads rely on.
-        unsafe { x86::scores(l, q, n_q, page, out) };
-        return;
-    }
-    scalar::scores(l, q, n_q, page, out)
+    scores_at(simd_level(), l, q, n_q, page, out)
 }
 
 /// acc[h·d ..] += Σ_t w[h·T + t] · scale_t · row_t.
 pub fn accumulate(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
+    accumulate_at(simd_level(), l, w, n_q, page, acc)
+}
+
+/// [`scores`] on a chosen level; a level the CPU lacks falls back to scalar.
+pub fn scores_at(
+    level: SimdLevel,
+    l: &RowLayout,
+    q: &[f32],
+    n_q: usize,
+    page: &[u8],
+    out: &mut [f32],
+) {
+    assert!(page.len() >= l.page_bytes() && q.len() >= n_q * l.d && out.len() >= n_q * l.t);
+    #[cfg(target_arch = "x86_64")]
+    if available_levels().contains(&level) {
+        match level {
+            // SAFETY: the level's features were detected at run time; the assert above gives
+            // the buffer sizes the kernels' unchecked loads rely on.
+            SimdLevel::Avx512 if l.d.is_multiple_of(16) => {
+                return unsafe { x86_512::scores(l, q, n_q, page, out) }
+            }
+            SimdLevel::Avx512 | SimdLevel::Avx2 if l.d.is_multiple_of(8) => {
+                return unsafe { x86::scores(l, q, n_q, page, out) }
+            }
+            _ => {}
+        }
+    }
+    scalar::scores(l, q, n_q, page, out)
+}
+
+/// [`accumulate`] on a chosen level; a level the CPU lacks falls back to scalar.
+pub fn accumulate_at(
+    level: SimdLevel,
+    l: &RowLayout,
+    w: &[f32],
+    n_q: usize,
+    page: &[u8],
+    acc: &mut [f32],
+) {
     assert!(page.len() >= l.page_bytes() && w.len() >= n_q * l.t && acc.len() >= n_q * l.d);
     #[cfg(target_arch = "x86_64")]
-    if simd_level() == SimdLevel::Avx2 && l.d % 8 == 0 {
-        // SAFETY: as in `scores`.
-        unsafe { x86::accumulate(l, w, n_q, page, acc) };
-        return;
+    if available_levels().contains(&level) {
+        match level {
+            // SAFETY: as in `scores_at`.
+            SimdLevel::Avx512 if l.d.is_multiple_of(16) => {
+                return unsafe { x86_512::accumulate(l, w, n_q, page, acc) }
+            }
+            SimdLevel::Avx512 | SimdLevel::Avx2 if l.d.is_multiple_of(8) => {
+                return unsafe { x86::accumulate(l, w, n_q, page, acc) }
+            }
+            _ => {}
+        }
     }
     scalar::accumulate(l, w, n_q, page, acc)
 }

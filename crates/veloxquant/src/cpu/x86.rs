@@ -131,6 +131,8 @@ unsafe fn scores_k<const K: u8, const B: u32>(
     }
 }
 
+/// Chunk-outer: each 8-wide slice of the G accumulators stays in registers across all T
+/// tokens of the page; weights (× the token's scale) are broadcast from memory.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn accumulate_k<const K: u8, const B: u32>(
     l: &RowLayout,
@@ -141,22 +143,29 @@ unsafe fn accumulate_k<const K: u8, const B: u32>(
 ) {
     let tb = tabs(l);
     let nk = l.d / 8;
+    let mut ws = vec![0f32; MAX_G * l.t];
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
-        let ap = acc.as_mut_ptr().add(h0 * l.d);
         for t in 0..l.t {
-            let row = page.as_ptr().add(t * l.row_bytes);
             let s = l.row_scale(page, t);
-            let mut wv = [_mm256_setzero_ps(); MAX_G];
-            for (h, x) in wv.iter_mut().enumerate().take(g) {
-                *x = _mm256_set1_ps(w[(h0 + h) * l.t + t] * s);
+            for h in 0..g {
+                ws[h * l.t + t] = w[(h0 + h) * l.t + t] * s;
             }
-            for k in 0..nk {
-                let v = load8::<K, B>(row, k, &tb);
-                for (h, x) in wv.iter().enumerate().take(g) {
-                    let p = ap.add(h * l.d + 8 * k);
-                    _mm256_storeu_ps(p, _mm256_fmadd_ps(*x, v, _mm256_loadu_ps(p)));
+        }
+        let ap = acc.as_mut_ptr().add(h0 * l.d);
+        for k in 0..nk {
+            let mut a = [_mm256_setzero_ps(); MAX_G];
+            for (h, x) in a.iter_mut().enumerate().take(g) {
+                *x = _mm256_loadu_ps(ap.add(h * l.d + 8 * k));
+            }
+            for t in 0..l.t {
+                let v = load8::<K, B>(page.as_ptr().add(t * l.row_bytes), k, &tb);
+                for (h, x) in a.iter_mut().enumerate().take(g) {
+                    *x = _mm256_fmadd_ps(_mm256_broadcast_ss(ws.get_unchecked(h * l.t + t)), v, *x);
                 }
+            }
+            for (h, x) in a.iter().enumerate().take(g) {
+                _mm256_storeu_ps(ap.add(h * l.d + 8 * k), *x);
             }
         }
     }

@@ -199,7 +199,7 @@ impl RowFormat {
 
     /// Formats built on llama.cpp-style blocks of 32 need d to be a multiple of 32.
     pub fn require_blocks(spec: &FormatSpec, d: usize) -> Result<()> {
-        if d % QBLOCK != 0 {
+        if !d.is_multiple_of(QBLOCK) {
             return Err(VqError::UnsupportedHeadDim {
                 format: spec.to_string(),
                 d,

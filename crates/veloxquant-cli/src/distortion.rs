@@ -1,0 +1,172 @@
+//! `veloxquant distortion`: each format on random unit vectors — MSE, inner-product error
+//! d·E[(⟨q,x⟩ − ⟨q,x̃⟩)²], inner-product slope (bias), bits/value, theory where known.
+
+use std::path::PathBuf;
+
+use rayon::prelude::*;
+use serde_json::json;
+use veloxquant::format::{FormatCtx, FormatSpec, NormMode, Stream};
+use veloxquant::rng::SplitMix64;
+
+use crate::plot::{scatter_svg, Series};
+use crate::util::{parse_specs, print_table, progress, write_json, AnyResult};
+
+#[derive(Debug)]
+struct Row {
+    spec: FormatSpec,
+    bits_per_value: f64,
+    mse: f64,
+    ip_err: f64,
+    ip_slope: f64,
+    theory_mse: Option<f64>,
+}
+
+/// D_mse of TurboQuant with the Gaussian Lloyd-Max codebook, d → ∞ (REFERENCE.md §2).
+fn theory(spec: &FormatSpec) -> Option<f64> {
+    (spec.name == "turboquant_mse" && spec.norm == NormMode::Plain)
+        .then(|| [0.363380, 0.117482, 0.034548, 0.009501][spec.bits as usize - 1])
+}
+
+fn measure(spec: &FormatSpec, d: usize, n: usize) -> AnyResult<Row> {
+    const T: usize = 32;
+    let f = spec.build(&FormatCtx {
+        head_dim: d,
+        page_tokens: T,
+        stream: Stream::Keys,
+        seed: 1234,
+    })?;
+    // Same vectors for every format: paired comparison.
+    let mut rng = SplitMix64::new(2026);
+    let (mut se, mut ip_se, mut sxy, mut sxx) = (0f64, 0f64, 0f64, 0f64);
+    let mut page = vec![0u8; f.page_bytes()];
+    let mut back = vec![0f32; T * d];
+    let pages = n.div_ceil(T);
+    for _ in 0..pages {
+        let x: Vec<f32> = (0..T).flat_map(|_| rng.unit_vec(d)).collect();
+        f.encode_page(&x, &mut page)?;
+        f.decode_page(&page, &mut back);
+        for t in 0..T {
+            let q = rng.unit_vec(d);
+            let (xs, ys) = (&x[t * d..(t + 1) * d], &back[t * d..(t + 1) * d]);
+            let dot = |a: &[f32]| {
+                a.iter()
+                    .zip(&q)
+                    .map(|(u, v)| *u as f64 * *v as f64)
+                    .sum::<f64>()
+            };
+            let (a, b) = (dot(xs), dot(ys));
+            se += xs
+                .iter()
+                .zip(ys)
+                .map(|(u, v)| (*u as f64 - *v as f64).powi(2))
+                .sum::<f64>();
+            ip_se += (a - b).powi(2);
+            sxy += a * b;
+            sxx += a * a;
+        }
+    }
+    let m = (pages * T) as f64;
+    Ok(Row {
+        spec: spec.clone(),
+        bits_per_value: f.bits_per_value(),
+        mse: se / m,
+        ip_err: d as f64 * ip_se / m,
+        ip_slope: sxy / sxx,
+        theory_mse: theory(spec),
+    })
+}
+
+pub fn run(
+    d: usize,
+    n: usize,
+    formats: Option<Vec<String>>,
+    json: Option<PathBuf>,
+    plot: Option<PathBuf>,
+) -> AnyResult {
+    let specs = parse_specs(&formats)?;
+    let pb = progress(specs.len() as u64, "formats");
+    let rows: Vec<Row> = specs
+        .par_iter()
+        .map(|s| {
+            let r = measure(s, d, n);
+            pb.inc(1);
+            r
+        })
+        .collect::<AnyResult<_>>()?;
+    pb.finish_and_clear();
+    let fmt_opt = |v: Option<f64>| v.map_or("–".to_string(), |x| format!("{x:.6}"));
+    println!("distortion on {n} random unit vectors, d = {d}");
+    print_table(
+        &[
+            "format",
+            "bits/value",
+            "MSE",
+            "theory MSE",
+            "d·E[ip err²]",
+            "ip slope",
+        ],
+        &rows
+            .iter()
+            .map(|r| {
+                vec![
+                    r.spec.to_string(),
+                    format!("{:.3}", r.bits_per_value),
+                    format!("{:.6}", r.mse),
+                    fmt_opt(r.theory_mse),
+                    format!("{:.5}", r.ip_err),
+                    format!("{:.4}", r.ip_slope),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    );
+    if let Some(path) = json {
+        let arr: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                json!({
+                    "format": r.spec.to_string(), "family": r.spec.name, "bits": r.spec.bits, "d": d, "n": n,
+                    "bits_per_value": r.bits_per_value, "mse": r.mse, "ip_err": r.ip_err,
+                    "ip_slope": r.ip_slope, "theory_mse": r.theory_mse,
+                })
+            })
+            .collect();
+        write_json(&path, &serde_json::Value::Array(arr))?;
+    }
+    if let Some(path) = plot {
+        let mut series: Vec<Series> = Vec::new();
+        for r in &rows {
+            let label = r.spec.name.to_string()
+                + if r.spec.norm == NormMode::Eden {
+                    ":eden"
+                } else {
+                    ""
+                }
+                + if r.spec.rotate && r.spec.name != "turboquant_mse" {
+                    ":rot"
+                } else {
+                    ""
+                };
+            match series.iter_mut().find(|s| s.label == label) {
+                Some(s) => s.points.push((r.bits_per_value, r.mse)),
+                None => series.push(Series {
+                    label,
+                    points: vec![(r.bits_per_value, r.mse)],
+                }),
+            }
+        }
+        let bound: Vec<(f64, f64)> = (0..=160)
+            .map(|i| 1.0 + i as f64 * 0.05)
+            .map(|b| (b, 4f64.powf(-b)))
+            .collect();
+        scatter_svg(
+            &path,
+            &format!("MSE vs bits/value (d = {d}, unit vectors)"),
+            "bits/value",
+            "MSE",
+            &series,
+            &[("lower bound 4^-b", bound)],
+            true,
+        )?;
+    }
+    Ok(())
+}

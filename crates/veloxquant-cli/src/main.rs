@@ -1,0 +1,77 @@
+//! `veloxquant`: measure what each KV-cache format costs and buys.
+
+mod bench;
+mod distortion;
+mod plot;
+mod util;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "veloxquant",
+    version,
+    about = "KV-cache compression: formats, fused attention on codes, measurements"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// MSE, inner-product error and bias of every format on random unit vectors.
+    Distortion {
+        /// Head size.
+        #[arg(long, default_value_t = 128)]
+        d: usize,
+        /// Random vectors per format.
+        #[arg(long, default_value_t = 20_000)]
+        n: usize,
+        /// Formats to measure (default: every registered format and bit width).
+        #[arg(long, value_delimiter = ',')]
+        formats: Option<Vec<String>>,
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// SVG plot of MSE vs bits/value with the 4^−b lower bound.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
+    /// Benchmarks.
+    Bench {
+        #[command(subcommand)]
+        which: BenchCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Encode throughput and decode attention on this CPU, each format vs the fp16 cache.
+    Cpu(bench::CpuArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let res = match cli.cmd {
+        Cmd::Distortion {
+            d,
+            n,
+            formats,
+            json,
+            plot,
+        } => distortion::run(d, n, formats, json, plot),
+        Cmd::Bench {
+            which: BenchCmd::Cpu(args),
+        } => bench::run_cpu(&args),
+    };
+    match res {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

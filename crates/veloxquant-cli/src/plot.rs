@@ -1,0 +1,105 @@
+//! SVG scatter plots (plotters): one point series per format family, optional curves.
+
+use std::path::Path;
+
+use plotters::prelude::*;
+
+use crate::util::AnyResult;
+
+pub struct Series {
+    pub label: String,
+    pub points: Vec<(f64, f64)>,
+}
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(23, 190, 207),
+];
+
+/// Scatter `series` (and `curves` as lines) into an SVG; `log_y` for error axes.
+pub fn scatter_svg(
+    path: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[Series],
+    curves: &[(&str, Vec<(f64, f64)>)],
+    log_y: bool,
+) -> AnyResult {
+    if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let all = series
+        .iter()
+        .flat_map(|s| s.points.iter())
+        .chain(curves.iter().flat_map(|c| c.1.iter()));
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for &(x, y) in all {
+        if log_y && y <= 0.0 {
+            continue;
+        }
+        x0 = x0.min(x);
+        x1 = x1.max(x);
+        y0 = y0.min(y);
+        y1 = y1.max(y);
+    }
+    let pad = (x1 - x0).max(1e-9) * 0.05;
+    let root = SVGBackend::new(path, (900, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut b = ChartBuilder::on(&root);
+    b.caption(title, ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(45)
+        .y_label_area_size(70);
+    macro_rules! draw {
+        ($chart:expr) => {{
+            let mut chart = $chart;
+            chart
+                .configure_mesh()
+                .x_desc(x_label)
+                .y_desc(y_label)
+                .draw()?;
+            for (i, (label, pts)) in curves.iter().enumerate() {
+                let c = RGBColor(90 + 40 * i as u8, 90, 90);
+                chart
+                    .draw_series(LineSeries::new(pts.iter().cloned(), c.stroke_width(2)))?
+                    .label(*label)
+                    .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c));
+            }
+            for (i, s) in series.iter().enumerate() {
+                let c = COLORS[i % COLORS.len()];
+                let pts: Vec<(f64, f64)> = s
+                    .points
+                    .iter()
+                    .cloned()
+                    .filter(|p| !log_y || p.1 > 0.0)
+                    .collect();
+                chart
+                    .draw_series(pts.iter().map(|&p| Circle::new(p, 5, c.filled())))?
+                    .label(s.label.clone())
+                    .legend(move |(x, y)| Circle::new((x + 9, y), 5, c.filled()));
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .position(SeriesLabelPosition::UpperRight)
+                .draw()?;
+        }};
+    }
+    if log_y {
+        draw!(b.build_cartesian_2d((x0 - pad)..(x1 + pad), ((y0 * 0.7)..(y1 * 1.4)).log_scale())?);
+    } else {
+        let ypad = (y1 - y0).max(1e-9) * 0.08;
+        draw!(b.build_cartesian_2d((x0 - pad)..(x1 + pad), (y0 - ypad)..(y1 + ypad))?);
+    }
+    root.present()?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}

@@ -1,0 +1,99 @@
+//! Small helpers: errors, spec lists, statistics, tables, progress bars.
+
+use std::path::Path;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use veloxquant::format::{FormatSpec, REGISTRY};
+
+pub type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// Every registered format and bit width, with the options worth comparing.
+pub fn all_specs() -> Vec<FormatSpec> {
+    let mut out = Vec::new();
+    for desc in REGISTRY {
+        let bits: Vec<String> = if desc.bits.is_empty() {
+            vec![desc.name.to_string()]
+        } else {
+            desc.bits
+                .iter()
+                .map(|b| format!("{}:{b}", desc.name))
+                .collect()
+        };
+        for base in bits {
+            out.push(FormatSpec::parse(&base).expect("registry specs parse"));
+            if desc.rotatable {
+                out.push(FormatSpec::parse(&format!("{base}:rot")).expect("registry specs parse"));
+            }
+            if desc.has_norm_mode {
+                out.push(FormatSpec::parse(&format!("{base}:eden")).expect("registry specs parse"));
+            }
+        }
+    }
+    out
+}
+
+pub fn parse_specs(list: &Option<Vec<String>>) -> AnyResult<Vec<FormatSpec>> {
+    match list {
+        None => Ok(all_specs()),
+        Some(v) => Ok(v
+            .iter()
+            .map(|s| FormatSpec::parse(s))
+            .collect::<Result<_, _>>()?),
+    }
+}
+
+pub fn progress(len: u64, msg: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:>12} [{bar:30}] {pos}/{len} {elapsed}")
+            .expect("static template"),
+    );
+    pb.set_message(msg.to_string());
+    pb
+}
+
+/// (median, p10, p90) of a sample.
+pub fn quantiles(xs: &[f64]) -> (f64, f64, f64) {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+    (at(0.5), at(0.1), at(0.9))
+}
+
+pub fn write_json(path: &Path, value: &serde_json::Value) -> AnyResult {
+    if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(value)? + "\n")?;
+    eprintln!("wrote {}", path.display());
+    Ok(())
+}
+
+/// Print rows as an aligned Markdown table.
+pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
+    let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            w[i] = w[i].max(c.chars().count());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let padded: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:>w$}", w = w[i]))
+            .collect();
+        println!("| {} |", padded.join(" | "));
+    };
+    line(header.iter().map(|s| s.to_string()).collect());
+    println!(
+        "|{}|",
+        w.iter()
+            .map(|n| format!("{}:", "-".repeat(n + 1)))
+            .collect::<Vec<_>>()
+            .join("|")
+    );
+    for r in rows {
+        line(r.clone());
+    }
+}

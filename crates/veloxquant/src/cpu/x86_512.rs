@@ -1,0 +1,241 @@
+//! AVX-512F kernels: 16 values per step. The 16-entry centroid table of a ≤ 4-bit code is
+//! one `vpermps` lookup, so a TurboQuant code chunk decodes in ~6 µops (two broadcast
+//! loads, one insert, shift, mask, permute) — the AVX2 path needs two permutes and a blend
+//! for 8 values. Same semantics and layouts as `x86.rs`; selected when the CPU has AVX-512F.
+
+use std::arch::x86_64::*;
+
+use crate::format::rows::{RowKind, RowLayout, Q4_BLOCK_BYTES, Q8_BLOCK_BYTES};
+
+const F16: u8 = 0;
+const Q8: u8 = 1;
+const Q4: u8 = 2;
+const CODES: u8 = 3;
+const MAX_G: usize = 8;
+
+struct Tabs {
+    table: __m512,
+    shifts: __m512i,
+    mask: __m512i,
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn tabs(l: &RowLayout) -> Tabs {
+    let (b, table) = match &l.kind {
+        RowKind::Codes { bits, table } => (*bits as i32, *table),
+        _ => (0, [0f32; 16]),
+    };
+    Tabs {
+        table: _mm512_loadu_ps(table.as_ptr()),
+        shifts: _mm512_setr_epi32(
+            0,
+            b,
+            2 * b,
+            3 * b,
+            4 * b,
+            5 * b,
+            6 * b,
+            7 * b,
+            0,
+            b,
+            2 * b,
+            3 * b,
+            4 * b,
+            5 * b,
+            6 * b,
+            7 * b,
+        ),
+        mask: _mm512_set1_epi32((1 << b) - 1),
+    }
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn f16_at(p: *const u8) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+        p.cast::<u16>().read_unaligned() as i32,
+    )))
+}
+
+/// Values 16k..16k+16 of the row at `row`, without the per-token scale.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn load16<const K: u8, const B: u32>(row: *const u8, k: usize, t: &Tabs) -> __m512 {
+    match K {
+        F16 => _mm512_cvtph_ps(_mm256_loadu_si256(row.add(32 * k).cast())),
+        Q8 => {
+            let blk = row.add((k / 2) * Q8_BLOCK_BYTES);
+            let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(blk.add(2 + 16 * (k % 2)).cast()));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(f16_at(blk)))
+        }
+        Q4 => {
+            let blk = row.add((k / 2) * Q4_BLOCK_BYTES);
+            let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2).cast()));
+            let n = if k.is_multiple_of(2) {
+                _mm512_and_si512(b, _mm512_set1_epi32(0xF))
+            } else {
+                _mm512_srli_epi32(b, 4)
+            };
+            let q = _mm512_sub_epi32(n, _mm512_set1_epi32(8));
+            _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(f16_at(blk)))
+        }
+        _ => {
+            // Codes 16k..16k+8 start at byte 2kB, codes 16k+8.. at byte 2kB + B.
+            let p = row.add(2 * k * B as usize);
+            let w0 = _mm256_castps_si256(_mm256_broadcast_ss(&*p.cast::<f32>()));
+            let w1 = _mm256_castps_si256(_mm256_broadcast_ss(&*p.add(B as usize).cast::<f32>()));
+            let w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
+            let idx = _mm512_and_si512(_mm512_srlv_epi32(w, t.shifts), t.mask);
+            _mm512_permutexvar_ps(idx, t.table)
+        }
+    }
+}
+
+/// Two tokens per step (each q chunk loaded once feeds both); per-token accumulators are
+/// folded to 8 lanes and parked, then reduced 8 tokens at a time by a transpose-add.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn scores_k<const K: u8, const B: u32>(
+    l: &RowLayout,
+    q: &[f32],
+    n_q: usize,
+    page: &[u8],
+    out: &mut [f32],
+) {
+    let tb = tabs(l);
+    let nk = l.d / 16;
+    let mut park = vec![0f32; MAX_G * l.t * 8];
+    for h0 in (0..n_q).step_by(MAX_G) {
+        let g = MAX_G.min(n_q - h0);
+        let qp = q.as_ptr().add(h0 * l.d);
+        let pp = park.as_mut_ptr();
+        let mut t = 0;
+        while t < l.t {
+            let pair = t + 1 < l.t;
+            let r0 = page.as_ptr().add(t * l.row_bytes);
+            let r1 = if pair { r0.add(l.row_bytes) } else { r0 };
+            let mut a0 = [_mm512_setzero_ps(); MAX_G];
+            let mut a1 = [_mm512_setzero_ps(); MAX_G];
+            for k in 0..nk {
+                let v0 = load16::<K, B>(r0, k, &tb);
+                let v1 = load16::<K, B>(r1, k, &tb);
+                for h in 0..g {
+                    let qv = _mm512_loadu_ps(qp.add(h * l.d + 16 * k));
+                    a0[h] = _mm512_fmadd_ps(qv, v0, a0[h]);
+                    a1[h] = _mm512_fmadd_ps(qv, v1, a1[h]);
+                }
+            }
+            for h in 0..g {
+                _mm256_storeu_ps(pp.add((h * l.t + t) * 8), fold8(a0[h]));
+                if pair {
+                    _mm256_storeu_ps(pp.add((h * l.t + t + 1) * 8), fold8(a1[h]));
+                }
+            }
+            t += 2;
+        }
+        for h in 0..g {
+            let o = &mut out[(h0 + h) * l.t..(h0 + h + 1) * l.t];
+            let mut t = 0;
+            while t + 8 <= l.t {
+                let p = pp.add((h * l.t + t) * 8);
+                _mm256_storeu_ps(o.as_mut_ptr().add(t), transpose_sum8(p));
+                t += 8;
+            }
+            for (t, ot) in o.iter_mut().enumerate().skip(t) {
+                *ot = park[(h * l.t + t) * 8..(h * l.t + t + 1) * 8].iter().sum();
+            }
+            for (t, ot) in o.iter_mut().enumerate() {
+                *ot *= l.row_scale(page, t);
+            }
+        }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn fold8(v: __m512) -> __m256 {
+    _mm256_add_ps(
+        _mm512_castps512_ps256(v),
+        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+    )
+}
+
+/// Eight parked 8-lane vectors (rows of 8 floats at p) → their eight horizontal sums.
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[inline]
+unsafe fn transpose_sum8(p: *const f32) -> __m256 {
+    let r = |i: usize| _mm256_loadu_ps(p.add(8 * i));
+    let t0 = _mm256_hadd_ps(r(0), r(1));
+    let t1 = _mm256_hadd_ps(r(2), r(3));
+    let t2 = _mm256_hadd_ps(r(4), r(5));
+    let t3 = _mm256_hadd_ps(r(6), r(7));
+    let u0 = _mm256_hadd_ps(t0, t1);
+    let u1 = _mm256_hadd_ps(t2, t3);
+    _mm256_add_ps(
+        _mm256_permute2f128_ps(u0, u1, 0x20),
+        _mm256_permute2f128_ps(u0, u1, 0x31),
+    )
+}
+
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn accumulate_k<const K: u8, const B: u32>(
+    l: &RowLayout,
+    w: &[f32],
+    n_q: usize,
+    page: &[u8],
+    acc: &mut [f32],
+) {
+    let tb = tabs(l);
+    let nk = l.d / 16;
+    let mut ws = vec![0f32; MAX_G * l.t];
+    for h0 in (0..n_q).step_by(MAX_G) {
+        let g = MAX_G.min(n_q - h0);
+        for t in 0..l.t {
+            let s = l.row_scale(page, t);
+            for h in 0..g {
+                ws[h * l.t + t] = w[(h0 + h) * l.t + t] * s;
+            }
+        }
+        let ap = acc.as_mut_ptr().add(h0 * l.d);
+        for k in 0..nk {
+            let mut a = [_mm512_setzero_ps(); MAX_G];
+            for (h, x) in a.iter_mut().enumerate().take(g) {
+                *x = _mm512_loadu_ps(ap.add(h * l.d + 16 * k));
+            }
+            for t in 0..l.t {
+                let v = load16::<K, B>(page.as_ptr().add(t * l.row_bytes), k, &tb);
+                for (h, x) in a.iter_mut().enumerate().take(g) {
+                    *x = _mm512_fmadd_ps(_mm512_set1_ps(*ws.get_unchecked(h * l.t + t)), v, *x);
+                }
+            }
+            for (h, x) in a.iter().enumerate().take(g) {
+                _mm512_storeu_ps(ap.add(h * l.d + 16 * k), *x);
+            }
+        }
+    }
+}
+
+macro_rules! dispatch {
+    ($l:expr, $f:ident, $($args:expr),*) => {
+        match &$l.kind {
+            RowKind::F16 => $f::<F16, 0>($l, $($args),*),
+            RowKind::Q8_0 => $f::<Q8, 0>($l, $($args),*),
+            RowKind::Q4_0 => $f::<Q4, 0>($l, $($args),*),
+            RowKind::Codes { bits: 1, .. } => $f::<CODES, 1>($l, $($args),*),
+            RowKind::Codes { bits: 2, .. } => $f::<CODES, 2>($l, $($args),*),
+            RowKind::Codes { bits: 3, .. } => $f::<CODES, 3>($l, $($args),*),
+            RowKind::Codes { .. } => $f::<CODES, 4>($l, $($args),*),
+        }
+    };
+}
+
+/// SAFETY (caller): AVX-512F, AVX2, FMA and F16C are available; d % 16 == 0; `page` holds
+/// `l.page_bytes()` bytes (a code load reads ≤ 3 bytes past a row, inside the page's scale
+/// area); q/out/acc hold n_q·d / n_q·T floats.
+pub unsafe fn scores(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
+    dispatch!(l, scores_k, q, n_q, page, out)
+}
+
+/// SAFETY (caller): as for [`scores`].
+pub unsafe fn accumulate(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
+    dispatch!(l, accumulate_k, w, n_q, page, acc)
+}

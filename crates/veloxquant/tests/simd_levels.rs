@@ -1,0 +1,82 @@
+//! Every SIMD level this CPU has (AVX-512, AVX2) against the scalar kernels that define the
+//! semantics, for every row kind, odd page sizes (the fp16 tail) and GQA groups > 8.
+
+use veloxquant::codebook::ScaledCodebook;
+use veloxquant::cpu::{accumulate_at, available_levels, scores_at, SimdLevel};
+use veloxquant::format::rows::{RowKind, RowLayout};
+use veloxquant::rng::SplitMix64;
+
+fn kinds(d: usize) -> Vec<RowKind> {
+    let mut k = vec![RowKind::F16, RowKind::Q8_0, RowKind::Q4_0];
+    for bits in 1..=4 {
+        k.push(RowKind::Codes {
+            bits,
+            table: ScaledCodebook::new(bits, d).table16(),
+        });
+    }
+    k
+}
+
+#[test]
+fn every_level_matches_scalar() {
+    let levels = available_levels();
+    println!("levels on this CPU: {levels:?}");
+    for d in [64, 128, 96, 80] {
+        for kind in kinds(d) {
+            if matches!(kind, RowKind::Q8_0 | RowKind::Q4_0) && d % 32 != 0 {
+                continue; // block formats need d % 32 == 0 (their builders reject the rest)
+            }
+            for t in [32, 7, 1] {
+                let l = RowLayout::new(kind.clone(), d, t);
+                let mut rng = SplitMix64::new((d * t) as u64);
+                let page: Vec<u8> = (0..l.page_bytes()).map(|_| rng.next_u64() as u8).collect();
+                // Random bytes make NaN/Inf f16 values; give the F16 kind finite data instead.
+                let page = if matches!(kind, RowKind::F16) {
+                    (0..l.page_bytes() / 2)
+                        .flat_map(|_| half::f16::from_f32(rng.next_gaussian() as f32).to_le_bytes())
+                        .collect()
+                } else {
+                    let mut p = page;
+                    // Block scales must be finite f16s too.
+                    let blk = match kind {
+                        RowKind::Q8_0 => 34,
+                        RowKind::Q4_0 => 18,
+                        _ => 0,
+                    };
+                    if blk > 0 {
+                        for o in (0..p.len()).step_by(blk) {
+                            p[o..o + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+                        }
+                    }
+                    if let Some(o) = l.scales_at {
+                        for i in 0..t {
+                            p[o + 2 * i..o + 2 * i + 2]
+                                .copy_from_slice(&half::f16::from_f32(1.5).to_le_bytes());
+                        }
+                    }
+                    p
+                };
+                for g in [1, 3, 4, 9] {
+                    let q = rng.gaussian_vec(g * d);
+                    let w: Vec<f32> = (0..g * t).map(|_| rng.next_f64() as f32).collect();
+                    let mut want_s = vec![0f32; g * t];
+                    let mut want_a = vec![0.5f32; g * d];
+                    scores_at(SimdLevel::Scalar, &l, &q, g, &page, &mut want_s);
+                    accumulate_at(SimdLevel::Scalar, &l, &w, g, &page, &mut want_a);
+                    for &lv in &levels {
+                        let mut s = vec![0f32; g * t];
+                        let mut a = vec![0.5f32; g * d];
+                        scores_at(lv, &l, &q, g, &page, &mut s);
+                        accumulate_at(lv, &l, &w, g, &page, &mut a);
+                        for (x, y) in s.iter().zip(&want_s).chain(a.iter().zip(&want_a)) {
+                            assert!(
+                                (x - y).abs() <= 1e-4 * (1.0 + y.abs()),
+                                "{lv:?} {kind:?} d={d} t={t} g={g}: {x} vs {y}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
