@@ -13,7 +13,7 @@ use veloxquant::attn::{decode_attention, decode_attention_ref};
 use veloxquant::rng::SplitMix64;
 use veloxquant::{CacheConfig, FormatSpec, PagedCache};
 
-use crate::util::{print_table, progress, quantiles, write_json, AnyResult};
+use crate::util::{print_table_to, progress, quantiles, write_json, AnyResult};
 
 #[derive(clap::Args)]
 pub struct CpuArgs {
@@ -41,6 +41,9 @@ pub struct CpuArgs {
     recent: usize,
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also write the table as Markdown.
+    #[arg(long)]
+    md: Option<PathBuf>,
 }
 
 fn parse_pair(s: &str) -> AnyResult<(FormatSpec, FormatSpec)> {
@@ -74,9 +77,7 @@ pub fn memory_bandwidth() -> (f64, f64) {
         black_box(s);
         best_read = best_read.min(t.elapsed().as_secs_f64());
         let t = Instant::now();
-        dst.par_chunks_mut(1 << 16)
-            .zip(src.par_chunks(1 << 16))
-            .for_each(|(d, s)| d.copy_from_slice(s));
+        dst.par_chunks_mut(1 << 16).zip(src.par_chunks(1 << 16)).for_each(|(d, s)| d.copy_from_slice(s));
         black_box(&dst);
         best_copy = best_copy.min(t.elapsed().as_secs_f64());
     }
@@ -86,11 +87,7 @@ pub fn memory_bandwidth() -> (f64, f64) {
 
 fn layer_bytes(c: &PagedCache) -> usize {
     let l = c.layer(0).expect("one layer");
-    l.keys
-        .iter()
-        .chain(&l.values)
-        .map(|s| s.pages().iter().map(|p| p.len()).sum::<usize>() + s.tail().len() * 2)
-        .sum()
+    l.keys.iter().chain(&l.values).map(|s| s.pages().iter().map(|p| p.len()).sum::<usize>() + s.tail().len() * 2).sum()
 }
 
 fn time_us(f: impl FnOnce()) -> f64 {
@@ -100,22 +97,11 @@ fn time_us(f: impl FnOnce()) -> f64 {
 }
 
 pub fn run_cpu(a: &CpuArgs) -> AnyResult {
-    let pairs: Vec<(FormatSpec, FormatSpec)> = a
-        .formats
-        .iter()
-        .map(|s| parse_pair(s))
-        .collect::<AnyResult<_>>()?;
-    let shapes: Vec<_> = a
-        .shapes
-        .iter()
-        .map(|s| parse_shape(s))
-        .collect::<AnyResult<_>>()?;
+    let pairs: Vec<(FormatSpec, FormatSpec)> = a.formats.iter().map(|s| parse_pair(s)).collect::<AnyResult<_>>()?;
+    let shapes: Vec<_> = a.shapes.iter().map(|s| parse_shape(s)).collect::<AnyResult<_>>()?;
     let (read_bw, copy_bw) = memory_bandwidth();
     let threads = rayon::current_num_threads();
-    println!(
-        "CPU: {threads} threads; measured read {read_bw:.1} GB/s, copy {copy_bw:.1} GB/s; R = {}",
-        a.recent
-    );
+    println!("CPU: {threads} threads; measured read {read_bw:.1} GB/s, copy {copy_bw:.1} GB/s; R = {}", a.recent);
     let fp16 = FormatSpec::parse("fp16")?;
     let mut rows_json = Vec::new();
     let mut rows = Vec::new();
@@ -124,9 +110,8 @@ pub fn run_cpu(a: &CpuArgs) -> AnyResult {
         for &n in &a.context {
             let mut rng = SplitMix64::new((n * d) as u64);
             // Keys with a few outlier channels (as in real models), Gaussian values.
-            let k: Vec<f32> = (0..hkv * n * d)
-                .map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 5.0 } else { 1.0 })
-                .collect();
+            let k: Vec<f32> =
+                (0..hkv * n * d).map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 5.0 } else { 1.0 }).collect();
             let v = rng.gaussian_vec(hkv * n * d);
             let input_bytes = (2 * hkv * n * d * 4) as f64;
             let build = |ks: &FormatSpec, vs: &FormatSpec| -> AnyResult<(PagedCache, f64)> {
@@ -138,10 +123,8 @@ pub fn run_cpu(a: &CpuArgs) -> AnyResult {
                 Ok((c, t.elapsed().as_secs_f64()))
             };
             let (base, base_enc) = build(&fp16, &fp16)?;
-            let caches: Vec<(PagedCache, f64)> = pairs
-                .iter()
-                .map(|(ks, vs)| build(ks, vs))
-                .collect::<AnyResult<_>>()?;
+            let caches: Vec<(PagedCache, f64)> =
+                pairs.iter().map(|(ks, vs)| build(ks, vs)).collect::<AnyResult<_>>()?;
             let queries: Vec<Vec<f32>> = (0..4).map(|_| rng.gaussian_vec(hq * d)).collect();
             // Warm-up, then interleave: every rep times fp16 and each format once, in rotating order.
             let mut t_base = Vec::new();
@@ -155,49 +138,40 @@ pub fn run_cpu(a: &CpuArgs) -> AnyResult {
                 for j in 0..=caches.len() {
                     let i = (j + r) % (caches.len() + 1);
                     if i == caches.len() {
-                        t_base.push(time_us(|| {
-                            drop(black_box(decode_attention(&base, 0, q, hq)))
-                        }));
+                        t_base.push(time_us(|| drop(black_box(decode_attention(&base, 0, q, hq)))));
                     } else {
-                        t_fmt[i].push(time_us(|| {
-                            drop(black_box(decode_attention(&caches[i].0, 0, q, hq)))
-                        }));
+                        t_fmt[i].push(time_us(|| drop(black_box(decode_attention(&caches[i].0, 0, q, hq)))));
                     }
                 }
             }
             let (base_med, base_lo, base_hi) = quantiles(&t_base);
             let base_bytes = layer_bytes(&base);
-            let mut push = |name: String,
-                            kb: f64,
-                            vb: f64,
-                            times: &[f64],
-                            bytes: usize,
-                            enc_s: f64,
-                            ref_us: Option<f64>| {
-                let (med, lo, hi) = quantiles(times);
-                let gbps = bytes as f64 / med / 1e3;
-                rows.push(vec![
-                    format!("{hq}/{hkv}/{d}"),
-                    n.to_string(),
-                    name.clone(),
-                    format!("{kb:.2}/{vb:.2}"),
-                    format!("{:.1}", bytes as f64 / 1e6),
-                    format!("{med:.0} ({lo:.0}–{hi:.0})"),
-                    format!("{base_med:.0}"),
-                    format!("{:.2}×", base_med / med),
-                    ref_us.map_or("–".into(), |r| format!("{r:.0}")),
-                    format!("{gbps:.1} ({:.0} %)", 100.0 * gbps / read_bw),
-                    format!("{:.2}", input_bytes / enc_s / 1e9),
-                ]);
-                rows_json.push(json!({
-                    "format": name, "k_bits": kb, "v_bits": vb, "hq": hq, "hkv": hkv, "d": d, "context": n,
-                    "recent": a.recent, "ours_us": med, "ours_p10_us": lo, "ours_p90_us": hi,
-                    "fp16_us": base_med, "fp16_p10_us": base_lo, "fp16_p90_us": base_hi,
-                    "speedup_vs_fp16": base_med / med, "ref_us": ref_us, "bytes_read": bytes,
-                    "gbps": gbps, "read_bw_gbps": read_bw, "copy_bw_gbps": copy_bw,
-                    "encode_gbps": input_bytes / enc_s / 1e9, "threads": threads,
-                }));
-            };
+            let mut push =
+                |name: String, kb: f64, vb: f64, times: &[f64], bytes: usize, enc_s: f64, ref_us: Option<f64>| {
+                    let (med, lo, hi) = quantiles(times);
+                    let gbps = bytes as f64 / med / 1e3;
+                    rows.push(vec![
+                        format!("{hq}/{hkv}/{d}"),
+                        n.to_string(),
+                        name.clone(),
+                        format!("{kb:.2}/{vb:.2}"),
+                        format!("{:.1}", bytes as f64 / 1e6),
+                        format!("{med:.0} ({lo:.0}–{hi:.0})"),
+                        format!("{base_med:.0}"),
+                        format!("{:.2}×", base_med / med),
+                        ref_us.map_or("–".into(), |r| format!("{r:.0}")),
+                        format!("{gbps:.1} ({:.0} %)", 100.0 * gbps / read_bw),
+                        format!("{:.2}", input_bytes / enc_s / 1e9),
+                    ]);
+                    rows_json.push(json!({
+                        "format": name, "k_bits": kb, "v_bits": vb, "hq": hq, "hkv": hkv, "d": d, "context": n,
+                        "recent": a.recent, "ours_us": med, "ours_p10_us": lo, "ours_p90_us": hi,
+                        "fp16_us": base_med, "fp16_p10_us": base_lo, "fp16_p90_us": base_hi,
+                        "speedup_vs_fp16": base_med / med, "ref_us": ref_us, "bytes_read": bytes,
+                        "gbps": gbps, "read_bw_gbps": read_bw, "copy_bw_gbps": copy_bw,
+                        "encode_gbps": input_bytes / enc_s / 1e9, "threads": threads,
+                    }));
+                };
             let ref_time = |c: &PagedCache| -> AnyResult<Option<f64>> {
                 if a.ref_reps == 0 {
                     return Ok(None);
@@ -211,29 +185,17 @@ pub fn run_cpu(a: &CpuArgs) -> AnyResult {
                 }
                 Ok(Some(quantiles(&ts).0))
             };
-            push(
-                "fp16".into(),
-                16.0,
-                16.0,
-                &t_base,
-                base_bytes,
-                base_enc,
-                ref_time(&base)?,
-            );
+            push("fp16".into(), 16.0, 16.0, &t_base, base_bytes, base_enc, ref_time(&base)?);
             for ((c, enc), ((ks, vs), ts)) in caches.iter().zip(pairs.iter().zip(&t_fmt)) {
                 let (kb, vb) = c.bits_per_value();
-                let name = if ks == vs {
-                    ks.to_string()
-                } else {
-                    format!("{ks}/{vs}")
-                };
+                let name = if ks == vs { ks.to_string() } else { format!("{ks}/{vs}") };
                 push(name, kb, vb, ts, layer_bytes(c), *enc, ref_time(c)?);
             }
             pb.inc(1);
         }
     }
     pb.finish_and_clear();
-    print_table(
+    print_table_to(
         &[
             "Hq/Hkv/d",
             "context",
@@ -248,7 +210,8 @@ pub fn run_cpu(a: &CpuArgs) -> AnyResult {
             "encode GB/s",
         ],
         &rows,
-    );
+        a.md.as_deref(),
+    )?;
     if let Some(p) = &a.json {
         write_json(
             p,

@@ -9,7 +9,7 @@ use veloxquant::format::{FormatCtx, FormatSpec, NormMode, Stream};
 use veloxquant::rng::SplitMix64;
 
 use crate::plot::{scatter_svg, Series};
-use crate::util::{parse_specs, print_table, progress, write_json, AnyResult};
+use crate::util::{parse_specs, print_table_to, progress, write_json, AnyResult};
 
 #[derive(Debug)]
 struct Row {
@@ -29,12 +29,7 @@ fn theory(spec: &FormatSpec) -> Option<f64> {
 
 fn measure(spec: &FormatSpec, d: usize, n: usize) -> AnyResult<Row> {
     const T: usize = 32;
-    let f = spec.build(&FormatCtx {
-        head_dim: d,
-        page_tokens: T,
-        stream: Stream::Keys,
-        seed: 1234,
-    })?;
+    let f = spec.build(&FormatCtx { head_dim: d, page_tokens: T, stream: Stream::Keys, seed: 1234 })?;
     // Same vectors for every format: paired comparison.
     let mut rng = SplitMix64::new(2026);
     let (mut se, mut ip_se, mut sxy, mut sxx) = (0f64, 0f64, 0f64, 0f64);
@@ -48,18 +43,9 @@ fn measure(spec: &FormatSpec, d: usize, n: usize) -> AnyResult<Row> {
         for t in 0..T {
             let q = rng.unit_vec(d);
             let (xs, ys) = (&x[t * d..(t + 1) * d], &back[t * d..(t + 1) * d]);
-            let dot = |a: &[f32]| {
-                a.iter()
-                    .zip(&q)
-                    .map(|(u, v)| *u as f64 * *v as f64)
-                    .sum::<f64>()
-            };
+            let dot = |a: &[f32]| a.iter().zip(&q).map(|(u, v)| *u as f64 * *v as f64).sum::<f64>();
             let (a, b) = (dot(xs), dot(ys));
-            se += xs
-                .iter()
-                .zip(ys)
-                .map(|(u, v)| (*u as f64 - *v as f64).powi(2))
-                .sum::<f64>();
+            se += xs.iter().zip(ys).map(|(u, v)| (*u as f64 - *v as f64).powi(2)).sum::<f64>();
             ip_se += (a - b).powi(2);
             sxy += a * b;
             sxx += a * a;
@@ -82,6 +68,7 @@ pub fn run(
     formats: Option<Vec<String>>,
     json: Option<PathBuf>,
     plot: Option<PathBuf>,
+    md: Option<PathBuf>,
 ) -> AnyResult {
     let specs = parse_specs(&formats)?;
     let pb = progress(specs.len() as u64, "formats");
@@ -96,15 +83,8 @@ pub fn run(
     pb.finish_and_clear();
     let fmt_opt = |v: Option<f64>| v.map_or("–".to_string(), |x| format!("{x:.6}"));
     println!("distortion on {n} random unit vectors, d = {d}");
-    print_table(
-        &[
-            "format",
-            "bits/value",
-            "MSE",
-            "theory MSE",
-            "d·E[ip err²]",
-            "ip slope",
-        ],
+    print_table_to(
+        &["format", "bits/value", "MSE", "theory MSE", "d·E[ip err²]", "ip slope"],
         &rows
             .iter()
             .map(|r| {
@@ -118,7 +98,8 @@ pub fn run(
                 ]
             })
             .collect::<Vec<_>>(),
-    );
+        md.as_deref(),
+    )?;
     if let Some(path) = json {
         let arr: Vec<_> = rows
             .iter()
@@ -136,28 +117,14 @@ pub fn run(
         let mut series: Vec<Series> = Vec::new();
         for r in &rows {
             let label = r.spec.name.to_string()
-                + if r.spec.norm == NormMode::Eden {
-                    ":eden"
-                } else {
-                    ""
-                }
-                + if r.spec.rotate && r.spec.name != "turboquant_mse" {
-                    ":rot"
-                } else {
-                    ""
-                };
+                + if r.spec.norm == NormMode::Eden { ":eden" } else { "" }
+                + if r.spec.rotate && r.spec.name != "turboquant_mse" { ":rot" } else { "" };
             match series.iter_mut().find(|s| s.label == label) {
                 Some(s) => s.points.push((r.bits_per_value, r.mse)),
-                None => series.push(Series {
-                    label,
-                    points: vec![(r.bits_per_value, r.mse)],
-                }),
+                None => series.push(Series { label, points: vec![(r.bits_per_value, r.mse)] }),
             }
         }
-        let bound: Vec<(f64, f64)> = (0..=160)
-            .map(|i| 1.0 + i as f64 * 0.05)
-            .map(|b| (b, 4f64.powf(-b)))
-            .collect();
+        let bound: Vec<(f64, f64)> = (0..=160).map(|i| 1.0 + i as f64 * 0.05).map(|b| (b, 4f64.powf(-b))).collect();
         scatter_svg(
             &path,
             &format!("MSE vs bits/value (d = {d}, unit vectors)"),

@@ -39,6 +39,9 @@ enum Cmd {
         /// SVG plot of MSE vs bits/value with the 4^−b lower bound.
         #[arg(long)]
         plot: Option<PathBuf>,
+        /// Also write the table as Markdown.
+        #[arg(long)]
+        md: Option<PathBuf>,
     },
     /// Benchmarks.
     Bench {
@@ -56,16 +59,8 @@ enum BenchCmd {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
-        Cmd::Distortion {
-            d,
-            n,
-            formats,
-            json,
-            plot,
-        } => distortion::run(d, n, formats, json, plot),
-        Cmd::Bench {
-            which: BenchCmd::Cpu(args),
-        } => bench::run_cpu(&args),
+        Cmd::Distortion { d, n, formats, json, plot, md } => distortion::run(d, n, formats, json, plot, md),
+        Cmd::Bench { which: BenchCmd::Cpu(args) } => bench::run_cpu(&args),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

@@ -35,10 +35,7 @@ pub fn scatter_svg(
     if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
     }
-    let all = series
-        .iter()
-        .flat_map(|s| s.points.iter())
-        .chain(curves.iter().flat_map(|c| c.1.iter()));
+    let all = series.iter().flat_map(|s| s.points.iter()).chain(curves.iter().flat_map(|c| c.1.iter()));
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in all {
         if log_y && y <= 0.0 {
@@ -53,18 +50,11 @@ pub fn scatter_svg(
     let root = SVGBackend::new(path, (900, 600)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut b = ChartBuilder::on(&root);
-    b.caption(title, ("sans-serif", 22))
-        .margin(15)
-        .x_label_area_size(45)
-        .y_label_area_size(70);
+    b.caption(title, ("sans-serif", 22)).margin(15).x_label_area_size(45).y_label_area_size(70);
     macro_rules! draw {
         ($chart:expr) => {{
             let mut chart = $chart;
-            chart
-                .configure_mesh()
-                .x_desc(x_label)
-                .y_desc(y_label)
-                .draw()?;
+            chart.configure_mesh().x_desc(x_label).y_desc(y_label).draw()?;
             for (i, (label, pts)) in curves.iter().enumerate() {
                 let c = RGBColor(90 + 40 * i as u8, 90, 90);
                 chart
@@ -74,12 +64,7 @@ pub fn scatter_svg(
             }
             for (i, s) in series.iter().enumerate() {
                 let c = COLORS[i % COLORS.len()];
-                let pts: Vec<(f64, f64)> = s
-                    .points
-                    .iter()
-                    .cloned()
-                    .filter(|p| !log_y || p.1 > 0.0)
-                    .collect();
+                let pts: Vec<(f64, f64)> = s.points.iter().cloned().filter(|p| !log_y || p.1 > 0.0).collect();
                 chart
                     .draw_series(pts.iter().map(|&p| Circle::new(p, 5, c.filled())))?
                     .label(s.label.clone())

@@ -14,10 +14,7 @@ pub fn all_specs() -> Vec<FormatSpec> {
         let bits: Vec<String> = if desc.bits.is_empty() {
             vec![desc.name.to_string()]
         } else {
-            desc.bits
-                .iter()
-                .map(|b| format!("{}:{b}", desc.name))
-                .collect()
+            desc.bits.iter().map(|b| format!("{}:{b}", desc.name)).collect()
         };
         for base in bits {
             out.push(FormatSpec::parse(&base).expect("registry specs parse"));
@@ -35,19 +32,13 @@ pub fn all_specs() -> Vec<FormatSpec> {
 pub fn parse_specs(list: &Option<Vec<String>>) -> AnyResult<Vec<FormatSpec>> {
     match list {
         None => Ok(all_specs()),
-        Some(v) => Ok(v
-            .iter()
-            .map(|s| FormatSpec::parse(s))
-            .collect::<Result<_, _>>()?),
+        Some(v) => Ok(v.iter().map(|s| FormatSpec::parse(s)).collect::<Result<_, _>>()?),
     }
 }
 
 pub fn progress(len: u64, msg: &str) -> ProgressBar {
     let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template("{msg:>12} [{bar:30}] {pos}/{len} {elapsed}")
-            .expect("static template"),
-    );
+    pb.set_style(ProgressStyle::with_template("{msg:>12} [{bar:30}] {pos}/{len} {elapsed}").expect("static template"));
     pb.set_message(msg.to_string());
     pb
 }
@@ -69,31 +60,36 @@ pub fn write_json(path: &Path, value: &serde_json::Value) -> AnyResult {
     Ok(())
 }
 
-/// Print rows as an aligned Markdown table.
-pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
-    let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
+/// Rows as an aligned Markdown table.
+pub fn markdown_table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut w: Vec<usize> = header.iter().map(|h| h.chars().count()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
             w[i] = w[i].max(c.chars().count());
         }
     }
-    let line = |cells: Vec<String>| {
-        let padded: Vec<String> = cells
-            .iter()
-            .enumerate()
-            .map(|(i, c)| format!("{c:>w$}", w = w[i]))
-            .collect();
-        println!("| {} |", padded.join(" | "));
+    let line = |cells: &[String]| {
+        let padded: Vec<String> = cells.iter().enumerate().map(|(i, c)| format!("{c:>w$}", w = w[i])).collect();
+        format!("| {} |\n", padded.join(" | "))
     };
-    line(header.iter().map(|s| s.to_string()).collect());
-    println!(
-        "|{}|",
-        w.iter()
-            .map(|n| format!("{}:", "-".repeat(n + 1)))
-            .collect::<Vec<_>>()
-            .join("|")
-    );
+    let mut out = line(&header.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    out += &format!("|{}|\n", w.iter().map(|n| format!("{}:", "-".repeat(n + 1))).collect::<Vec<_>>().join("|"));
     for r in rows {
-        line(r.clone());
+        out += &line(r);
     }
+    out
+}
+
+/// Print a Markdown table, and also write it to `md` when given.
+pub fn print_table_to(header: &[&str], rows: &[Vec<String>], md: Option<&Path>) -> AnyResult {
+    let t = markdown_table(header, rows);
+    print!("{t}");
+    if let Some(p) = md {
+        if let Some(dir) = p.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        std::fs::write(p, &t)?;
+        eprintln!("wrote {}", p.display());
+    }
+    Ok(())
 }

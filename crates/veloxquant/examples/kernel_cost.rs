@@ -22,12 +22,7 @@ fn main() {
         for s in &specs {
             let f = FormatSpec::parse(s)
                 .unwrap()
-                .build(&FormatCtx {
-                    head_dim: d,
-                    page_tokens: 32,
-                    stream: Stream::Keys,
-                    seed: 1,
-                })
+                .build(&FormatCtx { head_dim: d, page_tokens: 32, stream: Stream::Keys, seed: 1 })
                 .unwrap();
             let mut rng = SplitMix64::new(1);
             let pages: Vec<Vec<u8>> = (0..16)

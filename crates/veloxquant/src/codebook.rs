@@ -33,9 +33,7 @@ fn cell_mean(a: f64, b: f64) -> (f64, f64) {
 fn lloyd_max(bits: u32) -> GaussianCodebook {
     let n = 1usize << bits;
     // Start from equal-probability cells; iterate centroid ↔ midpoint to a fixed point.
-    let mut c: Vec<f64> = (0..n)
-        .map(|i| 2.5 * ((i as f64 + 0.5) / n as f64 * 2.0 - 1.0))
-        .collect();
+    let mut c: Vec<f64> = (0..n).map(|i| 2.5 * ((i as f64 + 0.5) / n as f64 * 2.0 - 1.0)).collect();
     let mut t = vec![0.0; n - 1];
     for _ in 0..200_000 {
         for i in 0..n - 1 {
@@ -63,21 +61,13 @@ fn lloyd_max(bits: u32) -> GaussianCodebook {
         let (_, p) = cell_mean(a, b);
         energy += p * c[i] * c[i];
     }
-    GaussianCodebook {
-        bits,
-        centroids: c,
-        thresholds: t,
-        mse: 1.0 - energy,
-    }
+    GaussianCodebook { bits, centroids: c, thresholds: t, mse: 1.0 - energy }
 }
 
 /// The cached b-bit codebook, b ∈ 1..=4.
 pub fn gaussian(bits: u32) -> &'static GaussianCodebook {
     static BOOKS: [OnceLock<GaussianCodebook>; 4] = [const { OnceLock::new() }; 4];
-    assert!(
-        (1..=4).contains(&bits),
-        "codebook bits are checked by the formats"
-    );
+    assert!((1..=4).contains(&bits), "codebook bits are checked by the formats");
     BOOKS[bits as usize - 1].get_or_init(|| lloyd_max(bits))
 }
 
@@ -122,21 +112,12 @@ mod tests {
     const REF: [(u32, f64, &[f64], &[f64]); 4] = [
         (1, 0.363380, &[0.797885], &[0.0]),
         (2, 0.117482, &[0.452780, 1.510418], &[0.0, 0.981599]),
-        (
-            3,
-            0.034548,
-            &[0.245094, 0.756005, 1.343909, 2.151946],
-            &[0.0, 0.500550, 1.049957, 1.747927],
-        ),
+        (3, 0.034548, &[0.245094, 0.756005, 1.343909, 2.151946], &[0.0, 0.500550, 1.049957, 1.747927]),
         (
             4,
             0.009501,
-            &[
-                0.128395, 0.388048, 0.656759, 0.942340, 1.256231, 1.618046, 2.069017, 2.732590,
-            ],
-            &[
-                0.0, 0.258222, 0.522404, 0.799550, 1.099286, 1.437139, 1.843532, 2.400803,
-            ],
+            &[0.128395, 0.388048, 0.656759, 0.942340, 1.256231, 1.618046, 2.069017, 2.732590],
+            &[0.0, 0.258222, 0.522404, 0.799550, 1.099286, 1.437139, 1.843532, 2.400803],
         ),
     ];
 
@@ -144,24 +125,14 @@ mod tests {
     fn pins_reference_values() {
         for (bits, mse, pos_c, pos_t) in REF {
             let cb = gaussian(bits);
-            assert!(
-                (cb.mse - mse).abs() < 1e-5,
-                "b={bits} mse {} vs {mse}",
-                cb.mse
-            );
+            assert!((cb.mse - mse).abs() < 1e-5, "b={bits} mse {} vs {mse}", cb.mse);
             let n = cb.centroids.len();
             for (i, &c) in pos_c.iter().enumerate() {
                 assert!((cb.centroids[n / 2 + i] - c).abs() < 1e-5, "b={bits} c{i}");
-                assert!(
-                    (cb.centroids[n / 2 - 1 - i] + c).abs() < 1e-5,
-                    "b={bits} symmetric c{i}"
-                );
+                assert!((cb.centroids[n / 2 - 1 - i] + c).abs() < 1e-5, "b={bits} symmetric c{i}");
             }
             for (i, &t) in pos_t.iter().enumerate() {
-                assert!(
-                    (cb.thresholds[n / 2 - 1 + i] - t).abs() < 1e-5,
-                    "b={bits} t{i}"
-                );
+                assert!((cb.thresholds[n / 2 - 1 + i] - t).abs() < 1e-5, "b={bits} t{i}");
             }
         }
         assert!((gaussian(1).mse - (1.0 - 2.0 / std::f64::consts::PI)).abs() < 1e-9);
@@ -173,13 +144,8 @@ mod tests {
         for i in -400..400 {
             let y = i as f32 / 1000.0;
             let q = cb.quantize(y) as usize;
-            let best = (0..8)
-                .min_by(|&a, &b| {
-                    (cb.centroids[a] - y)
-                        .abs()
-                        .total_cmp(&(cb.centroids[b] - y).abs())
-                })
-                .unwrap();
+            let best =
+                (0..8).min_by(|&a, &b| (cb.centroids[a] - y).abs().total_cmp(&(cb.centroids[b] - y).abs())).unwrap();
             assert!((cb.centroids[q] - y).abs() <= (cb.centroids[best] - y).abs() + 1e-7);
         }
     }

@@ -14,11 +14,7 @@ pub const SUPPORTED_BITS: &str = "1, 2, 3, 4, 8";
 pub fn check_bits(bits: u32) -> Result<()> {
     match bits {
         1 | 2 | 3 | 4 | 8 => Ok(()),
-        _ => Err(VqError::UnsupportedBits {
-            format: "pack".into(),
-            bits,
-            supported: SUPPORTED_BITS,
-        }),
+        _ => Err(VqError::UnsupportedBits { format: "pack".into(), bits, supported: SUPPORTED_BITS }),
     }
 }
 
@@ -32,11 +28,7 @@ pub fn pack(codes: &[u8], bits: u32, out: &mut [u8]) -> Result<()> {
     check_bits(bits)?;
     let need = packed_bytes(codes.len(), bits);
     if out.len() != need {
-        return Err(VqError::ShapeMismatch {
-            op: "pack",
-            expected: need,
-            got: out.len(),
-        });
+        return Err(VqError::ShapeMismatch { op: "pack", expected: need, got: out.len() });
     }
     let mask = ((1u32 << bits) - 1) as u8;
     out.fill(0);
@@ -58,11 +50,7 @@ pub fn unpack(packed: &[u8], bits: u32, codes: &mut [u8]) -> Result<()> {
     check_bits(bits)?;
     let need = packed_bytes(codes.len(), bits);
     if packed.len() < need {
-        return Err(VqError::ShapeMismatch {
-            op: "unpack",
-            expected: need,
-            got: packed.len(),
-        });
+        return Err(VqError::ShapeMismatch { op: "unpack", expected: need, got: packed.len() });
     }
     for (i, c) in codes.iter_mut().enumerate() {
         *c = get(packed, i, bits);
@@ -78,11 +66,7 @@ pub fn get(packed: &[u8], i: usize, bits: u32) -> u8 {
     let shift = bit % 8;
     // Codes are ≤ 8 bits, so two bytes always cover one code.
     let lo = packed[byte] as u16;
-    let hi = if shift + bits as usize > 8 {
-        packed[byte + 1] as u16
-    } else {
-        0
-    };
+    let hi = if shift + bits as usize > 8 { packed[byte + 1] as u16 } else { 0 };
     (((lo | (hi << 8)) >> shift) & ((1u16 << bits) - 1)) as u8
 }
 
@@ -104,10 +88,7 @@ mod tests {
     use proptest::prelude::*;
 
     fn words(bytes: &[u8]) -> Vec<u32> {
-        bytes
-            .chunks(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
+        bytes.chunks(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     }
 
     #[test]
@@ -140,18 +121,9 @@ mod tests {
     #[test]
     fn rejects_bad_input() {
         let mut o = vec![0; 4];
-        assert!(matches!(
-            pack(&[4], 2, &mut o),
-            Err(VqError::UnsupportedBits { .. })
-        ));
-        assert!(matches!(
-            pack(&[1], 5, &mut o),
-            Err(VqError::UnsupportedBits { .. })
-        ));
-        assert!(matches!(
-            pack(&[1], 2, &mut [0u8; 3]),
-            Err(VqError::ShapeMismatch { .. })
-        ));
+        assert!(matches!(pack(&[4], 2, &mut o), Err(VqError::UnsupportedBits { .. })));
+        assert!(matches!(pack(&[1], 5, &mut o), Err(VqError::UnsupportedBits { .. })));
+        assert!(matches!(pack(&[1], 2, &mut [0u8; 3]), Err(VqError::ShapeMismatch { .. })));
     }
 
     proptest! {

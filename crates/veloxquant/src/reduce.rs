@@ -39,9 +39,7 @@ mod tests {
 
     #[test]
     fn matches_f64_sum() {
-        let a: Vec<f32> = (0..130)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
-            .collect();
+        let a: Vec<f32> = (0..130).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect();
         let exact: f64 = a.iter().map(|&x| x as f64 * x as f64).sum();
         let got = sum_sq_canonical(&a) as f64;
         assert!((got - exact).abs() / exact < 1e-6, "{got} vs {exact}");

@@ -19,11 +19,7 @@ impl Rotation {
     /// Hadamard for power-of-two d, dense orthogonal otherwise.
     pub fn new(d: usize, seed: u64) -> Result<Self> {
         if d == 0 {
-            return Err(VqError::UnsupportedHeadDim {
-                format: "rotation".into(),
-                d,
-                why: "d must be > 0",
-            });
+            return Err(VqError::UnsupportedHeadDim { format: "rotation".into(), d, why: "d must be > 0" });
         }
         if d.is_power_of_two() {
             Ok(Self::hadamard(d, seed))
@@ -34,21 +30,14 @@ impl Rotation {
 
     fn hadamard(d: usize, seed: u64) -> Self {
         let mut rng = SplitMix64::new(seed);
-        let signs = (0..d)
-            .map(|_| if rng.next_u64() >> 63 == 1 { -1.0 } else { 1.0 })
-            .collect();
-        Self::Hadamard {
-            signs,
-            scale: (1.0 / (d as f64).sqrt()) as f32,
-        }
+        let signs = (0..d).map(|_| if rng.next_u64() >> 63 == 1 { -1.0 } else { 1.0 }).collect();
+        Self::Hadamard { signs, scale: (1.0 / (d as f64).sqrt()) as f32 }
     }
 
     /// Any d: Haar-random orthogonal (modified Gram–Schmidt on Gaussian rows, in f64).
     pub fn dense(d: usize, seed: u64) -> Self {
         let mut rng = SplitMix64::new(seed);
-        let mut rows: Vec<Vec<f64>> = (0..d)
-            .map(|_| (0..d).map(|_| rng.next_gaussian()).collect())
-            .collect();
+        let mut rows: Vec<Vec<f64>> = (0..d).map(|_| (0..d).map(|_| rng.next_gaussian()).collect()).collect();
         for i in 0..d {
             for j in 0..i {
                 let (done, rest) = rows.split_at_mut(i);
@@ -60,10 +49,7 @@ impl Rotation {
             let n = rows[i].iter().map(|x| x * x).sum::<f64>().sqrt();
             rows[i].iter_mut().for_each(|x| *x /= n);
         }
-        Self::Dense {
-            d,
-            m: rows.into_iter().flatten().map(|x| x as f32).collect(),
-        }
+        Self::Dense { d, m: rows.into_iter().flatten().map(|x| x as f32).collect() }
     }
 
     pub fn dim(&self) -> usize {

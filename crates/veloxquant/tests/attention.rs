@@ -8,38 +8,23 @@ use veloxquant::attn::{decode_attention, decode_attention_ref};
 use veloxquant::rng::SplitMix64;
 use veloxquant::{CacheConfig, FormatSpec, PagedCache, VqError};
 
-fn filled(
-    k: &FormatSpec,
-    v: &FormatSpec,
-    d: usize,
-    n_kv: usize,
-    recent: usize,
-    n: usize,
-    seed: u64,
-) -> PagedCache {
+fn filled(k: &FormatSpec, v: &FormatSpec, d: usize, n_kv: usize, recent: usize, n: usize, seed: u64) -> PagedCache {
     let mut cfg = CacheConfig::new(1, n_kv, d, k.clone(), v.clone());
     cfg.recent = recent;
     let mut cache = PagedCache::new(cfg).unwrap();
     let mut rng = SplitMix64::new(seed);
     // Keys with a few large channels, like real models; values Gaussian.
-    let keys: Vec<f32> = (0..n_kv * n * d)
-        .map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 })
-        .collect();
+    let keys: Vec<f32> =
+        (0..n_kv * n * d).map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 }).collect();
     let vals = rng.gaussian_vec(n_kv * n * d);
     // Two appends: a prefill chunk, then single tokens.
     let first = n * 2 / 3;
     let per = |x: &[f32], lo: usize, hi: usize| -> Vec<f32> {
-        (0..n_kv)
-            .flat_map(|h| x[(h * n + lo) * d..(h * n + hi) * d].to_vec())
-            .collect()
+        (0..n_kv).flat_map(|h| x[(h * n + lo) * d..(h * n + hi) * d].to_vec()).collect()
     };
-    cache
-        .append(0, &per(&keys, 0, first), &per(&vals, 0, first), first)
-        .unwrap();
+    cache.append(0, &per(&keys, 0, first), &per(&vals, 0, first), first).unwrap();
     for t in first..n {
-        cache
-            .append(0, &per(&keys, t, t + 1), &per(&vals, t, t + 1), 1)
-            .unwrap();
+        cache.append(0, &per(&keys, t, t + 1), &per(&vals, t, t + 1), 1).unwrap();
     }
     cache
 }
@@ -63,10 +48,7 @@ fn fused_matches_reference_everywhere() {
                             let want = decode_attention_ref(&cache, 0, &q, n_kv * gqa).unwrap();
                             let e = rel_err(&got, &want);
                             worst = worst.max(e);
-                            assert!(
-                                e <= 1e-4,
-                                "K {kf} V {vf} d={d} gqa={gqa} n={n} R={recent}: rel err {e}"
-                            );
+                            assert!(e <= 1e-4, "K {kf} V {vf} d={d} gqa={gqa} n={n} R={recent}: rel err {e}");
                         }
                     }
                 }
@@ -91,14 +73,8 @@ fn attention_error_shrinks_with_bits() {
             rel_err(&decode_attention(&comp, 0, &q, 4).unwrap(), &a)
         })
         .collect();
-    assert!(
-        errs.windows(2).all(|w| w[1] < w[0]),
-        "errors by bits 1..4: {errs:?}"
-    );
-    assert!(
-        errs[3] > 1e-4,
-        "compression must change something: {errs:?}"
-    );
+    assert!(errs.windows(2).all(|w| w[1] < w[0]), "errors by bits 1..4: {errs:?}");
+    assert!(errs[3] > 1e-4, "compression must change something: {errs:?}");
 }
 
 #[test]
@@ -106,31 +82,13 @@ fn attention_bad_input_is_a_typed_error() {
     let fp = FormatSpec::parse("fp16").unwrap();
     let empty = PagedCache::new(CacheConfig::new(2, 2, 64, fp.clone(), fp.clone())).unwrap();
     let q = vec![0.1f32; 4 * 64];
-    assert_eq!(
-        decode_attention(&empty, 1, &q, 4),
-        Err(VqError::EmptyCache { layer: 1 })
-    );
-    assert!(matches!(
-        decode_attention(&empty, 2, &q, 4),
-        Err(VqError::OutOfRange { .. })
-    ));
+    assert_eq!(decode_attention(&empty, 1, &q, 4), Err(VqError::EmptyCache { layer: 1 }));
+    assert!(matches!(decode_attention(&empty, 2, &q, 4), Err(VqError::OutOfRange { .. })));
     let cache = filled(&fp, &fp, 64, 2, 0, 40, 1);
-    assert!(matches!(
-        decode_attention(&cache, 0, &q[1..], 4),
-        Err(VqError::ShapeMismatch { .. })
-    ));
-    assert!(matches!(
-        decode_attention(&cache, 0, &q[..3 * 64], 3),
-        Err(VqError::InvalidConfig(_))
-    ));
+    assert!(matches!(decode_attention(&cache, 0, &q[1..], 4), Err(VqError::ShapeMismatch { .. })));
+    assert!(matches!(decode_attention(&cache, 0, &q[..3 * 64], 3), Err(VqError::InvalidConfig(_))));
     let mut bad = q.clone();
     bad[5] = f32::NAN;
-    assert!(matches!(
-        decode_attention(&cache, 0, &bad, 4),
-        Err(VqError::NonFinite { .. })
-    ));
-    assert!(matches!(
-        decode_attention_ref(&cache, 0, &bad, 4),
-        Err(VqError::NonFinite { .. })
-    ));
+    assert!(matches!(decode_attention(&cache, 0, &bad, 4), Err(VqError::NonFinite { .. })));
+    assert!(matches!(decode_attention_ref(&cache, 0, &bad, 4), Err(VqError::NonFinite { .. })));
 }

@@ -4,13 +4,7 @@ use veloxquant::rng::SplitMix64;
 use veloxquant::{CacheConfig, FormatSpec, PagedCache, VqError};
 
 fn cfg(k: &str, v: &str, recent: usize) -> CacheConfig {
-    let mut c = CacheConfig::new(
-        2,
-        3,
-        64,
-        FormatSpec::parse(k).unwrap(),
-        FormatSpec::parse(v).unwrap(),
-    );
+    let mut c = CacheConfig::new(2, 3, 64, FormatSpec::parse(k).unwrap(), FormatSpec::parse(v).unwrap());
     c.recent = recent;
     c
 }
@@ -22,23 +16,12 @@ fn pages_follow_the_recent_window_rule() {
         let mut rng = SplitMix64::new(1);
         let mut n = 0;
         for step in [1, 31, 1, 40, 200, 3] {
-            cache
-                .append(
-                    1,
-                    &rng.gaussian_vec(3 * step * 64),
-                    &rng.gaussian_vec(3 * step * 64),
-                    step,
-                )
-                .unwrap();
+            cache.append(1, &rng.gaussian_vec(3 * step * 64), &rng.gaussian_vec(3 * step * 64), step).unwrap();
             n += step;
             let l = cache.layer(1).unwrap();
             let paged = l.keys[0].pages().len() * 32;
             // T·⌊max(0, n − R)/T⌋ tokens paged, the rest (≥ R of them) exact in the tail.
-            assert_eq!(
-                paged,
-                n.saturating_sub(recent) / 32 * 32,
-                "R={recent} n={n}"
-            );
+            assert_eq!(paged, n.saturating_sub(recent) / 32 * 32, "R={recent} n={n}");
             assert_eq!(paged + l.keys[0].tail_tokens(), n);
             assert!(l.values[2].tail_tokens() >= recent.min(n));
             assert_eq!(cache.n_tokens(1).unwrap(), n);
@@ -58,9 +41,7 @@ fn chunked_and_token_by_token_appends_store_identical_pages() {
     a.append(0, &k, &v, n).unwrap();
     for t in 0..n {
         let pick = |x: &[f32]| -> Vec<f32> {
-            (0..3)
-                .flat_map(|h| x[(h * n + t) * 64..(h * n + t + 1) * 64].to_vec())
-                .collect()
+            (0..3).flat_map(|h| x[(h * n + t) * 64..(h * n + t + 1) * 64].to_vec()).collect()
         };
         b.append(0, &pick(&k), &pick(&v), 1).unwrap();
     }
@@ -78,23 +59,13 @@ fn resident_bytes_is_the_sum_of_the_buffers() {
     let fresh = cache.resident_bytes();
     let mut rng = SplitMix64::new(2);
     let n = 1000;
-    cache
-        .append(
-            0,
-            &rng.gaussian_vec(3 * n * 64),
-            &rng.gaussian_vec(3 * n * 64),
-            n,
-        )
-        .unwrap();
+    cache.append(0, &rng.gaussian_vec(3 * n * 64), &rng.gaussian_vec(3 * n * 64), n).unwrap();
     let grown = cache.resident_bytes() - fresh;
     // Independent count: 31 pages per head; K page = 32·(32 B codes + 2 B norm), V page = 32·128 B.
     let pages = (n - 8) / 32;
     let per_page_overhead = 16 + 16; // Arc counters + page-table entry (lower bound)
     let payload = 3 * pages * (32 * 34 + 32 * 128);
-    assert!(
-        grown >= payload + 3 * 2 * pages * per_page_overhead,
-        "{grown} < payload {payload}"
-    );
+    assert!(grown >= payload + 3 * 2 * pages * per_page_overhead, "{grown} < payload {payload}");
     // Page-table capacity may round up to a power of two: at most 2× the entries.
     assert!(grown <= payload + 3 * 2 * pages * (16 + 2 * 16), "{grown}");
     // Effective bits include the fp16 tail: above the page format's own bits.
@@ -109,27 +80,14 @@ fn resident_bytes_is_the_sum_of_the_buffers() {
 fn append_rejects_bad_input_without_storing() {
     let mut cache = PagedCache::new(cfg("turboquant_mse:2", "fp16", 0)).unwrap();
     let good = vec![0.5f32; 3 * 64];
-    assert!(matches!(
-        cache.append(0, &good[1..], &good, 1),
-        Err(VqError::ShapeMismatch { .. })
-    ));
-    assert!(matches!(
-        cache.append(0, &good, &good, 2),
-        Err(VqError::ShapeMismatch { .. })
-    ));
-    assert!(matches!(
-        cache.append(5, &good, &good, 1),
-        Err(VqError::OutOfRange { .. })
-    ));
+    assert!(matches!(cache.append(0, &good[1..], &good, 1), Err(VqError::ShapeMismatch { .. })));
+    assert!(matches!(cache.append(0, &good, &good, 2), Err(VqError::ShapeMismatch { .. })));
+    assert!(matches!(cache.append(5, &good, &good, 1), Err(VqError::OutOfRange { .. })));
     let mut bad = good.clone();
     bad[64 + 3] = f32::INFINITY;
     assert_eq!(
         cache.append(0, &good, &bad, 1),
-        Err(VqError::NonFinite {
-            what: "appended values",
-            token: 1,
-            channel: 3
-        })
+        Err(VqError::NonFinite { what: "appended values", token: 1, channel: 3 })
     );
     assert_eq!(cache.n_tokens(0).unwrap(), 0);
     assert!(matches!(

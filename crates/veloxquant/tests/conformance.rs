@@ -11,12 +11,7 @@ use veloxquant::{FormatSpec, VqError};
 const T: usize = 32;
 
 fn ctx(d: usize) -> FormatCtx {
-    FormatCtx {
-        head_dim: d,
-        page_tokens: T,
-        stream: Stream::Keys,
-        seed: 42,
-    }
+    FormatCtx { head_dim: d, page_tokens: T, stream: Stream::Keys, seed: 42 }
 }
 
 /// Bits/value each format must report (side information counted), by hand from the layout.
@@ -41,11 +36,7 @@ fn mse_budget(spec: &FormatSpec) -> (f64, f64) {
         ("turboquant_mse", b) => {
             let d = [0.363380, 0.117482, 0.034548, 0.009501][b as usize - 1];
             // EDEN rescales ŷ by 1/⟨y,ŷ⟩ ≈ 1/(1 − D): unbiased inner products, MSE D/(1 − D).
-            let d = if spec.norm == veloxquant::NormMode::Eden {
-                d / (1.0 - d)
-            } else {
-                d
-            };
+            let d = if spec.norm == veloxquant::NormMode::Eden { d / (1.0 - d) } else { d };
             // Finite d sits a few % below the d → ∞ value (REFERENCE.md §2: 0.0334 at d = 64).
             (d * 0.93, d * 1.05)
         }
@@ -62,10 +53,7 @@ fn sizes_match_descriptor() {
             let want = expected_bits(&spec, d);
             let got = f.bits_per_value();
             // Rows are padded to whole u32 words; at these d no padding is needed.
-            assert!(
-                (got - want).abs() < 1e-9,
-                "{spec} d={d}: {got} bits/value, want {want}"
-            );
+            assert!((got - want).abs() < 1e-9, "{spec} d={d}: {got} bits/value, want {want}");
         }
     }
 }
@@ -83,19 +71,12 @@ fn round_trip_error_within_budget() {
                 let x: Vec<f32> = (0..T).flat_map(|_| rng.unit_vec(d)).collect();
                 f.encode_page(&x, &mut page).unwrap();
                 f.decode_page(&page, &mut back);
-                se += x
-                    .iter()
-                    .zip(&back)
-                    .map(|(a, b)| ((a - b) as f64).powi(2))
-                    .sum::<f64>();
+                se += x.iter().zip(&back).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>();
                 n += T;
             }
             let mse = se / n as f64;
             let (lo, hi) = mse_budget(&spec);
-            assert!(
-                mse >= lo && mse <= hi,
-                "{spec} d={d}: mse {mse} outside [{lo}, {hi}]"
-            );
+            assert!(mse >= lo && mse <= hi, "{spec} d={d}: mse {mse} outside [{lo}, {hi}]");
         }
     }
 }
@@ -122,19 +103,11 @@ fn fused_verbs_match_reference_decode() {
                         let k = &k;
                         let q = &q;
                         (0..T).map(move |t| {
-                            q[h * d..(h + 1) * d]
-                                .iter()
-                                .zip(&k[t * d..(t + 1) * d])
-                                .map(|(a, b)| a * b)
-                                .sum::<f32>()
+                            q[h * d..(h + 1) * d].iter().zip(&k[t * d..(t + 1) * d]).map(|(a, b)| a * b).sum::<f32>()
                         })
                     })
                     .collect();
-                assert!(
-                    rel_err(&s, &want) < 1e-5,
-                    "{spec} d={d} g={g} scores {}",
-                    rel_err(&s, &want)
-                );
+                assert!(rel_err(&s, &want) < 1e-5, "{spec} d={d} g={g} scores {}", rel_err(&s, &want));
                 // accumulate + finish vs weighted sum of decoded values
                 let w: Vec<f32> = (0..g * T).map(|_| rng.next_f64() as f32).collect();
                 let mut acc = vec![0f32; g * d];
@@ -148,11 +121,7 @@ fn fused_verbs_match_reference_decode() {
                         }
                     }
                 }
-                assert!(
-                    rel_err(&acc, &want) < 1e-5,
-                    "{spec} d={d} g={g} accumulate {}",
-                    rel_err(&acc, &want)
-                );
+                assert!(rel_err(&acc, &want) < 1e-5, "{spec} d={d} g={g} accumulate {}", rel_err(&acc, &want));
             }
         }
     }
@@ -174,50 +143,22 @@ fn encode_is_deterministic_and_seeded() {
 
 #[test]
 fn bad_input_is_a_typed_error() {
-    assert!(matches!(
-        FormatSpec::parse("turboquant_mse:5"),
-        Err(VqError::UnsupportedBits { bits: 5, .. })
-    ));
-    assert!(matches!(
-        FormatSpec::parse("nope"),
-        Err(VqError::UnknownFormat(_))
-    ));
-    assert!(matches!(
-        FormatSpec::parse("fp16:rot"),
-        Err(VqError::InvalidSpec { .. })
-    ));
+    assert!(matches!(FormatSpec::parse("turboquant_mse:5"), Err(VqError::UnsupportedBits { bits: 5, .. })));
+    assert!(matches!(FormatSpec::parse("nope"), Err(VqError::UnknownFormat(_))));
+    assert!(matches!(FormatSpec::parse("fp16:rot"), Err(VqError::InvalidSpec { .. })));
     let q4 = FormatSpec::parse("q4_0").unwrap();
-    assert!(matches!(
-        q4.build(&ctx(80)),
-        Err(VqError::UnsupportedHeadDim { d: 80, .. })
-    ));
+    assert!(matches!(q4.build(&ctx(80)), Err(VqError::UnsupportedHeadDim { d: 80, .. })));
     for spec in all_specs() {
-        assert!(
-            matches!(
-                spec.build(&ctx(0)),
-                Err(VqError::UnsupportedHeadDim { d: 0, .. })
-            ),
-            "{spec}"
-        );
+        assert!(matches!(spec.build(&ctx(0)), Err(VqError::UnsupportedHeadDim { d: 0, .. })), "{spec}");
         let f = spec.build(&ctx(64)).unwrap();
         let mut page = vec![0u8; f.page_bytes()];
         let mut x = vec![0.5f32; T * 64];
-        assert!(matches!(
-            f.encode_page(&x[1..], &mut page),
-            Err(VqError::ShapeMismatch { .. })
-        ));
-        assert!(matches!(
-            f.encode_page(&x, &mut page[1..]),
-            Err(VqError::ShapeMismatch { .. })
-        ));
+        assert!(matches!(f.encode_page(&x[1..], &mut page), Err(VqError::ShapeMismatch { .. })));
+        assert!(matches!(f.encode_page(&x, &mut page[1..]), Err(VqError::ShapeMismatch { .. })));
         x[70] = f32::NAN;
         assert_eq!(
             f.encode_page(&x, &mut page),
-            Err(VqError::NonFinite {
-                what: "encode_page input",
-                token: 1,
-                channel: 6
-            })
+            Err(VqError::NonFinite { what: "encode_page input", token: 1, channel: 6 })
         );
         x[70] = f32::INFINITY;
         assert!(f.encode_page(&x, &mut page).is_err());
@@ -240,22 +181,14 @@ fn zero_vectors_decode_to_zero() {
 fn non_power_of_two_head_dims_work() {
     // d = 80 and 112 use the dense rotation (formats without 32-blocks only).
     for d in [80, 112] {
-        let f = FormatSpec::parse("turboquant_mse:3")
-            .unwrap()
-            .build(&ctx(d))
-            .unwrap();
+        let f = FormatSpec::parse("turboquant_mse:3").unwrap().build(&ctx(d)).unwrap();
         let mut rng = SplitMix64::new(5);
         let x: Vec<f32> = (0..T).flat_map(|_| rng.unit_vec(d)).collect();
         let mut page = vec![0u8; f.page_bytes()];
         f.encode_page(&x, &mut page).unwrap();
         let mut back = vec![0f32; T * d];
         f.decode_page(&page, &mut back);
-        let mse = x
-            .iter()
-            .zip(&back)
-            .map(|(a, b)| ((a - b) as f64).powi(2))
-            .sum::<f64>()
-            / T as f64;
+        let mse = x.iter().zip(&back).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>() / T as f64;
         assert!(mse < 0.034548 * 1.2, "d={d} mse {mse}");
     }
 }

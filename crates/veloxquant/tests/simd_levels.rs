@@ -9,10 +9,7 @@ use veloxquant::rng::SplitMix64;
 fn kinds(d: usize) -> Vec<RowKind> {
     let mut k = vec![RowKind::F16, RowKind::Q8_0, RowKind::Q4_0];
     for bits in 1..=4 {
-        k.push(RowKind::Codes {
-            bits,
-            table: ScaledCodebook::new(bits, d).table16(),
-        });
+        k.push(RowKind::Codes { bits, table: ScaledCodebook::new(bits, d).table16() });
     }
     k
 }
@@ -50,8 +47,7 @@ fn every_level_matches_scalar() {
                     }
                     if let Some(o) = l.scales_at {
                         for i in 0..t {
-                            p[o + 2 * i..o + 2 * i + 2]
-                                .copy_from_slice(&half::f16::from_f32(1.5).to_le_bytes());
+                            p[o + 2 * i..o + 2 * i + 2].copy_from_slice(&half::f16::from_f32(1.5).to_le_bytes());
                         }
                     }
                     p

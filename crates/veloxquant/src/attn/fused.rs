@@ -20,12 +20,7 @@ use crate::format::QueryState;
 const MIN_PAGES_PER_TASK: usize = 8;
 
 /// q: [n_heads][d] → [n_heads][d]. Softmax scale 1/√d.
-pub fn decode_attention(
-    cache: &PagedCache,
-    layer: usize,
-    q: &[f32],
-    n_heads: usize,
-) -> Result<Vec<f32>> {
+pub fn decode_attention(cache: &PagedCache, layer: usize, q: &[f32], n_heads: usize) -> Result<Vec<f32>> {
     let g = check_query(cache, layer, q, n_heads)?;
     let d = cache.config().head_dim;
     let lc = cache.layer(layer)?;
@@ -34,27 +29,16 @@ pub fn decode_attention(
     let n_kv = lc.keys.len();
     let n_pages = lc.keys[0].pages().len();
 
-    let prepared: Vec<QueryState> = (0..n_kv)
-        .map(|h| {
-            lc.keys[h]
-                .format()
-                .prepare_query(&q_scaled[h * g * d..(h + 1) * g * d], g)
-        })
-        .collect();
+    let prepared: Vec<QueryState> =
+        (0..n_kv).map(|h| lc.keys[h].format().prepare_query(&q_scaled[h * g * d..(h + 1) * g * d], g)).collect();
 
     let threads = rayon::current_num_threads().max(1);
     let per_task = MIN_PAGES_PER_TASK.max((n_pages * n_kv).div_ceil(threads * 4));
     let tasks: Vec<(usize, usize, usize)> = (0..n_kv)
-        .flat_map(|h| {
-            (0..n_pages)
-                .step_by(per_task)
-                .map(move |p| (h, p, (p + per_task).min(n_pages)))
-        })
+        .flat_map(|h| (0..n_pages).step_by(per_task).map(move |p| (h, p, (p + per_task).min(n_pages))))
         .collect();
-    let partials: Vec<Partial> = tasks
-        .par_iter()
-        .map(|&(h, p0, p1)| pages_partial(&lc.keys[h], &lc.values[h], &prepared[h], p0, p1))
-        .collect();
+    let partials: Vec<Partial> =
+        tasks.par_iter().map(|&(h, p0, p1)| pages_partial(&lc.keys[h], &lc.values[h], &prepared[h], p0, p1)).collect();
 
     let mut out = vec![0f32; n_heads * d];
     let mut it = tasks.iter().zip(partials).peekable();
@@ -65,24 +49,13 @@ pub fn decode_attention(
             acc.merge(&p);
         }
         lc.values[h].format().finish(&mut acc.acc, g);
-        acc.merge(&tail_partial(
-            &lc.keys[h],
-            &lc.values[h],
-            &q_scaled[h * g * d..(h + 1) * g * d],
-            g,
-        ));
+        acc.merge(&tail_partial(&lc.keys[h], &lc.values[h], &q_scaled[h * g * d..(h + 1) * g * d], g));
         acc.output(&mut out[h * g * d..(h + 1) * g * d]);
     }
     Ok(out)
 }
 
-fn pages_partial(
-    ks: &StreamStore,
-    vs: &StreamStore,
-    qs: &QueryState,
-    p0: usize,
-    p1: usize,
-) -> Partial {
+fn pages_partial(ks: &StreamStore, vs: &StreamStore, qs: &QueryState, p0: usize, p1: usize) -> Partial {
     let (kf, vf) = (ks.format(), vs.format());
     let (g, d, t) = (qs.n_q, kf.head_dim(), kf.page_tokens());
     let mut part = Partial::empty(g, d);

@@ -13,12 +13,7 @@ use crate::cache::PagedCache;
 use crate::error::{Result, VqError};
 
 /// Shape checks shared by both paths: q is [n_heads][d]; n_heads a multiple of n_kv_heads.
-pub(crate) fn check_query(
-    cache: &PagedCache,
-    layer: usize,
-    q: &[f32],
-    n_heads: usize,
-) -> Result<usize> {
+pub(crate) fn check_query(cache: &PagedCache, layer: usize, q: &[f32], n_heads: usize) -> Result<usize> {
     let cfg = cache.config();
     let lc = cache.layer(layer)?;
     if n_heads == 0 || !n_heads.is_multiple_of(cfg.n_kv_heads) {
@@ -28,19 +23,11 @@ pub(crate) fn check_query(
         )));
     }
     if q.len() != n_heads * cfg.head_dim {
-        return Err(VqError::ShapeMismatch {
-            op: "decode query",
-            expected: n_heads * cfg.head_dim,
-            got: q.len(),
-        });
+        return Err(VqError::ShapeMismatch { op: "decode query", expected: n_heads * cfg.head_dim, got: q.len() });
     }
     if q.iter().any(|v| !v.is_finite()) {
         let i = q.iter().position(|v| !v.is_finite()).unwrap_or(0);
-        return Err(VqError::NonFinite {
-            what: "query",
-            token: i / cfg.head_dim,
-            channel: i % cfg.head_dim,
-        });
+        return Err(VqError::NonFinite { what: "query", token: i / cfg.head_dim, channel: i % cfg.head_dim });
     }
     if lc.n_tokens() == 0 {
         return Err(VqError::EmptyCache { layer });

@@ -18,12 +18,7 @@ pub fn materialize(s: &StreamStore) -> Vec<f32> {
 }
 
 /// q: [n_heads][d] → [n_heads][d]. Softmax scale 1/√d.
-pub fn decode_attention_ref(
-    cache: &PagedCache,
-    layer: usize,
-    q: &[f32],
-    n_heads: usize,
-) -> Result<Vec<f32>> {
+pub fn decode_attention_ref(cache: &PagedCache, layer: usize, q: &[f32], n_heads: usize) -> Result<Vec<f32>> {
     let g = check_query(cache, layer, q, n_heads)?;
     let d = cache.config().head_dim;
     let lc = cache.layer(layer)?;
@@ -35,13 +30,7 @@ pub fn decode_attention_ref(
         for h in kvh * g..(kvh + 1) * g {
             let qh = &q[h * d..(h + 1) * d];
             let s: Vec<f64> = (0..n)
-                .map(|t| {
-                    qh.iter()
-                        .zip(&k[t * d..(t + 1) * d])
-                        .map(|(a, b)| *a as f64 * *b as f64)
-                        .sum::<f64>()
-                        * scale
-                })
+                .map(|t| qh.iter().zip(&k[t * d..(t + 1) * d]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale)
                 .collect();
             let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();

@@ -13,13 +13,7 @@ pub struct Partial {
 
 impl Partial {
     pub fn empty(g: usize, d: usize) -> Self {
-        Self {
-            g,
-            d,
-            m: vec![f32::NEG_INFINITY; g],
-            l: vec![0.0; g],
-            acc: vec![0.0; g * d],
-        }
+        Self { g, d, m: vec![f32::NEG_INFINITY; g], l: vec![0.0; g], acc: vec![0.0; g * d] }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -32,11 +26,7 @@ impl Partial {
         for h in 0..self.g {
             let row = &s[h * n..(h + 1) * n];
             let m_new = row.iter().fold(self.m[h], |a, &b| a.max(b));
-            let alpha = if self.m[h] == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (self.m[h] - m_new).exp()
-            };
+            let alpha = if self.m[h] == f32::NEG_INFINITY { 0.0 } else { (self.m[h] - m_new).exp() };
             let mut sum = 0.0;
             for (wi, &si) in w[h * n..(h + 1) * n].iter_mut().zip(row) {
                 *wi = (si - m_new).exp();
@@ -45,9 +35,7 @@ impl Partial {
             self.l[h] = self.l[h] * alpha + sum;
             self.m[h] = m_new;
             if alpha != 1.0 {
-                self.acc[h * self.d..(h + 1) * self.d]
-                    .iter_mut()
-                    .for_each(|a| *a *= alpha);
+                self.acc[h * self.d..(h + 1) * self.d].iter_mut().for_each(|a| *a *= alpha);
             }
         }
     }
@@ -59,18 +47,11 @@ impl Partial {
                 continue;
             }
             let m = self.m[h].max(o.m[h]);
-            let a = if self.l[h] == 0.0 {
-                0.0
-            } else {
-                (self.m[h] - m).exp()
-            };
+            let a = if self.l[h] == 0.0 { 0.0 } else { (self.m[h] - m).exp() };
             let b = (o.m[h] - m).exp();
             self.l[h] = self.l[h] * a + o.l[h] * b;
             self.m[h] = m;
-            let (x, y) = (
-                &mut self.acc[h * self.d..(h + 1) * self.d],
-                &o.acc[h * self.d..(h + 1) * self.d],
-            );
+            let (x, y) = (&mut self.acc[h * self.d..(h + 1) * self.d], &o.acc[h * self.d..(h + 1) * self.d]);
             x.iter_mut().zip(y).for_each(|(p, q)| *p = *p * a + q * b);
         }
     }
@@ -78,15 +59,8 @@ impl Partial {
     /// acc / l per head.
     pub fn output(&self, out: &mut [f32]) {
         for h in 0..self.g {
-            let inv = if self.l[h] > 0.0 {
-                1.0 / self.l[h]
-            } else {
-                0.0
-            };
-            for (o, a) in out[h * self.d..(h + 1) * self.d]
-                .iter_mut()
-                .zip(&self.acc[h * self.d..(h + 1) * self.d])
-            {
+            let inv = if self.l[h] > 0.0 { 1.0 / self.l[h] } else { 0.0 };
+            for (o, a) in out[h * self.d..(h + 1) * self.d].iter_mut().zip(&self.acc[h * self.d..(h + 1) * self.d]) {
                 *o = a * inv;
             }
         }
@@ -100,16 +74,12 @@ mod tests {
     #[test]
     fn split_and_merge_equals_one_pass() {
         let (g, d, n) = (2, 3, 10);
-        let s: Vec<f32> = (0..g * n)
-            .map(|i| ((i * 7 % 11) as f32) * 0.3 - 1.0)
-            .collect();
+        let s: Vec<f32> = (0..g * n).map(|i| ((i * 7 % 11) as f32) * 0.3 - 1.0).collect();
         let v: Vec<f32> = (0..n * d).map(|i| (i % 5) as f32 - 2.0).collect();
         let run = |lo: usize, hi: usize| {
             let mut p = Partial::empty(g, d);
             let m = hi - lo;
-            let sub: Vec<f32> = (0..g)
-                .flat_map(|h| s[h * n + lo..h * n + hi].to_vec())
-                .collect();
+            let sub: Vec<f32> = (0..g).flat_map(|h| s[h * n + lo..h * n + hi].to_vec()).collect();
             let mut w = vec![0.0; g * m];
             p.absorb_scores(&sub, m, &mut w);
             for h in 0..g {

@@ -38,23 +38,8 @@ pub struct CacheConfig {
 }
 
 impl CacheConfig {
-    pub fn new(
-        n_layers: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
-        k: FormatSpec,
-        v: FormatSpec,
-    ) -> Self {
-        Self {
-            n_layers,
-            n_kv_heads,
-            head_dim,
-            page_tokens: DEFAULT_PAGE_TOKENS,
-            recent: 0,
-            k,
-            v,
-            seed: 0x5EED,
-        }
+    pub fn new(n_layers: usize, n_kv_heads: usize, head_dim: usize, k: FormatSpec, v: FormatSpec) -> Self {
+        Self { n_layers, n_kv_heads, head_dim, page_tokens: DEFAULT_PAGE_TOKENS, recent: 0, k, v, seed: 0x5EED }
     }
 
     /// Tokens held in pages once `n` tokens have been appended.
@@ -86,9 +71,7 @@ pub struct PagedCache {
 impl PagedCache {
     pub fn new(cfg: CacheConfig) -> Result<Self> {
         if cfg.n_layers == 0 || cfg.n_kv_heads == 0 {
-            return Err(VqError::InvalidConfig(
-                "n_layers and n_kv_heads must be > 0".into(),
-            ));
+            return Err(VqError::InvalidConfig("n_layers and n_kv_heads must be > 0".into()));
         }
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
@@ -96,23 +79,14 @@ impl PagedCache {
                 (0..cfg.n_kv_heads)
                     .map(|h| {
                         let seed = derive_seed(cfg.seed, &[l as u64, h as u64, s]);
-                        let ctx = FormatCtx {
-                            head_dim: cfg.head_dim,
-                            page_tokens: cfg.page_tokens,
-                            stream,
-                            seed,
-                        };
+                        let ctx = FormatCtx { head_dim: cfg.head_dim, page_tokens: cfg.page_tokens, stream, seed };
                         Ok(StreamStore::new(spec.build(&ctx)?, cfg.recent))
                     })
                     .collect()
             };
             let keys = mk(&cfg.k, Stream::Keys, 0)?;
             let values = mk(&cfg.v, Stream::Values, 1)?;
-            layers.push(LayerCache {
-                keys,
-                values,
-                n_tokens: 0,
-            });
+            layers.push(LayerCache { keys, values, n_tokens: 0 });
         }
         Ok(Self { cfg, layers })
     }
@@ -122,11 +96,7 @@ impl PagedCache {
     }
 
     pub fn layer(&self, layer: usize) -> Result<&LayerCache> {
-        self.layers.get(layer).ok_or(VqError::OutOfRange {
-            what: "layer",
-            index: layer,
-            len: self.layers.len(),
-        })
+        self.layers.get(layer).ok_or(VqError::OutOfRange { what: "layer", index: layer, len: self.layers.len() })
     }
 
     pub fn n_tokens(&self, layer: usize) -> Result<usize> {
@@ -138,18 +108,11 @@ impl PagedCache {
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()> {
         let (h, d) = (self.cfg.n_kv_heads, self.cfg.head_dim);
         let n_layers = self.layers.len();
-        let lc = self.layers.get_mut(layer).ok_or(VqError::OutOfRange {
-            what: "layer",
-            index: layer,
-            len: n_layers,
-        })?;
+        let lc =
+            self.layers.get_mut(layer).ok_or(VqError::OutOfRange { what: "layer", index: layer, len: n_layers })?;
         for (x, op) in [(k, "append keys"), (v, "append values")] {
             if x.len() != h * n_tokens * d {
-                return Err(VqError::ShapeMismatch {
-                    op,
-                    expected: h * n_tokens * d,
-                    got: x.len(),
-                });
+                return Err(VqError::ShapeMismatch { op, expected: h * n_tokens * d, got: x.len() });
             }
         }
         check_finite("appended keys", k, d)?;
@@ -169,33 +132,21 @@ impl PagedCache {
     }
 
     fn streams(&self) -> impl Iterator<Item = &StreamStore> {
-        self.layers
-            .iter()
-            .flat_map(|l| l.keys.iter().chain(&l.values))
+        self.layers.iter().flat_map(|l| l.keys.iter().chain(&l.values))
     }
 
     /// Bits per value of the K and V page formats, side information included.
     pub fn bits_per_value(&self) -> (f64, f64) {
         let l = &self.layers[0];
-        (
-            l.keys[0].format().bits_per_value(),
-            l.values[0].format().bits_per_value(),
-        )
+        (l.keys[0].format().bits_per_value(), l.values[0].format().bits_per_value())
     }
 
     /// Resident bits per stored value for K and V at the current length, counting the fp16
     /// tail and all state (what a user pays at this context).
     pub fn effective_bits(&self) -> (f64, f64) {
-        let n: usize = self.layers.iter().map(|l| l.n_tokens).sum::<usize>()
-            * self.cfg.n_kv_heads
-            * self.cfg.head_dim;
+        let n: usize = self.layers.iter().map(|l| l.n_tokens).sum::<usize>() * self.cfg.n_kv_heads * self.cfg.head_dim;
         let bits = |f: fn(&LayerCache) -> &Vec<StreamStore>| {
-            let b: usize = self
-                .layers
-                .iter()
-                .flat_map(|l| f(l).iter())
-                .map(StreamStore::resident_bytes)
-                .sum();
+            let b: usize = self.layers.iter().flat_map(|l| f(l).iter()).map(StreamStore::resident_bytes).sum();
             if n == 0 {
                 0.0
             } else {

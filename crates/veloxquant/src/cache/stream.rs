@@ -19,12 +19,7 @@ pub struct StreamStore {
 impl StreamStore {
     pub fn new(format: Arc<dyn Format>, recent: usize) -> Self {
         let cap = (recent + format.page_tokens()) * format.head_dim();
-        Self {
-            format,
-            pages: Vec::new(),
-            tail: Vec::with_capacity(cap),
-            recent,
-        }
+        Self { format, pages: Vec::new(), tail: Vec::with_capacity(cap), recent }
     }
 
     pub fn format(&self) -> &dyn Format {
@@ -51,8 +46,7 @@ impl StreamStore {
         while !rest.is_empty() {
             let room = cap_tokens - self.tail_tokens();
             let take = room.min(rest.len() / d);
-            self.tail
-                .extend(rest[..take * d].iter().map(|&v| f16::from_f32(v)));
+            self.tail.extend(rest[..take * d].iter().map(|&v| f16::from_f32(v)));
             rest = &rest[take * d..];
             self.flush()?;
         }
@@ -75,10 +69,7 @@ impl StreamStore {
     /// Pages + page table + tail capacity + format state, as allocated.
     pub fn resident_bytes(&self) -> usize {
         const ARC_HEADER: usize = 2 * std::mem::size_of::<usize>();
-        self.pages
-            .iter()
-            .map(|p| p.len() + ARC_HEADER)
-            .sum::<usize>()
+        self.pages.iter().map(|p| p.len() + ARC_HEADER).sum::<usize>()
             + self.pages.capacity() * std::mem::size_of::<Arc<[u8]>>()
             + self.tail.capacity() * 2
             + self.format.state_bytes()

@@ -25,10 +25,7 @@ pub fn simd_level() -> SimdLevel {
     static LEVEL: OnceLock<SimdLevel> = OnceLock::new();
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
             return SimdLevel::Avx2;
         }
         SimdLevel::Scalar
@@ -59,23 +56,14 @@ pub fn accumulate(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [
 }
 
 /// [`scores`] on a chosen level; a level the CPU lacks falls back to scalar.
-pub fn scores_at(
-    level: SimdLevel,
-    l: &RowLayout,
-    q: &[f32],
-    n_q: usize,
-    page: &[u8],
-    out: &mut [f32],
-) {
+pub fn scores_at(level: SimdLevel, l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
     assert!(page.len() >= l.page_bytes() && q.len() >= n_q * l.d && out.len() >= n_q * l.t);
     #[cfg(target_arch = "x86_64")]
     if available_levels().contains(&level) {
         match level {
             // SAFETY: the level's features were detected at run time; the assert above gives
             // the buffer sizes the kernels' unchecked loads rely on.
-            SimdLevel::Avx512 if l.d.is_multiple_of(16) => {
-                return unsafe { x86_512::scores(l, q, n_q, page, out) }
-            }
+            SimdLevel::Avx512 if l.d.is_multiple_of(16) => return unsafe { x86_512::scores(l, q, n_q, page, out) },
             SimdLevel::Avx512 | SimdLevel::Avx2 if l.d.is_multiple_of(8) => {
                 return unsafe { x86::scores(l, q, n_q, page, out) }
             }
@@ -86,22 +74,13 @@ pub fn scores_at(
 }
 
 /// [`accumulate`] on a chosen level; a level the CPU lacks falls back to scalar.
-pub fn accumulate_at(
-    level: SimdLevel,
-    l: &RowLayout,
-    w: &[f32],
-    n_q: usize,
-    page: &[u8],
-    acc: &mut [f32],
-) {
+pub fn accumulate_at(level: SimdLevel, l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
     assert!(page.len() >= l.page_bytes() && w.len() >= n_q * l.t && acc.len() >= n_q * l.d);
     #[cfg(target_arch = "x86_64")]
     if available_levels().contains(&level) {
         match level {
             // SAFETY: as in `scores_at`.
-            SimdLevel::Avx512 if l.d.is_multiple_of(16) => {
-                return unsafe { x86_512::accumulate(l, w, n_q, page, acc) }
-            }
+            SimdLevel::Avx512 if l.d.is_multiple_of(16) => return unsafe { x86_512::accumulate(l, w, n_q, page, acc) },
             SimdLevel::Avx512 | SimdLevel::Avx2 if l.d.is_multiple_of(8) => {
                 return unsafe { x86::accumulate(l, w, n_q, page, acc) }
             }

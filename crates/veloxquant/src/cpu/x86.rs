@@ -29,16 +29,7 @@ unsafe fn tabs(l: &RowLayout) -> Tabs {
     Tabs {
         lo: _mm256_loadu_ps(table.as_ptr()),
         hi: _mm256_loadu_ps(table.as_ptr().add(8)),
-        shifts: _mm256_setr_epi32(
-            0,
-            bits,
-            2 * bits,
-            3 * bits,
-            4 * bits,
-            5 * bits,
-            6 * bits,
-            7 * bits,
-        ),
+        shifts: _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits),
         mask: _mm256_set1_epi32((1 << bits) - 1),
     }
 }
@@ -46,9 +37,7 @@ unsafe fn tabs(l: &RowLayout) -> Tabs {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn f16_at(p: *const u8) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-        p.cast::<u16>().read_unaligned() as i32,
-    )))
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32)))
 }
 
 /// Values 8k..8k+8 of the row starting at `row`, without the per-token scale.
@@ -67,20 +56,13 @@ unsafe fn load8<const K: u8, const B: u32>(row: *const u8, k: usize, t: &Tabs) -
             let blk = row.add((k / 4) * Q4_BLOCK_BYTES);
             let j = k % 4;
             let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(blk.add(2 + 8 * (j % 2)).cast()));
-            let n = if j < 2 {
-                _mm256_and_si256(b, _mm256_set1_epi32(0xF))
-            } else {
-                _mm256_srli_epi32(b, 4)
-            };
+            let n = if j < 2 { _mm256_and_si256(b, _mm256_set1_epi32(0xF)) } else { _mm256_srli_epi32(b, 4) };
             let q = _mm256_sub_epi32(n, _mm256_set1_epi32(8));
             _mm256_mul_ps(_mm256_cvtepi32_ps(q), _mm256_set1_ps(f16_at(blk)))
         }
         _ => {
             let w = row.add(k * B as usize).cast::<u32>().read_unaligned();
-            let idx = _mm256_and_si256(
-                _mm256_srlv_epi32(_mm256_set1_epi32(w as i32), t.shifts),
-                t.mask,
-            );
+            let idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(w as i32), t.shifts), t.mask);
             let lo = _mm256_permutevar8x32_ps(t.lo, idx);
             if B <= 3 {
                 lo
@@ -102,13 +84,7 @@ unsafe fn hsum(v: __m256) -> f32 {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_k<const K: u8, const B: u32>(
-    l: &RowLayout,
-    q: &[f32],
-    n_q: usize,
-    page: &[u8],
-    out: &mut [f32],
-) {
+unsafe fn scores_k<const K: u8, const B: u32>(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
     let tb = tabs(l);
     let nk = l.d / 8;
     for h0 in (0..n_q).step_by(MAX_G) {
@@ -134,13 +110,7 @@ unsafe fn scores_k<const K: u8, const B: u32>(
 /// Chunk-outer: each 8-wide slice of the G accumulators stays in registers across all T
 /// tokens of the page; weights (× the token's scale) are broadcast from memory.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate_k<const K: u8, const B: u32>(
-    l: &RowLayout,
-    w: &[f32],
-    n_q: usize,
-    page: &[u8],
-    acc: &mut [f32],
-) {
+unsafe fn accumulate_k<const K: u8, const B: u32>(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
     let tb = tabs(l);
     let nk = l.d / 8;
     let mut ws = vec![0f32; MAX_G * l.t];

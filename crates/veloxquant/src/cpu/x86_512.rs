@@ -52,9 +52,7 @@ unsafe fn tabs(l: &RowLayout) -> Tabs {
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
 unsafe fn f16_at(p: *const u8) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-        p.cast::<u16>().read_unaligned() as i32,
-    )))
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32)))
 }
 
 /// Values 16k..16k+16 of the row at `row`, without the per-token scale.
@@ -71,11 +69,8 @@ unsafe fn load16<const K: u8, const B: u32>(row: *const u8, k: usize, t: &Tabs) 
         Q4 => {
             let blk = row.add((k / 2) * Q4_BLOCK_BYTES);
             let b = _mm512_cvtepu8_epi32(_mm_loadu_si128(blk.add(2).cast()));
-            let n = if k.is_multiple_of(2) {
-                _mm512_and_si512(b, _mm512_set1_epi32(0xF))
-            } else {
-                _mm512_srli_epi32(b, 4)
-            };
+            let n =
+                if k.is_multiple_of(2) { _mm512_and_si512(b, _mm512_set1_epi32(0xF)) } else { _mm512_srli_epi32(b, 4) };
             let q = _mm512_sub_epi32(n, _mm512_set1_epi32(8));
             _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(f16_at(blk)))
         }
@@ -94,13 +89,7 @@ unsafe fn load16<const K: u8, const B: u32>(row: *const u8, k: usize, t: &Tabs) 
 /// Two tokens per step (each q chunk loaded once feeds both); per-token accumulators are
 /// folded to 8 lanes and parked, then reduced 8 tokens at a time by a transpose-add.
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn scores_k<const K: u8, const B: u32>(
-    l: &RowLayout,
-    q: &[f32],
-    n_q: usize,
-    page: &[u8],
-    out: &mut [f32],
-) {
+unsafe fn scores_k<const K: u8, const B: u32>(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
     let tb = tabs(l);
     let nk = l.d / 16;
     let mut park = vec![0f32; MAX_G * l.t * 8];
@@ -153,10 +142,7 @@ unsafe fn scores_k<const K: u8, const B: u32>(
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
 #[inline]
 unsafe fn fold8(v: __m512) -> __m256 {
-    _mm256_add_ps(
-        _mm512_castps512_ps256(v),
-        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
-    )
+    _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
 }
 
 /// Eight parked 8-lane vectors (rows of 8 floats at p) → their eight horizontal sums.
@@ -170,20 +156,11 @@ unsafe fn transpose_sum8(p: *const f32) -> __m256 {
     let t3 = _mm256_hadd_ps(r(6), r(7));
     let u0 = _mm256_hadd_ps(t0, t1);
     let u1 = _mm256_hadd_ps(t2, t3);
-    _mm256_add_ps(
-        _mm256_permute2f128_ps(u0, u1, 0x20),
-        _mm256_permute2f128_ps(u0, u1, 0x31),
-    )
+    _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31))
 }
 
 #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-unsafe fn accumulate_k<const K: u8, const B: u32>(
-    l: &RowLayout,
-    w: &[f32],
-    n_q: usize,
-    page: &[u8],
-    acc: &mut [f32],
-) {
+unsafe fn accumulate_k<const K: u8, const B: u32>(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
     let tb = tabs(l);
     let nk = l.d / 16;
     let mut ws = vec![0f32; MAX_G * l.t];

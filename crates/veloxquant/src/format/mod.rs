@@ -42,15 +42,10 @@ pub struct FormatDesc {
 }
 
 /// Every format, in display order.
-pub static REGISTRY: &[&FormatDesc] =
-    &[&fp16::DESC, &q8_0::DESC, &q4_0::DESC, &turboquant_mse::DESC];
+pub static REGISTRY: &[&FormatDesc] = &[&fp16::DESC, &q8_0::DESC, &q4_0::DESC, &turboquant_mse::DESC];
 
 pub fn lookup(name: &str) -> Result<&'static FormatDesc> {
-    REGISTRY
-        .iter()
-        .copied()
-        .find(|d| d.name == name)
-        .ok_or_else(|| VqError::UnknownFormat(name.into()))
+    REGISTRY.iter().copied().find(|d| d.name == name).ok_or_else(|| VqError::UnknownFormat(name.into()))
 }
 
 /// How a norm is stored: the plain ‖x‖, or EDEN-corrected ‖x‖/⟨y,ŷ⟩ which makes the inner
@@ -80,16 +75,8 @@ impl FormatSpec {
     pub fn parse(s: &str) -> Result<Self> {
         let mut parts = s.trim().split(':');
         let desc = lookup(parts.next().unwrap_or(""))?;
-        let mut spec = Self {
-            name: desc.name,
-            bits: desc.default_bits,
-            rotate: false,
-            norm: NormMode::Plain,
-        };
-        let bad = |why: String| VqError::InvalidSpec {
-            spec: s.into(),
-            why,
-        };
+        let mut spec = Self { name: desc.name, bits: desc.default_bits, rotate: false, norm: NormMode::Plain };
+        let bad = |why: String| VqError::InvalidSpec { spec: s.into(), why };
         for p in parts {
             match p {
                 "rot" if desc.rotatable => spec.rotate = true,
@@ -113,11 +100,7 @@ impl FormatSpec {
 
     pub fn build(&self, ctx: &FormatCtx) -> Result<Arc<dyn Format>> {
         if ctx.head_dim == 0 {
-            return Err(VqError::UnsupportedHeadDim {
-                format: self.name.into(),
-                d: 0,
-                why: "d must be > 0",
-            });
+            return Err(VqError::UnsupportedHeadDim { format: self.name.into(), d: 0, why: "d must be > 0" });
         }
         if ctx.page_tokens == 0 {
             return Err(VqError::InvalidConfig("page size T must be > 0".into()));
@@ -252,11 +235,7 @@ pub trait Format: Send + Sync + fmt::Debug {
 pub fn check_finite(what: &'static str, x: &[f32], d: usize) -> Result<()> {
     match x.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
-        Some(i) => Err(VqError::NonFinite {
-            what,
-            token: i / d.max(1),
-            channel: i % d.max(1),
-        }),
+        Some(i) => Err(VqError::NonFinite { what, token: i / d.max(1), channel: i % d.max(1) }),
     }
 }
 

@@ -24,10 +24,7 @@ pub static DESC: FormatDesc = FormatDesc {
 };
 
 fn encode_row(_: &RowFormat, x: &[f32], out: &mut [u8]) -> f32 {
-    for (blk, o) in x
-        .chunks_exact(QBLOCK)
-        .zip(out.chunks_exact_mut(Q4_BLOCK_BYTES))
-    {
+    for (blk, o) in x.chunks_exact(QBLOCK).zip(out.chunks_exact_mut(Q4_BLOCK_BYTES)) {
         let (mut amax, mut max) = (0f32, 0f32);
         for &v in blk {
             if amax < v.abs() {

@@ -24,10 +24,7 @@ pub static DESC: FormatDesc = FormatDesc {
 };
 
 fn encode_row(_: &RowFormat, x: &[f32], out: &mut [u8]) -> f32 {
-    for (blk, o) in x
-        .chunks_exact(QBLOCK)
-        .zip(out.chunks_exact_mut(Q8_BLOCK_BYTES))
-    {
+    for (blk, o) in x.chunks_exact(QBLOCK).zip(out.chunks_exact_mut(Q8_BLOCK_BYTES)) {
         let amax = blk.iter().fold(0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };

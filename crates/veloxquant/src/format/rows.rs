@@ -49,13 +49,7 @@ impl RowLayout {
             RowKind::Codes { bits, .. } => pack::packed_bytes(d, *bits),
         };
         let scales_at = matches!(kind, RowKind::Codes { .. }).then_some(row_bytes * t);
-        Self {
-            kind,
-            d,
-            t,
-            row_bytes,
-            scales_at,
-        }
+        Self { kind, d, t, row_bytes, scales_at }
     }
 
     pub fn page_bytes(&self) -> usize {
@@ -95,10 +89,7 @@ impl RowLayout {
                 }
             }
             RowKind::Q8_0 => {
-                for (blk, o) in row
-                    .chunks_exact(Q8_BLOCK_BYTES)
-                    .zip(out.chunks_exact_mut(QBLOCK))
-                {
+                for (blk, o) in row.chunks_exact(Q8_BLOCK_BYTES).zip(out.chunks_exact_mut(QBLOCK)) {
                     let s = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
                     for (v, &q) in o.iter_mut().zip(&blk[2..]) {
                         *v = s * (q as i8) as f32;
@@ -107,10 +98,7 @@ impl RowLayout {
             }
             RowKind::Q4_0 => {
                 // llama.cpp layout: byte j holds element j (low nibble) and j+16 (high).
-                for (blk, o) in row
-                    .chunks_exact(Q4_BLOCK_BYTES)
-                    .zip(out.chunks_exact_mut(QBLOCK))
-                {
+                for (blk, o) in row.chunks_exact(Q4_BLOCK_BYTES).zip(out.chunks_exact_mut(QBLOCK)) {
                     let s = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
                     for j in 0..16 {
                         o[j] = s * ((blk[2 + j] & 0xF) as i32 - 8) as f32;
@@ -172,54 +160,33 @@ pub struct RowFormat {
 }
 
 impl RowFormat {
-    pub fn build(
-        spec: &FormatSpec,
-        ctx: &FormatCtx,
-        kind: RowKind,
-        encode_row: RowEncoder,
-    ) -> Result<Arc<dyn Format>> {
-        let rot = if spec.rotate {
-            Some(Rotation::new(ctx.head_dim, ctx.seed)?)
-        } else {
-            None
-        };
+    pub fn build(spec: &FormatSpec, ctx: &FormatCtx, kind: RowKind, encode_row: RowEncoder) -> Result<Arc<dyn Format>> {
+        let rot = if spec.rotate { Some(Rotation::new(ctx.head_dim, ctx.seed)?) } else { None };
         let codebook = match &kind {
             RowKind::Codes { bits, .. } => Some(ScaledCodebook::new(*bits, ctx.head_dim)),
             _ => None,
         };
         let layout = RowLayout::new(kind, ctx.head_dim, ctx.page_tokens);
-        Ok(Arc::new(Self {
-            spec: spec.clone(),
-            layout,
-            rot,
-            codebook,
-            encode_row,
-        }))
+        Ok(Arc::new(Self { spec: spec.clone(), layout, rot, codebook, encode_row }))
     }
 
     /// Formats built on llama.cpp-style blocks of 32 need d to be a multiple of 32.
     pub fn require_blocks(spec: &FormatSpec, d: usize) -> Result<()> {
         if !d.is_multiple_of(QBLOCK) {
-            return Err(VqError::UnsupportedHeadDim {
-                format: spec.to_string(),
-                d,
-                why: "needs a multiple of 32",
-            });
+            return Err(VqError::UnsupportedHeadDim { format: spec.to_string(), d, why: "needs a multiple of 32" });
         }
         Ok(())
     }
 
     fn rotate_rows(&self, x: &mut [f32]) {
         if let Some(r) = &self.rot {
-            x.chunks_exact_mut(self.layout.d)
-                .for_each(|row| r.apply(row));
+            x.chunks_exact_mut(self.layout.d).for_each(|row| r.apply(row));
         }
     }
 
     fn unrotate_rows(&self, x: &mut [f32]) {
         if let Some(r) = &self.rot {
-            x.chunks_exact_mut(self.layout.d)
-                .for_each(|row| r.apply_inverse(row));
+            x.chunks_exact_mut(self.layout.d).for_each(|row| r.apply_inverse(row));
         }
     }
 }
@@ -243,10 +210,7 @@ impl Format for RowFormat {
             Some(Rotation::Dense { m, .. }) => m.len() * 4,
             None => 0,
         };
-        rot + self
-            .codebook
-            .as_ref()
-            .map_or(0, |c| (c.centroids.len() + c.thresholds.len()) * 4)
+        rot + self.codebook.as_ref().map_or(0, |c| (c.centroids.len() + c.thresholds.len()) * 4)
     }
 
     fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {

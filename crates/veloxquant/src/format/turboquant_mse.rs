@@ -27,26 +27,14 @@ pub static DESC: FormatDesc = FormatDesc {
         let mut spec = spec.clone();
         spec.rotate = true;
         let table = ScaledCodebook::new(spec.bits, ctx.head_dim).table16();
-        RowFormat::build(
-            &spec,
-            ctx,
-            RowKind::Codes {
-                bits: spec.bits,
-                table,
-            },
-            encode_row,
-        )
+        RowFormat::build(&spec, ctx, RowKind::Codes { bits: spec.bits, table }, encode_row)
     },
 };
 
 fn encode_row(f: &RowFormat, r: &[f32], out: &mut [u8]) -> f32 {
     let cb = f.codebook.as_ref().expect("Codes layouts carry a codebook");
     let norm = sum_sq_canonical(r).sqrt();
-    let y: Vec<f32> = if norm > 0.0 {
-        r.iter().map(|v| v / norm).collect()
-    } else {
-        vec![0.0; r.len()]
-    };
+    let y: Vec<f32> = if norm > 0.0 { r.iter().map(|v| v / norm).collect() } else { vec![0.0; r.len()] };
     let codes: Vec<u8> = y.iter().map(|&v| cb.quantize(v)).collect();
     pack::pack(&codes, cb.bits, out).expect("row buffer sized by the layout");
     match f.spec.norm {
