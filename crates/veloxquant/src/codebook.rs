@@ -96,11 +96,10 @@ impl ScaledCodebook {
         self.thresholds.iter().filter(|&&t| t < y).count() as u8
     }
 
-    /// Centroids padded to 16 entries (the SIMD table lookup reads 16).
+    /// Centroids repeated to fill 16 entries: entry i = centroid (i mod 2^b), so a SIMD
+    /// lookup may index with 4 bits of which only the low b are the code.
     pub fn table16(&self) -> [f32; 16] {
-        let mut t = [0f32; 16];
-        t[..self.centroids.len()].copy_from_slice(&self.centroids);
-        t
+        std::array::from_fn(|i| self.centroids[i % self.centroids.len()])
     }
 }
 

@@ -1,6 +1,6 @@
-//! AVX-512F kernels: 16 values per step. The 16-entry centroid table of a ≤ 4-bit code is
-//! one `vpermps` lookup, so a TurboQuant code chunk decodes in ~6 µops (two broadcast
-//! loads, one insert, shift, mask, permute) — the AVX2 path needs two permutes and a blend
+//! AVX-512 (F + VBMI) kernels: 16 values per step. The 16-entry centroid table of a ≤ 4-bit
+//! code is one `vpermps` lookup, so a TurboQuant code chunk decodes in 3 µops (qword
+//! broadcast load, multishift, permute) — the AVX2 path needs two permutes and a blend
 //! for 8 values. Same semantics and layouts as `x86.rs`; selected when the CPU has AVX-512F.
 
 use std::arch::x86_64::*;
@@ -15,48 +15,31 @@ const MAX_G: usize = 8;
 
 struct Tabs {
     table: __m512,
-    shifts: __m512i,
-    mask: __m512i,
+    /// multishift control: byte 4i of the result takes the 8 bits at offset B·i.
+    ctrl: __m512i,
 }
 
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
 unsafe fn tabs(l: &RowLayout) -> Tabs {
     let (b, table) = match &l.kind {
-        RowKind::Codes { bits, table } => (*bits as i32, *table),
+        RowKind::Codes { bits, table } => (*bits as usize, *table),
         _ => (0, [0f32; 16]),
     };
-    Tabs {
-        table: _mm512_loadu_ps(table.as_ptr()),
-        shifts: _mm512_setr_epi32(
-            0,
-            b,
-            2 * b,
-            3 * b,
-            4 * b,
-            5 * b,
-            6 * b,
-            7 * b,
-            0,
-            b,
-            2 * b,
-            3 * b,
-            4 * b,
-            5 * b,
-            6 * b,
-            7 * b,
-        ),
-        mask: _mm512_set1_epi32((1 << b) - 1),
+    let mut ctrl = [0u8; 64];
+    for i in 0..16 {
+        ctrl[4 * i] = (b * i) as u8;
     }
+    Tabs { table: _mm512_loadu_ps(table.as_ptr()), ctrl: _mm512_loadu_si512(ctrl.as_ptr().cast()) }
 }
 
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
 #[inline]
 unsafe fn f16_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32)))
 }
 
 /// Values 16k..16k+16 of the row at `row`, without the per-token scale.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
 #[inline]
 unsafe fn load16<const K: u8, const B: u32>(row: *const u8, k: usize, t: &Tabs) -> __m512 {
     match K {
@@ -75,20 +58,19 @@ unsafe fn load16<const K: u8, const B: u32>(row: *const u8, k: usize, t: &Tabs) 
             _mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(f16_at(blk)))
         }
         _ => {
-            // Codes 16k..16k+8 start at byte 2kB, codes 16k+8.. at byte 2kB + B.
-            let p = row.add(2 * k * B as usize);
-            let w0 = _mm256_castps_si256(_mm256_broadcast_ss(&*p.cast::<f32>()));
-            let w1 = _mm256_castps_si256(_mm256_broadcast_ss(&*p.add(B as usize).cast::<f32>()));
-            let w = _mm512_inserti64x4(_mm512_castsi256_si512(w0), w1, 1);
-            let idx = _mm512_and_si512(_mm512_srlv_epi32(w, t.shifts), t.mask);
-            _mm512_permutexvar_ps(idx, t.table)
+            // Codes 16k..16k+16 are the 16·B bits at byte 2kB: broadcast that qword, let
+            // multishift move code i to the low byte of dword i, and look up. vpermps reads
+            // only an index's low 4 bits and the table repeats every 2^B entries, so the
+            // neighbouring codes left in the upper bits need no mask.
+            let w = _mm512_set1_epi64(row.add(2 * k * B as usize).cast::<i64>().read_unaligned());
+            _mm512_permutexvar_ps(_mm512_multishift_epi64_epi8(t.ctrl, w), t.table)
         }
     }
 }
 
 /// Two tokens per step (each q chunk loaded once feeds both); per-token accumulators are
 /// folded to 8 lanes and parked, then reduced 8 tokens at a time by a transpose-add.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
 unsafe fn scores_k<const K: u8, const B: u32>(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
     let tb = tabs(l);
     let nk = l.d / 16;
@@ -139,14 +121,14 @@ unsafe fn scores_k<const K: u8, const B: u32>(l: &RowLayout, q: &[f32], n_q: usi
     }
 }
 
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
 #[inline]
 unsafe fn fold8(v: __m512) -> __m256 {
     _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))
 }
 
 /// Eight parked 8-lane vectors (rows of 8 floats at p) → their eight horizontal sums.
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
 #[inline]
 unsafe fn transpose_sum8(p: *const f32) -> __m256 {
     let r = |i: usize| _mm256_loadu_ps(p.add(8 * i));
@@ -159,7 +141,7 @@ unsafe fn transpose_sum8(p: *const f32) -> __m256 {
     _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31))
 }
 
-#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
 unsafe fn accumulate_k<const K: u8, const B: u32>(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
     let tb = tabs(l);
     let nk = l.d / 16;
@@ -205,9 +187,9 @@ macro_rules! dispatch {
     };
 }
 
-/// SAFETY (caller): AVX-512F, AVX2, FMA and F16C are available; d % 16 == 0; `page` holds
-/// `l.page_bytes()` bytes (a code load reads ≤ 3 bytes past a row, inside the page's scale
-/// area); q/out/acc hold n_q·d / n_q·T floats.
+/// SAFETY (caller): AVX-512F/VBMI, AVX2, FMA and F16C are available; d % 16 == 0; `page`
+/// holds `l.page_bytes()` bytes (a code load reads ≤ 7 bytes past a row, inside the page's
+/// ≥ 8-byte scale area); q/out/acc hold n_q·d / n_q·T floats.
 pub unsafe fn scores(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
     dispatch!(l, scores_k, q, n_q, page, out)
 }

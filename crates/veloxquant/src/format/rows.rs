@@ -55,7 +55,8 @@ impl RowLayout {
     pub fn page_bytes(&self) -> usize {
         let rows = self.row_bytes * self.t;
         match self.scales_at {
-            Some(_) => (rows + 2 * self.t).div_ceil(4) * 4,
+            // ≥ 8 bytes after the last row: the SIMD code loads read a whole qword.
+            Some(_) => (rows + (2 * self.t).max(8)).div_ceil(4) * 4,
             None => rows,
         }
     }
