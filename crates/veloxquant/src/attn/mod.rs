@@ -7,7 +7,7 @@ mod reference;
 pub mod state;
 
 pub use fused::decode_attention;
-pub use reference::decode_attention_ref;
+pub use reference::{decode_attention_ref, materialize, materialize_pages};
 
 use crate::cache::PagedCache;
 use crate::error::{Result, VqError};

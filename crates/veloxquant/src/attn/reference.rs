@@ -5,14 +5,20 @@ use super::check_query;
 use crate::cache::{PagedCache, StreamStore};
 use crate::error::Result;
 
-/// All keys (or values) of one stream as n × d f32, pages first, then the tail.
-pub fn materialize(s: &StreamStore) -> Vec<f32> {
+/// Every page of one stream decoded by the format's reference decoder: paged tokens × d.
+pub fn materialize_pages(s: &StreamStore) -> Vec<f32> {
     let f = s.format();
     let per_page = f.page_tokens() * f.head_dim();
     let mut out = vec![0f32; s.pages().len() * per_page];
     for (p, o) in s.pages().iter().zip(out.chunks_exact_mut(per_page)) {
         f.decode_page(p, o);
     }
+    out
+}
+
+/// All keys (or values) of one stream as n × d f32, pages first, then the tail.
+pub fn materialize(s: &StreamStore) -> Vec<f32> {
+    let mut out = materialize_pages(s);
     out.extend(s.tail().iter().map(|v| v.to_f32()));
     out
 }
