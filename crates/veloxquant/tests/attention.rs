@@ -9,8 +9,23 @@ use veloxquant::rng::SplitMix64;
 use veloxquant::{CacheConfig, FormatSpec, PagedCache, VqError};
 
 fn filled(k: &FormatSpec, v: &FormatSpec, d: usize, n_kv: usize, recent: usize, n: usize, seed: u64) -> PagedCache {
+    filled_mode(k, v, d, n_kv, recent, n, seed, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn filled_mode(
+    k: &FormatSpec,
+    v: &FormatSpec,
+    d: usize,
+    n_kv: usize,
+    recent: usize,
+    n: usize,
+    seed: u64,
+    rows: bool,
+) -> PagedCache {
     let mut cfg = CacheConfig::new(1, n_kv, d, k.clone(), v.clone());
     cfg.recent = recent;
+    cfg.encode_rows = rows;
     let mut cache = PagedCache::new(cfg).unwrap();
     let mut rng = SplitMix64::new(seed);
     // Keys with a few large channels, like real models; values Gaussian.
@@ -40,15 +55,18 @@ fn fused_matches_reference_everywhere() {
             for d in [64, 128, 96] {
                 for gqa in [1, 3, 4] {
                     for n in [1, 17, 97, 200] {
-                        for recent in [0, 32] {
+                        for (recent, rows) in [(0, true), (32, true), (0, false), (32, false)] {
                             let n_kv = 2;
-                            let cache = filled(kf, vf, d, n_kv, recent, n, (d * n + gqa) as u64);
+                            let cache = filled_mode(kf, vf, d, n_kv, recent, n, (d * n + gqa) as u64, rows);
                             let q = SplitMix64::new(n as u64).gaussian_vec(n_kv * gqa * d);
                             let got = decode_attention(&cache, 0, &q, n_kv * gqa).unwrap();
                             let want = decode_attention_ref(&cache, 0, &q, n_kv * gqa).unwrap();
                             let e = rel_err(&got, &want);
                             worst = worst.max(e);
-                            assert!(e <= 1e-4, "K {kf} V {vf} d={d} gqa={gqa} n={n} R={recent}: rel err {e}");
+                            assert!(
+                                e <= 1e-4,
+                                "K {kf} V {vf} d={d} gqa={gqa} n={n} R={recent} rows={rows}: rel err {e}"
+                            );
                         }
                     }
                 }

@@ -10,9 +10,51 @@ fn cfg(k: &str, v: &str, recent: usize) -> CacheConfig {
 }
 
 #[test]
-fn pages_follow_the_recent_window_rule() {
+fn row_mode_keeps_exactly_the_recent_window_in_fp16() {
     for recent in [0, 5, 32, 100] {
         let mut cache = PagedCache::new(cfg("turboquant_mse:3", "q4_0", recent)).unwrap();
+        assert!(cache.row_mode());
+        let mut rng = SplitMix64::new(1);
+        let mut n = 0;
+        for step in [1, 31, 1, 40, 200, 3] {
+            cache.append(1, &rng.gaussian_vec(3 * step * 64), &rng.gaussian_vec(3 * step * 64), step).unwrap();
+            n += step;
+            let l = cache.layer(1).unwrap();
+            assert_eq!(l.keys[0].paged_tokens(), n.saturating_sub(recent), "R={recent} n={n}");
+            assert_eq!(l.values[2].tail_tokens(), recent.min(n));
+            assert_eq!(cache.paged_tokens(n), n.saturating_sub(recent));
+            assert_eq!(l.keys[0].pages().len(), n.saturating_sub(recent).div_ceil(32));
+        }
+    }
+}
+
+#[test]
+fn row_mode_and_page_mode_store_identical_full_pages() {
+    let mut rng = SplitMix64::new(8);
+    let n = 200;
+    let (k, v) = (rng.gaussian_vec(3 * n * 64), rng.gaussian_vec(3 * n * 64));
+    let mut rows = PagedCache::new(cfg("turboquant_mse:4:eden", "q8_0:rot", 3)).unwrap();
+    let mut c = cfg("turboquant_mse:4:eden", "q8_0:rot", 3);
+    c.encode_rows = false;
+    let mut pages = PagedCache::new(c).unwrap();
+    assert!(rows.row_mode() && !pages.row_mode());
+    rows.append(0, &k, &v, n).unwrap();
+    pages.append(0, &k, &v, n).unwrap();
+    for h in 0..3 {
+        let (kr, vr) = rows.pages(0, h);
+        let (kp, vp) = pages.pages(0, h);
+        assert_eq!(kp.len(), (n - 3) / 32);
+        assert_eq!(&kr[..kp.len()], kp);
+        assert_eq!(&vr[..vp.len()], vp);
+    }
+}
+
+#[test]
+fn pages_follow_the_recent_window_rule() {
+    for recent in [0, 5, 32, 100] {
+        let mut c = cfg("turboquant_mse:3", "q4_0", recent);
+        c.encode_rows = false;
+        let mut cache = PagedCache::new(c).unwrap();
         let mut rng = SplitMix64::new(1);
         let mut n = 0;
         for step in [1, 31, 1, 40, 200, 3] {
@@ -55,7 +97,9 @@ fn chunked_and_token_by_token_appends_store_identical_pages() {
 
 #[test]
 fn resident_bytes_is_the_sum_of_the_buffers() {
-    let mut cache = PagedCache::new(cfg("turboquant_mse:4", "fp16", 8)).unwrap();
+    let mut c = cfg("turboquant_mse:4", "fp16", 8);
+    c.encode_rows = false;
+    let mut cache = PagedCache::new(c).unwrap();
     let fresh = cache.resident_bytes();
     let mut rng = SplitMix64::new(2);
     let n = 1000;

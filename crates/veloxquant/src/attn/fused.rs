@@ -61,8 +61,10 @@ fn pages_partial(ks: &StreamStore, vs: &StreamStore, qs: &QueryState, p0: usize,
     let mut part = Partial::empty(g, d);
     let (mut s, mut w) = (vec![0f32; g * t], vec![0f32; g * t]);
     for p in p0..p1 {
+        // An open page's unfilled rows are zero bytes (finite); they get weight 0.
+        let rows = ks.rows_in_page(p);
         kf.scores(qs, &ks.pages()[p], &mut s);
-        part.absorb_scores(&s, t, &mut w);
+        part.absorb_scores(&s, t, rows, &mut w);
         vf.accumulate(&w, g, &vs.pages()[p], &mut part.acc);
     }
     part
@@ -79,7 +81,7 @@ fn tail_partial(ks: &StreamStore, vs: &StreamStore, q: &[f32], g: usize) -> Part
     let layout = RowLayout::new(RowKind::F16, d, n);
     let (mut s, mut w) = (vec![0f32; g * n], vec![0f32; g * n]);
     layout.scores(q, g, f16_bytes(ks.tail()), &mut s);
-    part.absorb_scores(&s, n, &mut w);
+    part.absorb_scores(&s, n, n, &mut w);
     layout.accumulate(&w, g, f16_bytes(vs.tail()), &mut part.acc);
     part
 }

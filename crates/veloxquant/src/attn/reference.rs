@@ -13,6 +13,7 @@ pub fn materialize_pages(s: &StreamStore) -> Vec<f32> {
     for (p, o) in s.pages().iter().zip(out.chunks_exact_mut(per_page)) {
         f.decode_page(p, o);
     }
+    out.truncate(s.paged_tokens() * f.head_dim());
     out
 }
 

@@ -20,15 +20,17 @@ impl Partial {
         self.l.iter().all(|&l| l == 0.0)
     }
 
-    /// Fold in scores s (g × n) of n new keys: rescales the accumulator and returns, in `w`,
-    /// the weights exp(s − m) the caller must now accumulate values with.
-    pub fn absorb_scores(&mut self, s: &[f32], n: usize, w: &mut [f32]) {
+    /// Fold in scores of n new keys (s[h·stride + t], t < n): rescales the accumulator and
+    /// returns, in `w` (same stride), the weights exp(s − m) the caller must now accumulate
+    /// values with; w[h·stride + t] = 0 for t ≥ n.
+    pub fn absorb_scores(&mut self, s: &[f32], stride: usize, n: usize, w: &mut [f32]) {
         for h in 0..self.g {
-            let row = &s[h * n..(h + 1) * n];
+            let row = &s[h * stride..h * stride + n];
+            w[h * stride + n..(h + 1) * stride].fill(0.0);
             let m_new = row.iter().fold(self.m[h], |a, &b| a.max(b));
             let alpha = if self.m[h] == f32::NEG_INFINITY { 0.0 } else { (self.m[h] - m_new).exp() };
             let mut sum = 0.0;
-            for (wi, &si) in w[h * n..(h + 1) * n].iter_mut().zip(row) {
+            for (wi, &si) in w[h * stride..h * stride + n].iter_mut().zip(row) {
                 *wi = (si - m_new).exp();
                 sum += *wi;
             }
@@ -81,7 +83,7 @@ mod tests {
             let m = hi - lo;
             let sub: Vec<f32> = (0..g).flat_map(|h| s[h * n + lo..h * n + hi].to_vec()).collect();
             let mut w = vec![0.0; g * m];
-            p.absorb_scores(&sub, m, &mut w);
+            p.absorb_scores(&sub, m, m, &mut w);
             for h in 0..g {
                 for t in 0..m {
                     for j in 0..d {

@@ -35,16 +35,35 @@ pub struct CacheConfig {
     pub v: FormatSpec,
     /// Base seed; rotations are derived per (layer, head, stream).
     pub seed: u64,
+    /// Encode tokens one at a time when both formats allow it (row mode); false forces
+    /// whole-page encoding with an fp16 tail of up to R + T − 1 tokens.
+    pub encode_rows: bool,
 }
 
 impl CacheConfig {
     pub fn new(n_layers: usize, n_kv_heads: usize, head_dim: usize, k: FormatSpec, v: FormatSpec) -> Self {
-        Self { n_layers, n_kv_heads, head_dim, page_tokens: DEFAULT_PAGE_TOKENS, recent: 0, k, v, seed: 0x5EED }
+        Self {
+            n_layers,
+            n_kv_heads,
+            head_dim,
+            page_tokens: DEFAULT_PAGE_TOKENS,
+            recent: 0,
+            k,
+            v,
+            seed: 0x5EED,
+            encode_rows: true,
+        }
     }
 
-    /// Tokens held in pages once `n` tokens have been appended.
-    pub fn paged_tokens(&self, n: usize) -> usize {
-        n.saturating_sub(self.recent) / self.page_tokens * self.page_tokens
+    /// Tokens held in pages once `n` tokens have been appended (`row_mode`: see
+    /// [`PagedCache::row_mode`]).
+    pub fn paged_tokens(&self, n: usize, row_mode: bool) -> usize {
+        let old = n.saturating_sub(self.recent);
+        if row_mode {
+            old
+        } else {
+            old / self.page_tokens * self.page_tokens
+        }
     }
 }
 
@@ -66,6 +85,7 @@ impl LayerCache {
 pub struct PagedCache {
     cfg: CacheConfig,
     layers: Vec<LayerCache>,
+    row_mode: bool,
 }
 
 impl PagedCache {
@@ -73,26 +93,41 @@ impl PagedCache {
         if cfg.n_layers == 0 || cfg.n_kv_heads == 0 {
             return Err(VqError::InvalidConfig("n_layers and n_kv_heads must be > 0".into()));
         }
+        let build = |spec: &FormatSpec, stream: Stream, l: usize, h: usize| {
+            let seed = derive_seed(cfg.seed, &[l as u64, h as u64, stream as u64]);
+            spec.build(&FormatCtx { head_dim: cfg.head_dim, page_tokens: cfg.page_tokens, stream, seed })
+        };
+        // Row mode needs both streams row-granular (their pages must stay aligned).
+        let row_mode = cfg.encode_rows
+            && build(&cfg.k, Stream::Keys, 0, 0)?.row_granular()
+            && build(&cfg.v, Stream::Values, 0, 0)?.row_granular();
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
-            let mk = |spec: &FormatSpec, stream: Stream, s: u64| -> Result<Vec<StreamStore>> {
+            let mk = |spec: &FormatSpec, stream: Stream| -> Result<Vec<StreamStore>> {
                 (0..cfg.n_kv_heads)
-                    .map(|h| {
-                        let seed = derive_seed(cfg.seed, &[l as u64, h as u64, s]);
-                        let ctx = FormatCtx { head_dim: cfg.head_dim, page_tokens: cfg.page_tokens, stream, seed };
-                        Ok(StreamStore::new(spec.build(&ctx)?, cfg.recent))
-                    })
+                    .map(|h| Ok(StreamStore::new(build(spec, stream, l, h)?, cfg.recent, row_mode)))
                     .collect()
             };
-            let keys = mk(&cfg.k, Stream::Keys, 0)?;
-            let values = mk(&cfg.v, Stream::Values, 1)?;
+            let keys = mk(&cfg.k, Stream::Keys)?;
+            let values = mk(&cfg.v, Stream::Values)?;
             layers.push(LayerCache { keys, values, n_tokens: 0 });
         }
-        Ok(Self { cfg, layers })
+        Ok(Self { cfg, layers, row_mode })
     }
 
     pub fn config(&self) -> &CacheConfig {
         &self.cfg
+    }
+
+    /// Whether tokens are encoded one at a time as they leave the recent window (both
+    /// formats row-granular), rather than in whole pages of T.
+    pub fn row_mode(&self) -> bool {
+        self.row_mode
+    }
+
+    /// Tokens held in pages (through the codes) once `n` tokens have been appended.
+    pub fn paged_tokens(&self, n: usize) -> usize {
+        self.cfg.paged_tokens(n, self.row_mode)
     }
 
     pub fn layer(&self, layer: usize) -> Result<&LayerCache> {

@@ -189,6 +189,20 @@ pub trait Format: Send + Sync + fmt::Debug {
     /// Reference decode of one page to T×d f32.
     fn decode_page(&self, page: &[u8], out: &mut [f32]);
 
+    /// Whether rows (tokens) are encoded independently, so a page may be filled one token at
+    /// a time (`encode_row`) and the cache needs no fp16 tail beyond the recent window.
+    /// Formats with page-level groups (per-channel scales over T tokens) return false.
+    fn row_granular(&self) -> bool {
+        false
+    }
+
+    /// Encode one token's d values into row `row` of `page` (other rows untouched). Only
+    /// called when `row_granular()`; the bytes equal what `encode_page` writes for that row.
+    fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
+        let _ = (x, page, row);
+        Err(VqError::InvalidSpec { spec: self.spec().to_string(), why: "not row-granular".into() })
+    }
+
     /// Prepare n_q queries (n_q × d) for scoring; default: used as they are.
     fn prepare_query(&self, q: &[f32], n_q: usize) -> QueryState {
         QueryState { n_q, q: q.to_vec() }

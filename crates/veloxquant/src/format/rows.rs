@@ -157,18 +157,23 @@ pub struct RowFormat {
     pub rot: Option<Rotation>,
     /// Thresholds and centroids for `Codes` kinds.
     pub codebook: Option<ScaledCodebook>,
-    pub encode_row: RowEncoder,
+    pub row_encoder: RowEncoder,
 }
 
 impl RowFormat {
-    pub fn build(spec: &FormatSpec, ctx: &FormatCtx, kind: RowKind, encode_row: RowEncoder) -> Result<Arc<dyn Format>> {
+    pub fn build(
+        spec: &FormatSpec,
+        ctx: &FormatCtx,
+        kind: RowKind,
+        row_encoder: RowEncoder,
+    ) -> Result<Arc<dyn Format>> {
         let rot = if spec.rotate { Some(Rotation::new(ctx.head_dim, ctx.seed)?) } else { None };
         let codebook = match &kind {
             RowKind::Codes { bits, .. } => Some(ScaledCodebook::new(*bits, ctx.head_dim)),
             _ => None,
         };
         let layout = RowLayout::new(kind, ctx.head_dim, ctx.page_tokens);
-        Ok(Arc::new(Self { spec: spec.clone(), layout, rot, codebook, encode_row }))
+        Ok(Arc::new(Self { spec: spec.clone(), layout, rot, codebook, row_encoder }))
     }
 
     /// Formats built on llama.cpp-style blocks of 32 need d to be a multiple of 32.
@@ -177,6 +182,15 @@ impl RowFormat {
             return Err(VqError::UnsupportedHeadDim { format: spec.to_string(), d, why: "needs a multiple of 32" });
         }
         Ok(())
+    }
+
+    /// Rotate and encode one checked row into its bytes and scale slot.
+    fn encode_row_unchecked(&self, x: &[f32], page: &mut [u8], i: usize) {
+        let mut row = x.to_vec();
+        self.rotate_rows(&mut row);
+        let rb = self.layout.row_bytes;
+        let s = (self.row_encoder)(self, &row, &mut page[i * rb..(i + 1) * rb]);
+        self.layout.set_row_scale(page, i, s);
     }
 
     fn rotate_rows(&self, x: &mut [f32]) {
@@ -220,14 +234,24 @@ impl Format for RowFormat {
         check_len("encode_page output", self.page_bytes(), page.len())?;
         check_finite("encode_page input", x, d)?;
         page.fill(0);
-        let mut row = vec![0f32; d];
-        for i in 0..t {
-            row.copy_from_slice(&x[i * d..(i + 1) * d]);
-            self.rotate_rows(&mut row);
-            let rb = self.layout.row_bytes;
-            let s = (self.encode_row)(self, &row, &mut page[i * rb..(i + 1) * rb]);
-            self.layout.set_row_scale(page, i, s);
+        for (i, row) in x.chunks_exact(d).enumerate() {
+            self.encode_row_unchecked(row, page, i);
         }
+        Ok(())
+    }
+
+    fn row_granular(&self) -> bool {
+        true
+    }
+
+    fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
+        check_len("encode_row input", self.layout.d, x.len())?;
+        check_len("encode_row output", self.page_bytes(), page.len())?;
+        if row >= self.layout.t {
+            return Err(VqError::OutOfRange { what: "page row", index: row, len: self.layout.t });
+        }
+        check_finite("encode_row input", x, self.layout.d)?;
+        self.encode_row_unchecked(x, page, row);
         Ok(())
     }
 
