@@ -23,7 +23,7 @@ pub enum VqError {
         bits: u32,
         supported: &'static str,
     },
-    #[error("unknown format {0:?} (known: fp16, q8_0, q4_0, turboquant_mse)")]
+    #[error("unknown format {0:?} (see veloxquant::format::REGISTRY for the known names)")]
     UnknownFormat(String),
     #[error("invalid format spec {spec:?}: {why}")]
     InvalidSpec { spec: String, why: String },
@@ -41,6 +41,8 @@ pub enum VqError {
         index: usize,
         len: usize,
     },
+    #[error("{format} needs calibration vectors: {why}")]
+    MissingCalibration { format: String, why: String },
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
 }

@@ -59,12 +59,14 @@ pub fn decode_attention(
     let mut out = vec![0f32; n_heads * d];
     let mut it = tasks.iter().zip(partials).peekable();
     for h in 0..n_kv {
-        let mut acc = Partial::empty(g, d);
+        let vf = lc.values[h].format();
+        let mut acc = Partial::empty(g, vf.acc_width());
         while let Some(((th, _, _), p)) = it.next_if(|((th, _, _), _)| *th == h) {
             debug_assert_eq!(*th, h);
             acc.merge(&p);
         }
-        lc.values[h].format().finish(&mut acc.acc, g);
+        vf.finish(&mut acc.acc, g);
+        let mut acc = acc.narrowed(d);
         acc.merge(&tail_partial(
             &lc.keys[h],
             &lc.values[h],
@@ -84,8 +86,8 @@ fn pages_partial(
     p1: usize,
 ) -> Partial {
     let (kf, vf) = (ks.format(), vs.format());
-    let (g, d, t) = (qs.n_q, kf.head_dim(), kf.page_tokens());
-    let mut part = Partial::empty(g, d);
+    let (g, t) = (qs.n_q, kf.page_tokens());
+    let mut part = Partial::empty(g, vf.acc_width());
     let (mut s, mut w) = (vec![0f32; g * t], vec![0f32; g * t]);
     for p in p0..p1 {
         kf.scores(qs, &ks.pages()[p], &mut s);

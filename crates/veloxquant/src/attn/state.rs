@@ -22,6 +22,15 @@ impl Partial {
         }
     }
 
+    /// Keep the first g × d floats of the accumulator as a d-wide partial (after a value
+    /// format's `finish` has brought a wider accumulator back to d).
+    pub fn narrowed(mut self, d: usize) -> Self {
+        debug_assert!(d <= self.d);
+        self.acc.truncate(self.g * d);
+        self.d = d;
+        self
+    }
+
     pub fn is_empty(&self) -> bool {
         self.l.iter().all(|&l| l == 0.0)
     }

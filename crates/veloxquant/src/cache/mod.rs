@@ -8,6 +8,7 @@
 
 mod stream;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use stream::StreamStore;
@@ -32,6 +33,42 @@ pub struct CacheConfig {
     pub v: FormatSpec,
     /// Base seed; rotations are derived per (layer, head, stream).
     pub seed: u64,
+    /// Calibration vectors for calibrated formats (vecinfer); `None` for the others.
+    pub calibration: Option<Arc<Calibration>>,
+}
+
+/// Calibration vectors for calibrated formats, per (layer, KV head, stream): each set is
+/// `n × head_dim` f32 (e.g. keys of the model on calibration text, which must not be the
+/// evaluation text). A set given for a whole stream serves every (layer, head) that has no
+/// set of its own. The cache hands each format instance its set through
+/// [`FormatCtx::calibration`]; training happens once, when the cache is built.
+#[derive(Clone, Debug, Default)]
+pub struct Calibration {
+    sets: HashMap<(Option<(usize, usize)>, Stream), Arc<[f32]>>,
+}
+
+impl Calibration {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Vectors for one (layer, KV head, stream).
+    pub fn insert(&mut self, layer: usize, head: usize, stream: Stream, vectors: Vec<f32>) {
+        self.sets
+            .insert((Some((layer, head)), stream), vectors.into());
+    }
+
+    /// Vectors for every (layer, head) of a stream without a set of its own.
+    pub fn insert_for_all(&mut self, stream: Stream, vectors: Vec<f32>) {
+        self.sets.insert((None, stream), vectors.into());
+    }
+
+    pub fn get(&self, layer: usize, head: usize, stream: Stream) -> Option<Arc<[f32]>> {
+        self.sets
+            .get(&(Some((layer, head)), stream))
+            .or_else(|| self.sets.get(&(None, stream)))
+            .cloned()
+    }
 }
 
 impl CacheConfig {
@@ -51,6 +88,7 @@ impl CacheConfig {
             k,
             v,
             seed: 0x5EED,
+            calibration: None,
         }
     }
 
@@ -93,12 +131,9 @@ impl PagedCache {
                 (0..cfg.n_kv_heads)
                     .map(|h| {
                         let seed = derive_seed(cfg.seed, &[l as u64, h as u64, s]);
-                        let ctx = FormatCtx {
-                            head_dim: cfg.head_dim,
-                            page_tokens: cfg.page_tokens,
-                            stream,
-                            seed,
-                        };
+                        let mut ctx = FormatCtx::new(cfg.head_dim, cfg.page_tokens, stream, seed);
+                        ctx.calibration =
+                            cfg.calibration.as_ref().and_then(|c| c.get(l, h, stream));
                         Ok(StreamStore::new(spec.build(&ctx)?, cfg.recent))
                     })
                     .collect()

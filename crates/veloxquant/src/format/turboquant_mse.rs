@@ -37,6 +37,7 @@ pub static DESC: FormatDesc = FormatDesc {
             encode_row,
         )
     },
+    ..FormatDesc::BASE
 };
 
 fn encode_row(f: &RowFormat, r: &[f32], out: &mut [u8]) -> f32 {

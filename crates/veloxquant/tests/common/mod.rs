@@ -1,10 +1,26 @@
-//! Shared helpers for the integration tests: every registered format with each bit width.
+//! Shared helpers for the integration tests: every registered format with each parameter,
+//! calibration data for calibrated formats, and the explicit list of unsupported shapes.
 
-use veloxquant::format::{FormatSpec, REGISTRY};
+#![allow(dead_code)] // each test binary uses a different subset
 
-/// Every (format, bits, options) variant worth testing.
+use std::sync::Arc;
+
+use veloxquant::format::{FormatCtx, FormatSpec, Stream, REGISTRY};
+use veloxquant::rng::SplitMix64;
+use veloxquant::{CacheConfig, Calibration};
+
+/// Every format variant worth testing: each bit width with the other parameters at their
+/// defaults, then each other parameter value (bits2, sketch size, sketch kind, group,
+/// rotation, norm mode) varied one at a time.
 pub fn all_specs() -> Vec<FormatSpec> {
-    let mut out = Vec::new();
+    let mut out: Vec<FormatSpec> = Vec::new();
+    let mut push = |s: String| {
+        let spec = FormatSpec::parse(&s).unwrap();
+        assert_eq!(FormatSpec::parse(&spec.to_string()).unwrap(), spec, "{s}");
+        if !out.contains(&spec) {
+            out.push(spec);
+        }
+    };
     for desc in REGISTRY {
         let bits: Vec<Option<u32>> = if desc.bits.is_empty() {
             vec![None]
@@ -16,16 +32,81 @@ pub fn all_specs() -> Vec<FormatSpec> {
                 Some(b) => format!("{}:{b}", desc.name),
                 None => desc.name.to_string(),
             };
-            out.push(FormatSpec::parse(&base).unwrap());
+            push(base.clone());
             if desc.rotatable {
-                out.push(FormatSpec::parse(&format!("{base}:rot")).unwrap());
+                push(format!("{base}:rot"));
             }
             if desc.has_norm_mode {
-                out.push(FormatSpec::parse(&format!("{base}:eden")).unwrap());
+                push(format!("{base}:eden"));
             }
+            if desc.has_sketch {
+                push(format!("{base}:orth"));
+            }
+        }
+        let base = match desc.bits.is_empty() {
+            true => desc.name.to_string(),
+            false => format!("{}:{}", desc.name, desc.default_bits),
+        };
+        for b2 in desc.bits2 {
+            push(format!("{base}:{b2}"));
+        }
+        for m in desc.mults {
+            push(format!("{base}:{m}x"));
+            push(format!("{base}:{m}x:orth"));
+        }
+        for g in desc.groups {
+            push(format!("{base}:g{g}"));
         }
     }
     out
+}
+
+/// Whether building `spec` at head size d for `stream` must fail with
+/// `UnsupportedHeadDim` (the formats' documented shape limits; tests skip exactly these).
+pub fn unsupported(spec: &FormatSpec, d: usize, stream: Stream) -> bool {
+    match spec.name {
+        "q8_0" | "q4_0" => d % 32 != 0,
+        "kivi" => stream == Stream::Values && d % spec.group as usize != 0,
+        "vecinfer" => d % spec.group as usize != 0,
+        _ => false,
+    }
+}
+
+pub fn usable_for(spec: &FormatSpec, stream: Stream) -> bool {
+    match stream {
+        Stream::Keys => spec.desc().for_keys,
+        Stream::Values => spec.desc().for_values,
+    }
+}
+
+/// Synthetic calibration vectors (Gaussian with 4 large channels, like the test keys).
+/// Tests only: real use feeds model keys from calibration text.
+pub fn calib_vectors(d: usize, n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = SplitMix64::new(seed);
+    (0..n * d)
+        .map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 })
+        .collect()
+}
+
+pub fn calibration(d: usize) -> Arc<Calibration> {
+    let mut c = Calibration::new();
+    c.insert_for_all(Stream::Keys, calib_vectors(d, 512, 11));
+    c.insert_for_all(Stream::Values, calib_vectors(d, 512, 12));
+    Arc::new(c)
+}
+
+/// A format context with calibration attached (ignored by uncalibrated formats).
+pub fn ctx_for(d: usize, t: usize, stream: Stream, seed: u64) -> FormatCtx {
+    let mut c = FormatCtx::new(d, t, stream, seed);
+    c.calibration = calibration(d).get(0, 0, stream);
+    c
+}
+
+/// A cache config with calibration attached.
+pub fn cache_config(n_kv: usize, d: usize, k: &FormatSpec, v: &FormatSpec) -> CacheConfig {
+    let mut cfg = CacheConfig::new(1, n_kv, d, k.clone(), v.clone());
+    cfg.calibration = Some(calibration(d));
+    cfg
 }
 
 /// max |a − b| / max |b|: relative error against the reference's scale.
