@@ -42,9 +42,12 @@ pub struct CacheConfig {
 /// evaluation text). A set given for a whole stream serves every (layer, head) that has no
 /// set of its own. The cache hands each format instance its set through
 /// [`FormatCtx::calibration`]; training happens once, when the cache is built.
+/// (Some((layer, head)) or None for "every head", stream).
+type CalibKey = (Option<(usize, usize)>, Stream);
+
 #[derive(Clone, Debug, Default)]
 pub struct Calibration {
-    sets: HashMap<(Option<(usize, usize)>, Stream), Arc<[f32]>>,
+    sets: HashMap<CalibKey, Arc<[f32]>>,
 }
 
 impl Calibration {

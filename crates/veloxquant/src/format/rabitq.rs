@@ -8,9 +8,10 @@
 //! x̂ = ‖x‖/x0 · Rᵀ·ō, whose dot with q is exactly that estimator.
 //!
 //! Query: R·q is quantized once per decode step to B_q = 4 bits (uniform over [min, max],
-//! nearest rounding), and scoring uses bit planes: ⟨ō, q̄⟩ = (lo·(2·pop(ō) − d)
-//! + Δ·(2·Σ_j 2^j·pop(ō ∧ plane_j) − Σu))/√d — popcounts only. The dequantized 4-bit query
-//! is what `scoring_query_ref` returns, so the reference path reproduces the fused scores.
+//! nearest rounding), and scoring uses bit planes, popcounts only:
+//! ⟨ō, q̄⟩ = (lo·(2·pop(ō) − d) + Δ·(2·Σ_j 2^j·pop(ō ∧ plane_j) − Σu))/√d. The dequantized
+//! 4-bit query is what `scoring_query_ref` returns, so the reference path reproduces the
+//! fused scores.
 //!
 //! | bytes           | content                          |
 //! |-----------------|----------------------------------|
