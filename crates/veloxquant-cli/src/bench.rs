@@ -9,9 +9,11 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 use serde_json::json;
+use std::sync::Arc;
 use veloxquant::attn::{decode_attention, decode_attention_ref};
 use veloxquant::rng::SplitMix64;
-use veloxquant::{CacheConfig, FormatSpec, PagedCache};
+
+use veloxquant::{CacheConfig, Calibration, FormatSpec, PagedCache, Stream};
 
 use crate::util::{print_table_to, progress, quantiles, write_json, AnyResult};
 
@@ -118,9 +120,15 @@ pub fn run_cpu(a: &CpuArgs) -> AnyResult {
                 (0..hkv * n * d).map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 5.0 } else { 1.0 }).collect();
             let v = rng.gaussian_vec(hkv * n * d);
             let input_bytes = (2 * hkv * n * d * 4) as f64;
+            // Calibrated formats (vecinfer) train on other vectors of the same distribution.
+            let mut cal = Calibration::new();
+            cal.insert_for_all(Stream::Keys, k[..(4096.min(n) * d)].iter().map(|x| x * 0.9).collect());
+            cal.insert_for_all(Stream::Values, v[..(4096.min(n) * d)].iter().map(|x| x * 1.1).collect());
+            let cal = Arc::new(cal);
             let build = |ks: &FormatSpec, vs: &FormatSpec| -> AnyResult<(PagedCache, f64)> {
                 let mut cfg = CacheConfig::new(1, hkv, d, ks.clone(), vs.clone());
                 cfg.recent = a.recent;
+                cfg.calibration = Some(cal.clone());
                 let mut c = PagedCache::new(cfg)?;
                 let t = Instant::now();
                 c.append(0, &k, &v, n)?;

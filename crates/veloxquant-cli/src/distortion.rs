@@ -29,7 +29,13 @@ fn theory(spec: &FormatSpec) -> Option<f64> {
 
 fn measure(spec: &FormatSpec, d: usize, n: usize) -> AnyResult<Row> {
     const T: usize = 32;
-    let f = spec.build(&FormatCtx { head_dim: d, page_tokens: T, stream: Stream::Keys, seed: 1234 })?;
+    let mut ctx = FormatCtx::new(d, T, Stream::Keys, 1234);
+    if spec.desc().needs_calibration {
+        // Calibrated formats train on vectors of the same distribution (other seed).
+        let mut cal = SplitMix64::new(7);
+        ctx.calibration = Some((0..4096).flat_map(|_| cal.unit_vec(d)).collect::<Vec<f32>>().into());
+    }
+    let f = spec.build(&ctx)?;
     // Same vectors for every format: paired comparison.
     let mut rng = SplitMix64::new(2026);
     let (mut se, mut ip_se, mut sxy, mut sxx) = (0f64, 0f64, 0f64, 0f64);
@@ -116,9 +122,9 @@ pub fn run(
     if let Some(path) = plot {
         let mut series: Vec<Series> = Vec::new();
         for r in &rows {
-            let label = r.spec.name.to_string()
-                + if r.spec.norm == NormMode::Eden { ":eden" } else { "" }
-                + if r.spec.rotate && r.spec.name != "turboquant_mse" { ":rot" } else { "" };
+            // One series per family and option set: the spec without its numeric parts.
+            let label =
+                r.spec.to_string().split(':').filter(|p| p.parse::<u32>().is_err()).collect::<Vec<_>>().join(":");
             match series.iter_mut().find(|s| s.label == label) {
                 Some(s) => s.points.push((r.bits_per_value, r.mse)),
                 None => series.push(Series { label, points: vec![(r.bits_per_value, r.mse)] }),

@@ -3,35 +3,13 @@
 use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use veloxquant::format::{FormatSpec, REGISTRY};
+use veloxquant::format::FormatSpec;
 
 pub type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-/// Every registered format and bit width, with the options worth comparing.
-pub fn all_specs() -> Vec<FormatSpec> {
-    let mut out = Vec::new();
-    for desc in REGISTRY {
-        let bits: Vec<String> = if desc.bits.is_empty() {
-            vec![desc.name.to_string()]
-        } else {
-            desc.bits.iter().map(|b| format!("{}:{b}", desc.name)).collect()
-        };
-        for base in bits {
-            out.push(FormatSpec::parse(&base).expect("registry specs parse"));
-            if desc.rotatable {
-                out.push(FormatSpec::parse(&format!("{base}:rot")).expect("registry specs parse"));
-            }
-            if desc.has_norm_mode {
-                out.push(FormatSpec::parse(&format!("{base}:eden")).expect("registry specs parse"));
-            }
-        }
-    }
-    out
-}
-
 pub fn parse_specs(list: &Option<Vec<String>>) -> AnyResult<Vec<FormatSpec>> {
     match list {
-        None => Ok(all_specs()),
+        None => Ok(veloxquant::format::variants()),
         Some(v) => Ok(v.iter().map(|s| FormatSpec::parse(s)).collect::<Result<_, _>>()?),
     }
 }

@@ -20,10 +20,7 @@ fn main() {
     };
     for (d, g) in [(128usize, 4usize), (64, 3)] {
         for s in &specs {
-            let f = FormatSpec::parse(s)
-                .unwrap()
-                .build(&FormatCtx { head_dim: d, page_tokens: 32, stream: Stream::Keys, seed: 1 })
-                .unwrap();
+            let f = FormatSpec::parse(s).unwrap().build(&FormatCtx::new(d, 32, Stream::Keys, 1)).unwrap();
             let mut rng = SplitMix64::new(1);
             let pages: Vec<Vec<u8>> = (0..16)
                 .map(|_| {

@@ -11,7 +11,7 @@ pub enum VqError {
     UnsupportedHeadDim { format: String, d: usize, why: &'static str },
     #[error("unsupported bit width {bits} for {format} (supported: {supported})")]
     UnsupportedBits { format: String, bits: u32, supported: &'static str },
-    #[error("unknown format {0:?} (known: fp16, q8_0, q4_0, turboquant_mse)")]
+    #[error("unknown format {0:?} (see veloxquant::format::REGISTRY for the known names)")]
     UnknownFormat(String),
     #[error("invalid format spec {spec:?}: {why}")]
     InvalidSpec { spec: String, why: String },
@@ -21,6 +21,8 @@ pub enum VqError {
     EmptyCache { layer: usize },
     #[error("index out of range in {what}: {index} >= {len}")]
     OutOfRange { what: &'static str, index: usize, len: usize },
+    #[error("{format} needs calibration vectors: {why}")]
+    MissingCalibration { format: String, why: String },
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
 }

@@ -22,11 +22,12 @@ pub mod codebook;
 pub mod cpu;
 pub mod error;
 pub mod format;
+pub mod kmeans;
 pub mod pack;
 pub mod reduce;
 pub mod rng;
 pub mod rotate;
 
-pub use cache::{CacheConfig, PagedCache};
+pub use cache::{CacheConfig, Calibration, PagedCache};
 pub use error::{Result, VqError};
-pub use format::{Format, FormatSpec, NormMode, Stream, REGISTRY};
+pub use format::{Format, FormatSpec, NormMode, SketchKind, Stream, REGISTRY};

@@ -1,31 +1,17 @@
 //! Fused decode attention against the reference path over the whole test matrix: every
-//! format and bit width, d ∈ {64, 128, 96}, GQA 1/3/4, lengths off the page grid, R ∈ {0, 32}.
+//! format and bit width, d ∈ {64, 128, 96}, GQA 1/3/4, lengths off the page grid, R ∈ {0, 32},
+//! row mode (per-token encoding into an open page) and page mode.
 
 mod common;
 
-use common::{all_specs, rel_err};
+use common::{all_specs, cache_config, rel_err, unsupported, usable_for};
 use veloxquant::attn::{decode_attention, decode_attention_ref};
 use veloxquant::rng::SplitMix64;
-use veloxquant::{CacheConfig, FormatSpec, PagedCache, VqError};
+use veloxquant::{CacheConfig, FormatSpec, PagedCache, Stream, VqError};
 
 fn filled(k: &FormatSpec, v: &FormatSpec, d: usize, n_kv: usize, recent: usize, n: usize, seed: u64) -> PagedCache {
-    filled_mode(k, v, d, n_kv, recent, n, seed, true)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn filled_mode(
-    k: &FormatSpec,
-    v: &FormatSpec,
-    d: usize,
-    n_kv: usize,
-    recent: usize,
-    n: usize,
-    seed: u64,
-    rows: bool,
-) -> PagedCache {
-    let mut cfg = CacheConfig::new(1, n_kv, d, k.clone(), v.clone());
+    let mut cfg = cache_config(n_kv, d, k, v);
     cfg.recent = recent;
-    cfg.encode_rows = rows;
     let mut cache = PagedCache::new(cfg).unwrap();
     let mut rng = SplitMix64::new(seed);
     // Keys with a few large channels, like real models; values Gaussian.
@@ -44,20 +30,53 @@ fn filled_mode(
     cache
 }
 
+/// Keys with a few large channels, like real models; values Gaussian.
+fn append_random(cache: &mut PagedCache, rng: &mut SplitMix64, n_kv: usize, d: usize, n: usize) {
+    let keys: Vec<f32> =
+        (0..n_kv * n * d).map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 }).collect();
+    let vals = rng.gaussian_vec(n_kv * n * d);
+    cache.append(0, &keys, &vals, n).unwrap();
+}
+
 #[test]
 fn fused_matches_reference_everywhere() {
     let specs = all_specs();
+    let values: Vec<&FormatSpec> = specs.iter().filter(|s| usable_for(s, Stream::Values)).collect();
     let mut worst = 0f64;
+    let mut skipped = Vec::new();
     for (i, k) in specs.iter().enumerate() {
-        // Pair each key format with a value format from elsewhere in the list too.
-        let v = &specs[(i * 7 + 3) % specs.len()];
-        for (kf, vf) in [(k, k), (k, v)] {
+        // Each key format with itself as value format (or fp16 for key-only formats), and
+        // with a value format from elsewhere in the list.
+        let own = if usable_for(k, Stream::Values) { k } else { values[0] };
+        let v = values[(i * 7 + 3) % values.len()];
+        for (kf, vf) in [(k, own), (k, v)] {
             for d in [64, 128, 96] {
-                for gqa in [1, 3, 4] {
+                if unsupported(kf, d, Stream::Keys) || unsupported(vf, d, Stream::Values) {
+                    // Documented shape limits: building must fail with the typed error.
+                    let cfg = cache_config(2, d, kf, vf);
+                    assert!(matches!(PagedCache::new(cfg), Err(VqError::UnsupportedHeadDim { .. })));
+                    skipped.push(format!("K {kf} V {vf} d={d}"));
+                    continue;
+                }
+                for (recent, rows) in [(0, true), (32, true), (0, false), (32, false)] {
+                    // One cache per (K, V, d, R, mode), grown through the lengths under test:
+                    // off the page grid, chunked prefill then single-token decode steps.
+                    let n_kv = 2;
+                    let mut cfg = cache_config(n_kv, d, kf, vf);
+                    cfg.recent = recent;
+                    cfg.encode_rows = rows;
+                    let mut cache = PagedCache::new(cfg).unwrap();
+                    let mut rng = SplitMix64::new((d * 1000 + recent) as u64);
+                    let mut len = 0;
                     for n in [1, 17, 97, 200] {
-                        for (recent, rows) in [(0, true), (32, true), (0, false), (32, false)] {
-                            let n_kv = 2;
-                            let cache = filled_mode(kf, vf, d, n_kv, recent, n, (d * n + gqa) as u64, rows);
+                        let chunk = n - len;
+                        let first = chunk - chunk / 4;
+                        append_random(&mut cache, &mut rng, n_kv, d, first);
+                        for _ in first..chunk {
+                            append_random(&mut cache, &mut rng, n_kv, d, 1);
+                        }
+                        len = n;
+                        for gqa in [1, 3, 4] {
                             let q = SplitMix64::new(n as u64).gaussian_vec(n_kv * gqa * d);
                             let got = decode_attention(&cache, 0, &q, n_kv * gqa).unwrap();
                             let want = decode_attention_ref(&cache, 0, &q, n_kv * gqa).unwrap();
@@ -74,6 +93,7 @@ fn fused_matches_reference_everywhere() {
         }
     }
     println!("worst fused-vs-reference relative error: {worst:.2e}");
+    println!("skipped (UnsupportedHeadDim, checked): {skipped:?}");
 }
 
 #[test]

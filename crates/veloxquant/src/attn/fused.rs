@@ -43,12 +43,14 @@ pub fn decode_attention(cache: &PagedCache, layer: usize, q: &[f32], n_heads: us
     let mut out = vec![0f32; n_heads * d];
     let mut it = tasks.iter().zip(partials).peekable();
     for h in 0..n_kv {
-        let mut acc = Partial::empty(g, d);
+        let vf = lc.values[h].format();
+        let mut acc = Partial::empty(g, vf.acc_width());
         while let Some(((th, _, _), p)) = it.next_if(|((th, _, _), _)| *th == h) {
             debug_assert_eq!(*th, h);
             acc.merge(&p);
         }
-        lc.values[h].format().finish(&mut acc.acc, g);
+        vf.finish(&mut acc.acc, g);
+        let mut acc = acc.narrowed(d);
         acc.merge(&tail_partial(&lc.keys[h], &lc.values[h], &q_scaled[h * g * d..(h + 1) * g * d], g));
         acc.output(&mut out[h * g * d..(h + 1) * g * d]);
     }
@@ -57,14 +59,13 @@ pub fn decode_attention(cache: &PagedCache, layer: usize, q: &[f32], n_heads: us
 
 fn pages_partial(ks: &StreamStore, vs: &StreamStore, qs: &QueryState, p0: usize, p1: usize) -> Partial {
     let (kf, vf) = (ks.format(), vs.format());
-    let (g, d, t) = (qs.n_q, kf.head_dim(), kf.page_tokens());
-    let mut part = Partial::empty(g, d);
+    let (g, t) = (qs.n_q, kf.page_tokens());
+    let mut part = Partial::empty(g, vf.acc_width());
     let (mut s, mut w) = (vec![0f32; g * t], vec![0f32; g * t]);
     for p in p0..p1 {
-        // An open page's unfilled rows are zero bytes (finite); they get weight 0.
-        let rows = ks.rows_in_page(p);
         kf.scores(qs, &ks.pages()[p], &mut s);
-        part.absorb_scores(&s, t, rows, &mut w);
+        // An open page's unfilled rows are zero bytes (finite); they get weight 0.
+        part.absorb_scores(&s, t, ks.rows_in_page(p), &mut w);
         vf.accumulate(&w, g, &vs.pages()[p], &mut part.acc);
     }
     part

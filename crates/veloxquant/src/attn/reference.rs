@@ -5,7 +5,8 @@ use super::check_query;
 use crate::cache::{PagedCache, StreamStore};
 use crate::error::Result;
 
-/// Every page of one stream decoded by the format's reference decoder: paged tokens × d.
+/// Every page of one stream decoded by the format's reference decoder: paged tokens × d
+/// (an open page contributes only its filled rows).
 pub fn materialize_pages(s: &StreamStore) -> Vec<f32> {
     let f = s.format();
     let per_page = f.page_tokens() * f.head_dim();
@@ -29,22 +30,35 @@ pub fn decode_attention_ref(cache: &PagedCache, layer: usize, q: &[f32], n_heads
     let g = check_query(cache, layer, q, n_heads)?;
     let d = cache.config().head_dim;
     let lc = cache.layer(layer)?;
-    let scale = 1.0 / (d as f64).sqrt();
+    // The same scaled query as the fused path, through the key format's scoring semantics
+    // (identity except for formats that quantize the query, e.g. rabitq); the fp16 tail
+    // is scored with the plain scaled query.
+    let scale = 1.0 / (d as f32).sqrt();
+    let q: Vec<f32> = q.iter().map(|v| v * scale).collect();
     let mut out = vec![0f32; n_heads * d];
     for (kvh, (ks, vs)) in lc.keys.iter().zip(&lc.values).enumerate() {
         let (k, v) = (materialize(ks), materialize(vs));
         let n = k.len() / d;
-        for h in kvh * g..(kvh + 1) * g {
-            let qh = &q[h * d..(h + 1) * d];
+        let n_paged = ks.paged_tokens();
+        let q_group = &q[kvh * g * d..(kvh + 1) * g * d];
+        let q_paged = ks.format().scoring_query_ref(q_group, g);
+        for h in 0..g {
             let s: Vec<f64> = (0..n)
-                .map(|t| qh.iter().zip(&k[t * d..(t + 1) * d]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale)
+                .map(|t| {
+                    let qh = if t < n_paged { &q_paged[..] } else { q_group };
+                    qh[h * d..(h + 1) * d]
+                        .iter()
+                        .zip(&k[t * d..(t + 1) * d])
+                        .map(|(a, b)| *a as f64 * *b as f64)
+                        .sum::<f64>()
+                })
                 .collect();
             let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
             let w: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
             let l: f64 = w.iter().sum();
             for j in 0..d {
                 let acc: f64 = (0..n).map(|t| w[t] * v[t * d + j] as f64).sum();
-                out[h * d + j] = (acc / l) as f32;
+                out[(kvh * g + h) * d + j] = (acc / l) as f32;
             }
         }
     }

@@ -16,6 +16,15 @@ impl Partial {
         Self { g, d, m: vec![f32::NEG_INFINITY; g], l: vec![0.0; g], acc: vec![0.0; g * d] }
     }
 
+    /// Keep the first g × d floats of the accumulator as a d-wide partial (after a value
+    /// format's `finish` has brought a wider accumulator back to d).
+    pub fn narrowed(mut self, d: usize) -> Self {
+        debug_assert!(d <= self.d);
+        self.acc.truncate(self.g * d);
+        self.d = d;
+        self
+    }
+
     pub fn is_empty(&self) -> bool {
         self.l.iter().all(|&l| l == 0.0)
     }

@@ -3,11 +3,13 @@
 //! Per layer, KV head and stream (K, V): a list of full pages of T tokens in the stream's
 //! format, plus an fp16 tail holding the newest tokens. A token is flushed to a page once T
 //! tokens are older than the recent window R, so after n tokens the pages hold
-//! `paged_tokens(n) = T·⌊max(0, n − R)/T⌋` tokens and the tail the remaining R..R+T−1.
+//! `paged_tokens(n) = T·⌊max(0, n − R)/T⌋` tokens and the tail the remaining R..R+T−1 —
+//! or, in row mode (per-token formats), n − R tokens and exactly R in the tail.
 //! Pages are reference-counted so sequences can share them later (fork).
 
 mod stream;
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 pub use stream::StreamStore;
@@ -35,9 +37,44 @@ pub struct CacheConfig {
     pub v: FormatSpec,
     /// Base seed; rotations are derived per (layer, head, stream).
     pub seed: u64,
+    /// Calibration vectors for calibrated formats (vecinfer); `None` for the others.
+    pub calibration: Option<Arc<Calibration>>,
     /// Encode tokens one at a time when both formats allow it (row mode); false forces
     /// whole-page encoding with an fp16 tail of up to R + T − 1 tokens.
     pub encode_rows: bool,
+}
+
+/// Calibration vectors for calibrated formats, per (layer, KV head, stream): each set is
+/// `n × head_dim` f32 (e.g. keys of the model on calibration text, which must not be the
+/// evaluation text). A set given for a whole stream serves every (layer, head) that has no
+/// set of its own. The cache hands each format instance its set through
+/// [`FormatCtx::calibration`]; training happens once, when the cache is built.
+/// (Some((layer, head)) or None for "every head", stream).
+type CalibKey = (Option<(usize, usize)>, Stream);
+
+#[derive(Clone, Debug, Default)]
+pub struct Calibration {
+    sets: HashMap<CalibKey, Arc<[f32]>>,
+}
+
+impl Calibration {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Vectors for one (layer, KV head, stream).
+    pub fn insert(&mut self, layer: usize, head: usize, stream: Stream, vectors: Vec<f32>) {
+        self.sets.insert((Some((layer, head)), stream), vectors.into());
+    }
+
+    /// Vectors for every (layer, head) of a stream without a set of its own.
+    pub fn insert_for_all(&mut self, stream: Stream, vectors: Vec<f32>) {
+        self.sets.insert((None, stream), vectors.into());
+    }
+
+    pub fn get(&self, layer: usize, head: usize, stream: Stream) -> Option<Arc<[f32]>> {
+        self.sets.get(&(Some((layer, head)), stream)).or_else(|| self.sets.get(&(None, stream))).cloned()
+    }
 }
 
 impl CacheConfig {
@@ -51,6 +88,7 @@ impl CacheConfig {
             k,
             v,
             seed: 0x5EED,
+            calibration: None,
             encode_rows: true,
         }
     }
@@ -93,25 +131,28 @@ impl PagedCache {
         if cfg.n_layers == 0 || cfg.n_kv_heads == 0 {
             return Err(VqError::InvalidConfig("n_layers and n_kv_heads must be > 0".into()));
         }
-        let build = |spec: &FormatSpec, stream: Stream, l: usize, h: usize| {
-            let seed = derive_seed(cfg.seed, &[l as u64, h as u64, stream as u64]);
-            spec.build(&FormatCtx { head_dim: cfg.head_dim, page_tokens: cfg.page_tokens, stream, seed })
-        };
-        // Row mode needs both streams row-granular (their pages must stay aligned).
-        let row_mode = cfg.encode_rows
-            && build(&cfg.k, Stream::Keys, 0, 0)?.row_granular()
-            && build(&cfg.v, Stream::Values, 0, 0)?.row_granular();
-        let mut layers = Vec::with_capacity(cfg.n_layers);
+        // Build every format instance first (calibrated ones train here, once each).
+        let mut built = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
-            let mk = |spec: &FormatSpec, stream: Stream| -> Result<Vec<StreamStore>> {
+            let mk = |spec: &FormatSpec, stream: Stream| -> Result<Vec<Arc<dyn crate::Format>>> {
                 (0..cfg.n_kv_heads)
-                    .map(|h| Ok(StreamStore::new(build(spec, stream, l, h)?, cfg.recent, row_mode)))
+                    .map(|h| {
+                        let seed = derive_seed(cfg.seed, &[l as u64, h as u64, stream as u64]);
+                        let mut ctx = FormatCtx::new(cfg.head_dim, cfg.page_tokens, stream, seed);
+                        ctx.calibration = cfg.calibration.as_ref().and_then(|c| c.get(l, h, stream));
+                        spec.build(&ctx)
+                    })
                     .collect()
             };
-            let keys = mk(&cfg.k, Stream::Keys)?;
-            let values = mk(&cfg.v, Stream::Values)?;
-            layers.push(LayerCache { keys, values, n_tokens: 0 });
+            built.push((mk(&cfg.k, Stream::Keys)?, mk(&cfg.v, Stream::Values)?));
         }
+        // Row mode needs both streams row-granular (their pages must stay aligned).
+        let row_mode = cfg.encode_rows && built[0].0[0].row_granular() && built[0].1[0].row_granular();
+        let wrap = |fs: Vec<Arc<dyn crate::Format>>| -> Vec<StreamStore> {
+            fs.into_iter().map(|f| StreamStore::new(f, cfg.recent, row_mode)).collect()
+        };
+        let layers =
+            built.into_iter().map(|(k, v)| LayerCache { keys: wrap(k), values: wrap(v), n_tokens: 0 }).collect();
         Ok(Self { cfg, layers, row_mode })
     }
 

@@ -17,6 +17,7 @@ pub static DESC: FormatDesc = FormatDesc {
     rotatable: false,
     has_norm_mode: false,
     build: |spec, ctx| RowFormat::build(spec, ctx, RowKind::F16, encode_row),
+    ..FormatDesc::BASE
 };
 
 fn encode_row(_: &RowFormat, x: &[f32], out: &mut [u8]) -> f32 {

@@ -7,10 +7,17 @@
 //! path exists. `tests/conformance.rs` runs every registered format through the same checks.
 
 pub mod fp16;
+pub mod kivi;
 pub mod q4_0;
 pub mod q8_0;
+pub mod qjl;
+pub mod rabitq;
 pub mod rows;
+pub mod sketch;
 pub mod turboquant_mse;
+pub mod turboquant_prod;
+pub mod turboquant_rvq;
+pub mod vecinfer;
 
 use std::fmt;
 use std::sync::Arc;
@@ -18,7 +25,7 @@ use std::sync::Arc;
 use crate::error::{Result, VqError};
 
 /// Which stream a format instance serves (rotation seeds differ per stream).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Stream {
     Keys,
     Values,
@@ -38,11 +45,100 @@ pub struct FormatDesc {
     pub rotatable: bool,
     /// Whether the norm mode (`plain` / `eden`) applies.
     pub has_norm_mode: bool,
+    /// Second bit widths (e.g. RVQ's stage 2), empty if the format has none.
+    pub bits2: &'static [u32],
+    pub default_bits2: u32,
+    /// Sketch sizes m = mult·d accepted as `:{mult}x` (e.g. QJL), empty if none.
+    pub mults: &'static [u32],
+    /// Whether the sketch kind (`gauss` / `orth`) applies.
+    pub has_sketch: bool,
+    /// Group / sub-vector sizes accepted as `:g{n}` (KIVI's G, VecInfer's sub-vector size).
+    pub groups: &'static [u32],
+    pub default_group: u32,
+    /// Whether building needs calibration vectors ([`FormatCtx::calibration`]).
+    pub needs_calibration: bool,
     pub build: fn(&FormatSpec, &FormatCtx) -> Result<Arc<dyn Format>>,
 }
 
+impl FormatDesc {
+    /// Defaults for the optional parameters: `..FormatDesc::BASE` in a descriptor.
+    pub const BASE: FormatDesc = FormatDesc {
+        name: "",
+        for_keys: true,
+        for_values: true,
+        bits: &[],
+        default_bits: 0,
+        rotatable: false,
+        has_norm_mode: false,
+        bits2: &[],
+        default_bits2: 0,
+        mults: &[],
+        has_sketch: false,
+        groups: &[],
+        default_group: 0,
+        needs_calibration: false,
+        build: |spec, _| Err(VqError::UnknownFormat(spec.name.into())),
+    };
+}
+
 /// Every format, in display order.
-pub static REGISTRY: &[&FormatDesc] = &[&fp16::DESC, &q8_0::DESC, &q4_0::DESC, &turboquant_mse::DESC];
+pub static REGISTRY: &[&FormatDesc] = &[
+    &fp16::DESC,
+    &q8_0::DESC,
+    &q4_0::DESC,
+    &turboquant_mse::DESC,
+    &turboquant_prod::DESC,
+    &turboquant_rvq::DESC,
+    &qjl::DESC,
+    &kivi::DESC,
+    &rabitq::DESC,
+    &vecinfer::DESC,
+];
+
+/// Every format variant worth measuring: each bit width with the other parameters at their
+/// defaults, then each other parameter value (rotation, norm mode, sketch kind and size,
+/// second-stage bits, group) varied one at a time. Tests and the CLI's tables use this list.
+pub fn variants() -> Vec<FormatSpec> {
+    let mut out: Vec<FormatSpec> = Vec::new();
+    let mut push = |s: String| {
+        let spec = FormatSpec::parse(&s).expect("registry variants parse");
+        if !out.contains(&spec) {
+            out.push(spec);
+        }
+    };
+    for desc in REGISTRY {
+        let base =
+            if desc.bits.is_empty() { desc.name.to_string() } else { format!("{}:{}", desc.name, desc.default_bits) };
+        let with_bits: Vec<String> = if desc.bits.is_empty() {
+            vec![desc.name.to_string()]
+        } else {
+            desc.bits.iter().map(|b| format!("{}:{b}", desc.name)).collect()
+        };
+        for b in with_bits {
+            push(b.clone());
+            if desc.rotatable {
+                push(format!("{b}:rot"));
+            }
+            if desc.has_norm_mode {
+                push(format!("{b}:eden"));
+            }
+            if desc.has_sketch {
+                push(format!("{b}:orth"));
+            }
+        }
+        for b2 in desc.bits2 {
+            push(format!("{base}:{b2}"));
+        }
+        for m in desc.mults {
+            push(format!("{base}:{m}x"));
+            push(format!("{base}:{m}x:orth"));
+        }
+        for g in desc.groups {
+            push(format!("{base}:g{g}"));
+        }
+    }
+    out
+}
 
 pub fn lookup(name: &str) -> Result<&'static FormatDesc> {
     REGISTRY.iter().copied().find(|d| d.name == name).ok_or_else(|| VqError::UnknownFormat(name.into()))
@@ -57,12 +153,31 @@ pub enum NormMode {
     Eden,
 }
 
-/// A user's choice of format: `name[:bits][:rot][:eden]`, e.g. `turboquant_mse:4:eden`,
-/// `q4_0:rot`, `fp16`.
+/// Random sketch matrix kind for QJL-style 1-bit projections: i.i.d. Gaussian rows, or
+/// Haar-orthogonal blocks rescaled so the estimator stays unbiased (see `sketch.rs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum SketchKind {
+    #[default]
+    Gauss,
+    Orth,
+}
+
+/// A user's choice of format:
+/// `name[:bits[:bits2]][:{mult}x][:gauss|:orth][:g{group}][:rot][:plain|:eden]`, e.g.
+/// `turboquant_mse:4:eden`, `q4_0:rot`, `fp16`, `turboquant_rvq:2:2`, `qjl:2x:orth`,
+/// `kivi:2`, `vecinfer:8:g4`. Options may come in any order; `Display` writes the canonical
+/// order, and `parse(spec.to_string()) == spec`. Parameters a format does not take are 0.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FormatSpec {
     pub name: &'static str,
     pub bits: u32,
+    /// Second bit width (RVQ stage 2).
+    pub bits2: u32,
+    /// Sketch rows per dimension (m = mult·d).
+    pub mult: u32,
+    pub sketch: SketchKind,
+    /// Group or sub-vector size.
+    pub group: u32,
     pub rotate: bool,
     pub norm: NormMode,
 }
@@ -75,25 +190,55 @@ impl FormatSpec {
     pub fn parse(s: &str) -> Result<Self> {
         let mut parts = s.trim().split(':');
         let desc = lookup(parts.next().unwrap_or(""))?;
-        let mut spec = Self { name: desc.name, bits: desc.default_bits, rotate: false, norm: NormMode::Plain };
+        let mut spec = Self {
+            name: desc.name,
+            bits: desc.default_bits,
+            bits2: desc.default_bits2,
+            mult: if desc.mults.is_empty() { 0 } else { 1 },
+            sketch: SketchKind::Gauss,
+            group: desc.default_group,
+            rotate: false,
+            norm: NormMode::Plain,
+        };
         let bad = |why: String| VqError::InvalidSpec { spec: s.into(), why };
+        let mut n_numbers = 0;
         for p in parts {
+            let num = |t: &str| t.parse::<u32>().ok();
             match p {
                 "rot" if desc.rotatable => spec.rotate = true,
                 "eden" if desc.has_norm_mode => spec.norm = NormMode::Eden,
                 "plain" if desc.has_norm_mode => spec.norm = NormMode::Plain,
-                _ => match p.parse::<u32>() {
-                    Ok(b) if !desc.bits.is_empty() => spec.bits = b,
+                "gauss" if desc.has_sketch => spec.sketch = SketchKind::Gauss,
+                "orth" if desc.has_sketch => spec.sketch = SketchKind::Orth,
+                _ if !desc.mults.is_empty() && p.strip_suffix('x').and_then(num).is_some() => {
+                    spec.mult = p.strip_suffix('x').and_then(num).unwrap_or(0);
+                    if !desc.mults.contains(&spec.mult) {
+                        return Err(bad(format!("sketch size {p} not in {:?}", desc.mults)));
+                    }
+                }
+                _ if !desc.groups.is_empty() && p.strip_prefix('g').and_then(num).is_some() => {
+                    spec.group = p.strip_prefix('g').and_then(num).unwrap_or(0);
+                    if !desc.groups.contains(&spec.group) {
+                        return Err(bad(format!("group {p} not in {:?}", desc.groups)));
+                    }
+                }
+                _ => match (num(p), n_numbers) {
+                    (Some(b), 0) if !desc.bits.is_empty() => {
+                        spec.bits = b;
+                        n_numbers = 1;
+                    }
+                    (Some(b), 1) if !desc.bits2.is_empty() => {
+                        spec.bits2 = b;
+                        n_numbers = 2;
+                    }
                     _ => return Err(bad(format!("option {p:?} does not apply to {}", desc.name))),
                 },
             }
         }
-        if !desc.bits.is_empty() && !desc.bits.contains(&spec.bits) {
-            return Err(VqError::UnsupportedBits {
-                format: desc.name.into(),
-                bits: spec.bits,
-                supported: bits_list(desc.bits),
-            });
+        for (bits, allowed) in [(spec.bits, desc.bits), (spec.bits2, desc.bits2)] {
+            if !allowed.is_empty() && !allowed.contains(&bits) {
+                return Err(VqError::UnsupportedBits { format: desc.name.into(), bits, supported: bits_list(allowed) });
+            }
         }
         Ok(spec)
     }
@@ -123,6 +268,10 @@ impl FormatSpec {
 fn bits_list(bits: &[u32]) -> &'static str {
     match bits {
         [1, 2, 3, 4] => "1, 2, 3, 4",
+        [2, 3, 4] => "2, 3, 4",
+        [2, 4] => "2, 4",
+        [4, 8] => "4, 8",
+        [1] => "1",
         [4] => "4",
         [8] => "8",
         [16] => "16",
@@ -136,6 +285,18 @@ impl fmt::Display for FormatSpec {
         let desc = self.desc();
         if desc.bits.len() > 1 {
             write!(f, ":{}", self.bits)?;
+        }
+        if !desc.bits2.is_empty() {
+            write!(f, ":{}", self.bits2)?;
+        }
+        if !desc.mults.is_empty() {
+            write!(f, ":{}x", self.mult)?;
+        }
+        if self.sketch == SketchKind::Orth {
+            f.write_str(":orth")?;
+        }
+        if !desc.groups.is_empty() {
+            write!(f, ":g{}", self.group)?;
         }
         if self.rotate {
             f.write_str(":rot")?;
@@ -154,13 +315,24 @@ impl std::str::FromStr for FormatSpec {
     }
 }
 
-/// Where a format instance lives: head size, page size, stream and its rotation seed.
-#[derive(Clone, Copy, Debug)]
+/// Where a format instance lives: head size, page size, stream, its seed, and (for
+/// calibrated formats such as vecinfer) the calibration vectors of this (layer, KV head,
+/// stream): `n × head_dim` f32, row-major. The cache fills `calibration` from
+/// [`crate::cache::Calibration`]; a calibrated format built without it fails with
+/// [`VqError::MissingCalibration`].
+#[derive(Clone, Debug)]
 pub struct FormatCtx {
     pub head_dim: usize,
     pub page_tokens: usize,
     pub stream: Stream,
     pub seed: u64,
+    pub calibration: Option<Arc<[f32]>>,
+}
+
+impl FormatCtx {
+    pub fn new(head_dim: usize, page_tokens: usize, stream: Stream, seed: u64) -> Self {
+        Self { head_dim, page_tokens, stream, seed, calibration: None }
+    }
 }
 
 /// A query prepared once per decode step and reused for every page (rotated, scaled, or
@@ -170,6 +342,15 @@ pub struct QueryState {
     pub n_q: usize,
     /// n_q × d, in the format's domain (e.g. rotated).
     pub q: Vec<f32>,
+    /// Format-defined extra per-query data (sketch projections S·q, lookup tables, a
+    /// quantized query), empty by default.
+    pub aux: Vec<f32>,
+}
+
+impl QueryState {
+    pub fn plain(q: Vec<f32>, n_q: usize) -> Self {
+        Self { n_q, q, aux: Vec::new() }
+    }
 }
 
 /// One format instance for one (layer, KV head, stream).
@@ -205,7 +386,21 @@ pub trait Format: Send + Sync + fmt::Debug {
 
     /// Prepare n_q queries (n_q × d) for scoring; default: used as they are.
     fn prepare_query(&self, q: &[f32], n_q: usize) -> QueryState {
-        QueryState { n_q, q: q.to_vec() }
+        QueryState::plain(q[..n_q * self.head_dim()].to_vec(), n_q)
+    }
+
+    /// The query the format's scoring semantics actually use, as a plain n_q × d vector
+    /// (default: q itself). Formats that quantize the query for scoring (rabitq's 4-bit
+    /// query) return the dequantized query here, so the reference path (decoded keys ·
+    /// this query) is the oracle of the fused `scores`.
+    fn scoring_query_ref(&self, q: &[f32], n_q: usize) -> Vec<f32> {
+        q[..n_q * self.head_dim()].to_vec()
+    }
+
+    /// Floats per query head of the value accumulator (default d). A format may accumulate
+    /// in a wider domain (e.g. RVQ: one per stage); `finish` brings it back to d.
+    fn acc_width(&self) -> usize {
+        self.head_dim()
     }
 
     /// out[h·T + t] = q_h · k_t for every prepared query h and key t of the page.
@@ -235,7 +430,8 @@ pub trait Format: Send + Sync + fmt::Debug {
         }
     }
 
-    /// Bring n_q accumulators back from the format's domain (e.g. one inverse rotation).
+    /// Bring n_q accumulators (n_q × `acc_width()`) back from the format's domain (e.g. one
+    /// inverse rotation); afterwards the first n_q × d floats hold the results.
     fn finish(&self, _acc: &mut [f32], _n_q: usize) {}
 
     /// Bits per value with all side information counted (per-page bytes; shared state is

@@ -21,6 +21,7 @@ pub static DESC: FormatDesc = FormatDesc {
         RowFormat::require_blocks(spec, ctx.head_dim)?;
         RowFormat::build(spec, ctx, RowKind::Q8_0, encode_row)
     },
+    ..FormatDesc::BASE
 };
 
 fn encode_row(_: &RowFormat, x: &[f32], out: &mut [u8]) -> f32 {

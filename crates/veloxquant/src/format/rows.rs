@@ -263,7 +263,7 @@ impl Format for RowFormat {
     fn prepare_query(&self, q: &[f32], n_q: usize) -> QueryState {
         let mut q = q[..n_q * self.layout.d].to_vec();
         self.rotate_rows(&mut q);
-        QueryState { n_q, q }
+        QueryState::plain(q, n_q)
     }
 
     fn scores(&self, qs: &QueryState, page: &[u8], out: &mut [f32]) {

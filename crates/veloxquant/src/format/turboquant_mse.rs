@@ -29,6 +29,7 @@ pub static DESC: FormatDesc = FormatDesc {
         let table = ScaledCodebook::new(spec.bits, ctx.head_dim).table16();
         RowFormat::build(&spec, ctx, RowKind::Codes { bits: spec.bits, table }, encode_row)
     },
+    ..FormatDesc::BASE
 };
 
 fn encode_row(f: &RowFormat, r: &[f32], out: &mut [u8]) -> f32 {

@@ -1,28 +1,69 @@
-//! Shared helpers for the integration tests: every registered format with each bit width.
+//! Shared helpers for the integration tests: every registered format with each parameter,
+//! calibration data for calibrated formats, and the explicit list of unsupported shapes.
 
-use veloxquant::format::{FormatSpec, REGISTRY};
+#![allow(dead_code)] // each test binary uses a different subset
 
-/// Every (format, bits, options) variant worth testing.
+use std::sync::Arc;
+
+use veloxquant::format::{FormatCtx, FormatSpec, Stream, REGISTRY};
+use veloxquant::rng::SplitMix64;
+use veloxquant::{CacheConfig, Calibration};
+
+/// Every registered variant (`format::variants`), each checked to round-trip through its
+/// spec string.
 pub fn all_specs() -> Vec<FormatSpec> {
-    let mut out = Vec::new();
-    for desc in REGISTRY {
-        let bits: Vec<Option<u32>> =
-            if desc.bits.is_empty() { vec![None] } else { desc.bits.iter().map(|&b| Some(b)).collect() };
-        for b in bits {
-            let base = match b {
-                Some(b) => format!("{}:{b}", desc.name),
-                None => desc.name.to_string(),
-            };
-            out.push(FormatSpec::parse(&base).unwrap());
-            if desc.rotatable {
-                out.push(FormatSpec::parse(&format!("{base}:rot")).unwrap());
-            }
-            if desc.has_norm_mode {
-                out.push(FormatSpec::parse(&format!("{base}:eden")).unwrap());
-            }
-        }
+    let out = veloxquant::format::variants();
+    for spec in &out {
+        assert_eq!(&FormatSpec::parse(&spec.to_string()).unwrap(), spec, "{spec}");
     }
+    assert!(REGISTRY.iter().all(|d| out.iter().any(|s| s.name == d.name)), "every format has a variant");
     out
+}
+
+/// Whether building `spec` at head size d for `stream` must fail with
+/// `UnsupportedHeadDim` (the formats' documented shape limits; tests skip exactly these).
+pub fn unsupported(spec: &FormatSpec, d: usize, stream: Stream) -> bool {
+    match spec.name {
+        "q8_0" | "q4_0" => d % 32 != 0,
+        "kivi" => stream == Stream::Values && d % spec.group as usize != 0,
+        "vecinfer" => d % spec.group as usize != 0,
+        _ => false,
+    }
+}
+
+pub fn usable_for(spec: &FormatSpec, stream: Stream) -> bool {
+    match stream {
+        Stream::Keys => spec.desc().for_keys,
+        Stream::Values => spec.desc().for_values,
+    }
+}
+
+/// Synthetic calibration vectors (Gaussian with 4 large channels, like the test keys).
+/// Tests only: real use feeds model keys from calibration text.
+pub fn calib_vectors(d: usize, n: usize, seed: u64) -> Vec<f32> {
+    let mut rng = SplitMix64::new(seed);
+    (0..n * d).map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 }).collect()
+}
+
+pub fn calibration(d: usize) -> Arc<Calibration> {
+    let mut c = Calibration::new();
+    c.insert_for_all(Stream::Keys, calib_vectors(d, 512, 11));
+    c.insert_for_all(Stream::Values, calib_vectors(d, 512, 12));
+    Arc::new(c)
+}
+
+/// A format context with calibration attached (ignored by uncalibrated formats).
+pub fn ctx_for(d: usize, t: usize, stream: Stream, seed: u64) -> FormatCtx {
+    let mut c = FormatCtx::new(d, t, stream, seed);
+    c.calibration = calibration(d).get(0, 0, stream);
+    c
+}
+
+/// A cache config with calibration attached.
+pub fn cache_config(n_kv: usize, d: usize, k: &FormatSpec, v: &FormatSpec) -> CacheConfig {
+    let mut cfg = CacheConfig::new(1, n_kv, d, k.clone(), v.clone());
+    cfg.calibration = Some(calibration(d));
+    cfg
 }
 
 /// max |a − b| / max |b|: relative error against the reference's scale.
