@@ -22,18 +22,42 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
 }
 
 // Codes [first, first + N) of a packed row (ROWW words of BITS-bit codes) -> N/2 f16x2 of
-// table values.
+// table values. When N·BITS is a whole number of words the window is word-aligned for every
+// thread (first is a multiple of N) and is read with the widest aligned vector loads.
 template <int BITS, int N, int ROWW>
 __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16* tab, u32* out) {
-    const int NW = (N * BITS + 31) / 32 + 1;
-    int s = first * BITS, w0 = s >> 5, sh = s & 31;
-    u32 w[NW + 1];
+    const bool ALIGNED = (N * BITS) % 32 == 0;
+    const int NW = ALIGNED ? (N * BITS) / 32 : (N * BITS + 31) / 32 + 1;
+    u32 sw[NW + 1];
+    if (ALIGNED) {
+        const u32* src = row + (first * BITS) / 32;
+        if (NW % 4 == 0 && ROWW % 4 == 0) {
 #pragma unroll
-    for (int i = 0; i < NW; i++) w[i] = (w0 + i < ROWW) ? row[w0 + i] : 0u;
-    w[NW] = 0u;
-    u32 sw[NW];
+            for (int i = 0; i < NW / 4; i++) {
+                vec4u v = ((const vec4u*)src)[i];
+                sw[4 * i] = v.x; sw[4 * i + 1] = v.y; sw[4 * i + 2] = v.z; sw[4 * i + 3] = v.w;
+            }
+        } else if (NW % 2 == 0 && ROWW % 2 == 0) {
 #pragma unroll
-    for (int i = 0; i < NW; i++) sw[i] = (u32)(((((u64)w[i + 1]) << 32) | w[i]) >> sh);
+            for (int i = 0; i < NW / 2; i++) {
+                vec2u v = ((const vec2u*)src)[i];
+                sw[2 * i] = v.x; sw[2 * i + 1] = v.y;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NW; i++) sw[i] = src[i];
+        }
+        sw[NW] = 0u;
+    } else {
+        int s = first * BITS, w0 = s >> 5, sh = s & 31;
+        u32 w[NW + 1];
+#pragma unroll
+        for (int i = 0; i < NW; i++) w[i] = (w0 + i < ROWW) ? row[w0 + i] : 0u;
+        w[NW] = 0u;
+#pragma unroll
+        for (int i = 0; i < NW; i++) sw[i] = (u32)(((((u64)w[i + 1]) << 32) | w[i]) >> sh);
+        sw[NW] = 0u;
+    }
 #pragma unroll
     for (int c = 0; c < N; c += 2) {
         u32 cc[2];
@@ -46,6 +70,29 @@ __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16
         }
         out[c / 2] = (u32)tab[cc[0]] | ((u32)tab[cc[1]] << 16);
     }
+}
+
+// Exact small-integer → f16x2 by the 1024-magic: bytes of w at selector positions become
+// half2(q), then one f16x2 multiply by the block scale (one rounding, as q·s in f32 then
+// cvt would give: the f32 product of an 8-bit q and an f16 scale is exact).
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// int8 pair (low 16 bits of w) -> f16x2(q0·s, q1·s); s2 = scale in both halves.
+__device__ __forceinline__ u32 i8x2_h2(u32 w, u32 s2) {
+    u32 t = prmt(w, 0u, 0x4140u) ^ 0x00800080u;  // (q + 128) as u8 in each half
+    return hmul2(hsub2(t | 0x64006400u, 0x64806480u), s2);  // 1024+q+128 − 1152
+}
+// two nibbles (bits 0-3 and 16-19 of t) -> f16x2((n0 − 8)·s, (n1 − 8)·s).
+__device__ __forceinline__ u32 u4x2_h2(u32 t, u32 s2) {
+    return hmul2(hsub2((t & 0x000F000Fu) | 0x64006400u, 0x64086408u), s2);  // 1024+n − 1032
 }
 
 // The key dim that thread t's slot j of k-step ks holds (the Q operand uses the same map).
@@ -72,24 +119,22 @@ __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* 
 #elif KK == 1
     int blk = (t * QD) / 32, off = (t * QD) % 32;
     const u8* base = kr + 34 * blk;
-    float s = h2f(*(const u16*)base);
+    u32 s2 = *(const u16*)base;
+    s2 |= s2 << 16;
     const u16* qv = (const u16*)(base + 2 + off);
 #pragma unroll
-    for (int i = 0; i < QD / 2; i++) {
-        u32 w = qv[i];
-        out[i] = pack_h2((float)(signed char)(w & 0xff) * s, (float)(signed char)(w >> 8) * s);
-    }
+    for (int i = 0; i < QD / 2; i++) out[i] = i8x2_h2(qv[i], s2);
 #else
     int blk = (t * QD) / 32, off = (t * QD) % 32;
     const u8* base = kr + 18 * blk;
-    float s = h2f(*(const u16*)base);
+    u32 s2 = *(const u16*)base;
+    s2 |= s2 << 16;
     const u16* qv = (const u16*)(base + 2 + off / 2);
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
-        u32 w = qv[ks];
-        u32 b0 = w & 0xff, b1 = w >> 8;
-        out[2 * ks] = pack_h2((float)((int)(b0 & 15) - 8) * s, (float)((int)(b1 & 15) - 8) * s);
-        out[2 * ks + 1] = pack_h2((float)((int)(b0 >> 4) - 8) * s, (float)((int)(b1 >> 4) - 8) * s);
+        u32 t2 = prmt(qv[ks], 0u, 0x4140u);  // byte0 -> half 0, byte1 -> half 1
+        out[2 * ks] = u4x2_h2(t2, s2);
+        out[2 * ks + 1] = u4x2_h2(t2 >> 4, s2);
     }
 #endif
 }
@@ -108,25 +153,20 @@ __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* 
 #elif VK == 1
     int blk = (g * VC) / 32, off = (g * VC) % 32;
     const u8* base = vr + 34 * blk;
-    float s = h2f(*(const u16*)base);
+    u32 s2 = *(const u16*)base;
+    s2 |= s2 << 16;
     const u16* qv = (const u16*)(base + 2 + off);
 #pragma unroll
-    for (int m = 0; m < VC / 2; m++) {
-        u32 w = qv[m];
-        out[m] = pack_h2((float)(signed char)(w & 0xff) * s, (float)(signed char)(w >> 8) * s);
-    }
+    for (int m = 0; m < VC / 2; m++) out[m] = i8x2_h2(qv[m], s2);
 #else
     int blk = (g * VC) / 32, off = (g * VC) % 32;
     const u8* base = vr + 18 * blk;
-    float s = h2f(*(const u16*)base);
+    u32 s2 = *(const u16*)base;
+    s2 |= s2 << 16;
     int nsh = (off / 16) * 4;
     const u16* qv = (const u16*)(base + 2 + (off % 16));
 #pragma unroll
-    for (int m = 0; m < VC / 2; m++) {
-        u32 w = qv[m];
-        u32 n0 = ((w & 0xff) >> nsh) & 15, n1 = ((w >> 8) >> nsh) & 15;
-        out[m] = pack_h2((float)((int)n0 - 8) * s, (float)((int)n1 - 8) * s);
-    }
+    for (int m = 0; m < VC / 2; m++) out[m] = u4x2_h2(prmt(qv[m], 0u, 0x4140u) >> nsh, s2);
 #endif
 }
 

@@ -69,6 +69,7 @@ fn encode_bit_identical_to_cpu() {
     let Some(dev) = device() else { return };
     let t = 32;
     let mut checked = 0;
+    let mut failures = Vec::new();
     for spec in all_specs() {
         for d in [64usize, 128] {
             let seed = 0x1234 + d as u64;
@@ -83,22 +84,31 @@ fn encode_bit_identical_to_cpu() {
             let x = awkward_rows(&mut rng, n_pages * t, d);
             let got = enc.encode_pages_f32(&x).unwrap();
             let pb = cpu.page_bytes();
+            let mut bad = None;
             for p in 0..n_pages {
                 let mut want = vec![0u8; pb];
                 cpu.encode_page(&x[p * t * d..(p + 1) * t * d], &mut want).unwrap();
                 if let Some(i) = (0..pb).find(|&i| got[p * pb + i] != want[i]) {
-                    panic!(
-                        "{spec} d={d} page {p}: byte {i} (row {}) gpu {:#04x} cpu {:#04x}",
-                        i / gf.row_bytes.max(1),
-                        got[p * pb + i],
-                        want[i]
-                    );
+                    let r0 = i / gf.row_bytes.max(1) * gf.row_bytes;
+                    let r1 = (r0 + gf.row_bytes).min(pb);
+                    bad = Some(format!(
+                        "{spec} d={d} page {p}: byte {i} (row {}) gpu {:#04x} cpu {:#04x}\n gpu row {:02x?}\n cpu row {:02x?}",
+                        i / gf.row_bytes.max(1), got[p * pb + i], want[i],
+                        &got[p * pb + r0..p * pb + r1], &want[r0..r1]
+                    ));
+                    break;
                 }
+            }
+            if let Some(b) = bad {
+                eprintln!("MISMATCH {b}");
+                failures.push(format!("{spec} d={d}"));
+                continue;
             }
             checked += 1;
         }
     }
-    eprintln!("encode parity: {checked} (format, d) cases bit-identical");
+    eprintln!("encode parity: {checked} (format, d) cases bit-identical; failures: {failures:?}");
+    assert!(failures.is_empty(), "encode mismatches: {failures:?}");
 }
 
 struct Case {
@@ -189,6 +199,7 @@ fn decode_matches_cpu_reference() {
     let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097]];
     let mut n = 0;
     let mut worst_all = 0f64;
+    let mut bad: Vec<String> = Vec::new();
     for (pi, &(k, v)) in pairs.iter().enumerate() {
         for d in [64, 128] {
             for gqa in [1, 4] {
@@ -196,15 +207,16 @@ fn decode_matches_cpu_reference() {
                     let l = lens[(pi + d / 64 + gqa + recent / 32) % lens.len()];
                     let c = Case { k, v, d, gqa, recent, lens: l };
                     let e = run_case(&dev, &c, (pi * 1000 + d + gqa * 10 + recent) as u64);
-                    assert!(
-                        e <= 2e-3,
-                        "K={k} V={v} d={d} gqa={gqa} R={recent} lens={l:?}: rel err {e:.2e}"
-                    );
+                    if !(e <= 2e-3) {
+                        eprintln!("FAIL K={k} V={v} d={d} gqa={gqa} R={recent} lens={l:?}: rel err {e:.2e}");
+                        bad.push(format!("{k}/{v} d={d} g={gqa} R={recent}: {e:.2e}"));
+                    }
                     worst_all = worst_all.max(e);
                     n += 1;
                 }
             }
         }
     }
-    eprintln!("decode parity: {n} cases, worst rel err {worst_all:.2e}");
+    eprintln!("decode parity: {n} cases, worst rel err {worst_all:.2e}, failures {}", bad.len());
+    assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
