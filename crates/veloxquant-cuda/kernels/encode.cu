@@ -82,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
         r = fminf(fmaxf(r, -128.0f), 127.0f);
         u8* blk = row + 34 * k;
         blk[2 + lane] = (u8)(signed char)(int)r;
-        if (lane == 0) { u16 h = f2h(d); blk[0] = (u8)h; blk[1] = (u8)(h >> 8); }
+        if (lane == 0) *(u16*)blk = f2h(d);  // blocks start at even offsets
     }
 #elif KIND == 2
 #pragma unroll
@@ -103,7 +103,7 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
         int hi = __shfl_down_sync(FULL_MASK, q, 16);
         u8* blk = row + 18 * k;
         if (lane < 16) blk[2 + lane] = (u8)((q & 0xF) | ((hi & 0xF) << 4));
-        if (lane == 0) { u16 h = f2h(d); blk[0] = (u8)h; blk[1] = (u8)(h >> 8); }
+        if (lane == 0) *(u16*)blk = f2h(d);  // blocks start at even offsets
     }
 #else
     float thr[NTHR];
