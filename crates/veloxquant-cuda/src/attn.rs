@@ -83,17 +83,6 @@ impl DecodePlan {
         ];
         defs.extend(kind_defines('K', kf));
         defs.extend(kind_defines('V', vf));
-        // KK/KB/VK/VB: rename the first two of each block.
-        let defs: Vec<(String, i64)> = defs
-            .into_iter()
-            .map(|(k, v)| {
-                let k = match k.as_str() {
-                    "KK" | "KB" | "VK" | "VB" => k,
-                    _ => k,
-                };
-                (k, v)
-            })
-            .collect();
         let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
         let adefs = [
