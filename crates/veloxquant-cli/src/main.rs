@@ -54,6 +54,25 @@ enum Cmd {
 enum BenchCmd {
     /// Encode throughput and decode attention on this CPU, each format vs the fp16 cache.
     Cpu(bench::CpuArgs),
+    /// GPU decode attention and encode vs PyTorch SDPA (`run`, then `report`; feature `cuda`).
+    Cuda {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+#[cfg(feature = "cuda")]
+fn bench_cuda(args: Vec<String>) -> util::AnyResult {
+    let argv: Vec<String> = std::iter::once("veloxquant bench cuda".to_string()).chain(args).collect();
+    match veloxquant_cuda::bench::main_with_args(&argv) {
+        0 => Ok(()),
+        code => Err(format!("bench cuda failed (exit code {code})").into()),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn bench_cuda(_: Vec<String>) -> util::AnyResult {
+    Err("this build has no GPU support: rebuild with `--features cuda`".into())
 }
 
 fn main() -> ExitCode {
@@ -61,6 +80,7 @@ fn main() -> ExitCode {
     let res = match cli.cmd {
         Cmd::Distortion { d, n, formats, json, plot, md } => distortion::run(d, n, formats, json, plot, md),
         Cmd::Bench { which: BenchCmd::Cpu(args) } => bench::run_cpu(&args),
+        Cmd::Bench { which: BenchCmd::Cuda { args } } => bench_cuda(args),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

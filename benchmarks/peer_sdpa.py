@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Peer for `veloxquant-cuda-bench`: PyTorch scaled_dot_product_attention decode, bf16 K/V.
+
+For each shape (one query token per sequence), time the flash and cuDNN backends with CUDA
+events (median of --iters after warm-up, rotating among several K/V sets so L2 cannot help)
+and keep the fastest. Writes {"rows": [{b, hq, hkv, d, s, backend, peer_us, all}]}.
+"""
+import argparse, json, statistics
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+SHAPES = [(1, 32, 8, 32768), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 8192), (1, 32, 32, 32768)]
+D = 128
+
+
+def time_backend(backend, qs, ks, vs, gqa, warm, iters):
+    def call(i):
+        j = i % len(ks)
+        return F.scaled_dot_product_attention(qs[j], ks[j], vs[j], enable_gqa=gqa)
+
+    with sdpa_kernel([backend]):
+        for i in range(warm):
+            call(i)
+        torch.cuda.synchronize()
+        times = []
+        for i in range(iters):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            call(i)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="peer.json")
+    ap.add_argument("--iters", type=int, default=100)
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    rows = []
+    for (b, hq, hkv, s) in SHAPES:
+        kv_bytes = 2 * b * hkv * s * D * 2
+        n_sets = max(1, min(4, -(-(256 << 20) // kv_bytes)))
+        qs = [torch.randn(b, hq, 1, D, device="cuda", dtype=torch.bfloat16) for _ in range(n_sets)]
+        ks = [torch.randn(b, hkv, s, D, device="cuda", dtype=torch.bfloat16) for _ in range(n_sets)]
+        vs = [torch.randn(b, hkv, s, D, device="cuda", dtype=torch.bfloat16) for _ in range(n_sets)]
+        res = {}
+        for name, be in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
+            try:
+                res[name] = time_backend(be, qs, ks, vs, hq != hkv, 10, a.iters)
+            except Exception as e:  # backend refuses this shape
+                res[name] = None
+                print(f"peer {name} B={b} Hq={hq} Hkv={hkv} S={s}: unavailable ({type(e).__name__}: {str(e)[:80]})")
+        ok = {k: v for k, v in res.items() if v is not None}
+        best = min(ok, key=ok.get)
+        us = ok[best]
+        print(f"peer B={b:2d} Hq={hq} Hkv={hkv} S={s:6d}: {us:8.1f} us ({best}) {kv_bytes / us / 1e6:5.2f} TB/s  all={res}", flush=True)
+        rows.append({"b": b, "hq": hq, "hkv": hkv, "d": D, "s": s, "backend": best, "peer_us": us, "all": res,
+                     "kv_bytes": kv_bytes})
+        del qs, ks, vs
+        torch.cuda.empty_cache()
+    json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+// Split-K (flash-decoding) attention over the codes, one query token per sequence.
+// Grid: (n_splits, n_kv_heads, batch); block: NWARPS warps. A block owns a run of pages of
+// one (sequence, KV head); its warps take pages in turn. Per page a warp scores all G query
+// heads of the group against the 32 keys with tensor-core mma (keys = A operand, the G heads
+// padded to n = 8 = B operand, so one read of the codes serves the group), updates an online
+// softmax in base 2, and accumulates values as O^T += V^T · P^T in the value format's domain
+// (rotated for turboquant_mse). Warps merge in shared memory; blocks write one partial each,
+// merged by combine() in attn.cu.
+// Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes), KB/VB (code
+// bits), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS.
+#define QD (D / 4)   // key dims per thread in the score operand
+#define VC (D / 8)   // value dims per thread row-group in the PV operand
+#define KS (D / 16)  // k-steps of the score mma, = M-tiles of the PV mma
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Codes [first, first + N) of a packed row (ROWW words of BITS-bit codes) -> N/2 f16x2 of
+// table values. When N·BITS is a whole number of words the window is word-aligned for every
+// thread (first is a multiple of N) and is read with the widest aligned vector loads.
+template <int BITS, int N, int ROWW>
+__device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16* tab, u32* out) {
+    const bool ALIGNED = (N * BITS) % 32 == 0;
+    const int NW = ALIGNED ? (N * BITS) / 32 : (N * BITS + 31) / 32 + 1;
+    u32 sw[NW + 1];
+    if (ALIGNED) {
+        const u32* src = row + (first * BITS) / 32;
+        if (NW % 4 == 0 && ROWW % 4 == 0) {
+#pragma unroll
+            for (int i = 0; i < NW / 4; i++) {
+                vec4u v = ((const vec4u*)src)[i];
+                sw[4 * i] = v.x; sw[4 * i + 1] = v.y; sw[4 * i + 2] = v.z; sw[4 * i + 3] = v.w;
+            }
+        } else if (NW % 2 == 0 && ROWW % 2 == 0) {
+#pragma unroll
+            for (int i = 0; i < NW / 2; i++) {
+                vec2u v = ((const vec2u*)src)[i];
+                sw[2 * i] = v.x; sw[2 * i + 1] = v.y;
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < NW; i++) sw[i] = src[i];
+        }
+        sw[NW] = 0u;
+    } else {
+        int s = first * BITS, w0 = s >> 5, sh = s & 31;
+        u32 w[NW + 1];
+#pragma unroll
+        for (int i = 0; i < NW; i++) w[i] = (w0 + i < ROWW) ? row[w0 + i] : 0u;
+        w[NW] = 0u;
+#pragma unroll
+        for (int i = 0; i < NW; i++) sw[i] = (u32)(((((u64)w[i + 1]) << 32) | w[i]) >> sh);
+        sw[NW] = 0u;
+    }
+#pragma unroll
+    for (int c = 0; c < N; c += 2) {
+        u32 cc[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int bit = (c + e) * BITS, lo = bit >> 5, o = bit & 31;
+            u32 v = sw[lo] >> o;
+            if (o + BITS > 32) v |= sw[lo + 1] << (32 - o);
+            cc[e] = v & ((1u << BITS) - 1u);
+        }
+        out[c / 2] = (u32)tab[cc[0]] | ((u32)tab[cc[1]] << 16);
+    }
+}
+
+// Exact small-integer → f16x2 by the 1024-magic: bytes of w at selector positions become
+// half2(q), then one f16x2 multiply by the block scale (one rounding, as q·s in f32 then
+// cvt would give: the f32 product of an 8-bit q and an f16 scale is exact).
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+// int8 pair (low 16 bits of w) -> f16x2(q0·s, q1·s); s2 = scale in both halves.
+__device__ __forceinline__ u32 i8x2_h2(u32 w, u32 s2) {
+    u32 t = prmt(w, 0u, 0x4140u) ^ 0x00800080u;  // (q + 128) as u8 in each half
+    return hmul2(hsub2(t | 0x64006400u, 0x64806480u), s2);  // 1024+q+128 − 1152
+}
+// two nibbles (bits 0-3 and 16-19 of t) -> f16x2((n0 − 8)·s, (n1 − 8)·s).
+__device__ __forceinline__ u32 u4x2_h2(u32 t, u32 s2) {
+    return hmul2(hsub2((t & 0x000F000Fu) | 0x64006400u, 0x64086408u), s2);  // 1024+n − 1032
+}
+
+// The key dim that thread t's slot j of k-step ks holds (the Q operand uses the same map).
+__device__ __forceinline__ int kdim(int t, int ks, int j) {
+#if KK == 2
+    int blk = (t * QD) / 32, off = (t * QD) % 32;
+    return blk * 32 + (j < 2 ? off / 2 + 2 * ks + j : 16 + off / 2 + 2 * ks + j - 2);
+#else
+    return t * QD + 4 * ks + j;
+#endif
+}
+
+// One key row's quarter for thread t: KS*2 f16x2 = (slots j0,j1), (j2,j3) per k-step.
+__device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* out) {
+#if KK == 0
+    const vec4u* p = (const vec4u*)(kr + t * QD * 2);
+#pragma unroll
+    for (int i = 0; i < QD / 8; i++) {
+        vec4u v = p[i];
+        out[4 * i] = v.x; out[4 * i + 1] = v.y; out[4 * i + 2] = v.z; out[4 * i + 3] = v.w;
+    }
+#elif KK == 3
+    codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)kr, t * QD, tab, out);
+#elif KK == 1
+    int blk = (t * QD) / 32, off = (t * QD) % 32;
+    const u8* base = kr + 34 * blk;
+    u32 s2 = *(const u16*)base;
+    s2 |= s2 << 16;
+    const u16* qv = (const u16*)(base + 2 + off);
+#pragma unroll
+    for (int i = 0; i < QD / 2; i++) out[i] = i8x2_h2(qv[i], s2);
+#else
+    int blk = (t * QD) / 32, off = (t * QD) % 32;
+    const u8* base = kr + 18 * blk;
+    u32 s2 = *(const u16*)base;
+    s2 |= s2 << 16;
+    const u16* qv = (const u16*)(base + 2 + off / 2);
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        u32 t2 = prmt(qv[ks], 0u, 0x4140u);  // byte0 -> half 0, byte1 -> half 1
+        out[2 * ks] = u4x2_h2(t2, s2);
+        out[2 * ks + 1] = u4x2_h2(t2 >> 4, s2);
+    }
+#endif
+}
+
+// One value row's dims [g*VC, (g+1)*VC) as VC/2 f16x2 pairs (2m, 2m+1).
+__device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
+#if VK == 0
+    const vec4u* p = (const vec4u*)(vr + g * VC * 2);
+#pragma unroll
+    for (int i = 0; i < VC / 8; i++) {
+        vec4u v = p[i];
+        out[4 * i] = v.x; out[4 * i + 1] = v.y; out[4 * i + 2] = v.z; out[4 * i + 3] = v.w;
+    }
+#elif VK == 3
+    codes_to_h2<VB, VC, V_ROW_BYTES / 4>((const u32*)vr, g * VC, tab, out);
+#elif VK == 1
+    int blk = (g * VC) / 32, off = (g * VC) % 32;
+    const u8* base = vr + 34 * blk;
+    u32 s2 = *(const u16*)base;
+    s2 |= s2 << 16;
+    const u16* qv = (const u16*)(base + 2 + off);
+#pragma unroll
+    for (int m = 0; m < VC / 2; m++) out[m] = i8x2_h2(qv[m], s2);
+#else
+    int blk = (g * VC) / 32, off = (g * VC) % 32;
+    const u8* base = vr + 18 * blk;
+    u32 s2 = *(const u16*)base;
+    s2 |= s2 << 16;
+    int nsh = (off / 16) * 4;
+    const u16* qv = (const u16*)(base + 2 + (off % 16));
+#pragma unroll
+    for (int m = 0; m < VC / 2; m++) out[m] = u4x2_h2(prmt(qv[m], 0u, 0x4140u) >> nsh, s2);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
+    const float* __restrict__ qprep, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
+    const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
+    int pages_per_split, int n_splits, int n_kv, const u16* __restrict__ ktab_g,
+    const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    __shared__ u16 ktab[16], vtab[16];
+    __shared__ float pbuf[NWARPS][32][9];
+    __shared__ float macc[NWARPS][8][D];
+    __shared__ float mml[NWARPS][8][2];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    if (tid < 16) { ktab[tid] = ktab_g[tid]; vtab[tid] = vtab_g[tid]; }
+    __syncthreads();
+    const int np = n_pages[b];
+    const int p0 = split * pages_per_split;
+    const int p1 = min(p0 + pages_per_split, np);
+
+    // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
+    u32 qh[KS][2], ql[KS][2];
+    const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            float x0 = g < G ? qb[g * D + kdim(t, ks, 2 * hh)] : 0.0f;
+            float x1 = g < G ? qb[g * D + kdim(t, ks, 2 * hh + 1)] : 0.0f;
+            u32 hi = pack_h2(x0, x1);
+            qh[ks][hh] = hi;
+            ql[ks][hh] = pack_h2(x0 - h2f((u16)(hi & 0xffff)), x1 - h2f((u16)(hi >> 16)));
+        }
+    }
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    float acc[KS][4];
+#pragma unroll
+    for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+    const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
+
+    for (int p = p0 + warp; p < p1; p += NWARPS) {
+        const int phys = pt[p];
+        const u8* kp = kpool + (size_t)phys * K_PAGE_BYTES;
+        const u8* vp = vpool + (size_t)phys * V_PAGE_BYTES;
+        // score: s[mt] = (tok 16mt+g | +8) x (head 2t | 2t+1), log2 units
+        float s[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            u32 ka[KS * 2], kb[KS * 2];
+            k_row(kp + (16 * mt + g) * K_ROW_BYTES, t, ktab, ka);
+            k_row(kp + (16 * mt + g + 8) * K_ROW_BYTES, t, ktab, kb);
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int ks = 0; ks < KS; ks++) {
+                mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], qh[ks][0], qh[ks][1]);
+                mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], ql[ks][0], ql[ks][1]);
+            }
+#if KK == 3
+            const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
+            float n0 = h2f(kn[16 * mt + g]), n1 = h2f(kn[16 * mt + g + 8]);
+            c[0] *= n0; c[1] *= n0; c[2] *= n1; c[3] *= n1;
+#endif
+            s[mt][0] = c[0]; s[mt][1] = c[1]; s[mt][2] = c[2]; s[mt][3] = c[3];
+        }
+        // update state: online softmax per head column
+        float x0 = fmaxf(fmaxf(s[0][0], s[0][2]), fmaxf(s[1][0], s[1][2]));
+        float x1 = fmaxf(fmaxf(s[0][1], s[0][3]), fmaxf(s[1][1], s[1][3]));
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) {
+            x0 = fmaxf(x0, __shfl_xor_sync(FULL_MASK, x0, off));
+            x1 = fmaxf(x1, __shfl_xor_sync(FULL_MASK, x1, off));
+        }
+        const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
+        const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
+        m0 = mn0; m1 = mn1;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            s[mt][0] = exp2f(s[mt][0] - m0); s[mt][2] = exp2f(s[mt][2] - m0);
+            s[mt][1] = exp2f(s[mt][1] - m1); s[mt][3] = exp2f(s[mt][3] - m1);
+        }
+        l0 = l0 * a0 + ((s[0][0] + s[0][2]) + (s[1][0] + s[1][2]));
+        l1 = l1 * a1 + ((s[0][1] + s[0][3]) + (s[1][1] + s[1][3]));
+#pragma unroll
+        for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
+        __syncwarp();
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            pbuf[warp][16 * mt + g][2 * t] = s[mt][0];
+            pbuf[warp][16 * mt + g][2 * t + 1] = s[mt][1];
+            pbuf[warp][16 * mt + g + 8][2 * t] = s[mt][2];
+            pbuf[warp][16 * mt + g + 8][2 * t + 1] = s[mt][3];
+        }
+        __syncwarp();
+        // accumulate: O^T[dim][head] += V^T[dim][tok] · P^T[tok][head]
+#pragma unroll
+        for (int kk = 0; kk < 2; kk++) {
+            const int tA = 16 * kk + 2 * t;
+            float wA = pbuf[warp][tA][g], wB = pbuf[warp][tA + 1][g];
+            float wC = pbuf[warp][tA + 8][g], wD = pbuf[warp][tA + 9][g];
+#if VK == 3
+            const u16* vn = (const u16*)(vp + T * V_ROW_BYTES);
+            wA *= h2f(vn[tA]); wB *= h2f(vn[tA + 1]); wC *= h2f(vn[tA + 8]); wD *= h2f(vn[tA + 9]);
+#endif
+            const u32 b0 = pack_h2(wA, wB), b1 = pack_h2(wC, wD);
+            u32 xa[VC / 2], xb[VC / 2], xc[VC / 2], xd[VC / 2];
+            v_row(vp + tA * V_ROW_BYTES, g, vtab, xa);
+            v_row(vp + (tA + 1) * V_ROW_BYTES, g, vtab, xb);
+            v_row(vp + (tA + 8) * V_ROW_BYTES, g, vtab, xc);
+            v_row(vp + (tA + 9) * V_ROW_BYTES, g, vtab, xd);
+#pragma unroll
+            for (int mt = 0; mt < KS; mt++) {
+                mma16816(acc[mt], prmt(xa[mt], xb[mt], 0x5410), prmt(xa[mt], xb[mt], 0x7632),
+                         prmt(xc[mt], xd[mt], 0x5410), prmt(xc[mt], xd[mt], 0x7632), b0, b1);
+            }
+        }
+    }
+
+    // merge: warps of the block, then one partial per (sequence, KV head, split)
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += __shfl_xor_sync(FULL_MASK, l0, off);
+        l1 += __shfl_xor_sync(FULL_MASK, l1, off);
+    }
+    if (g == 0) {
+        mml[warp][2 * t][0] = m0; mml[warp][2 * t][1] = l0;
+        mml[warp][2 * t + 1][0] = m1; mml[warp][2 * t + 1][1] = l1;
+    }
+#pragma unroll
+    for (int mt = 0; mt < KS; mt++) {
+        const int dm = g * VC + 2 * mt;
+        macc[warp][2 * t][dm] = acc[mt][0];
+        macc[warp][2 * t + 1][dm] = acc[mt][1];
+        macc[warp][2 * t][dm + 1] = acc[mt][2];
+        macc[warp][2 * t + 1][dm + 1] = acc[mt][3];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NWARPS * 32) {
+        const int hh = i / D, dm = i % D;
+        float M = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NWARPS; w++) M = fmaxf(M, mml[w][hh][0]);
+        float L = 0.0f, A = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; w++) {
+            const float mw = mml[w][hh][0];
+            const float sc = mw == NEG_INF ? 0.0f : exp2f(mw - M);
+            L += mml[w][hh][1] * sc;
+            A += macc[w][hh][dm] * sc;
+        }
+        const size_t o = ((size_t)(b * n_kv + h) * n_splits + split) * G + hh;
+        part_acc[o * D + dm] = A;
+        if (dm == 0) { part_ml[o * 2] = M; part_ml[o * 2 + 1] = L; }
+    }
+}

@@ -1,0 +1,184 @@
+//! Decode attention on the GPU: a plan (split sizes, buffers, compiled kernels) made once
+//! per batch shape, then `run` per step: prep_query → decode_pages → combine.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use crate::cache::GpuPagedCache;
+use crate::device::{Family, GpuDevice};
+use crate::error::{drv, CudaError, Result};
+use crate::format::GpuFormat;
+
+/// Warps per decode block (each owns pages of the block's split in turn).
+pub const NWARPS: usize = 4;
+
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeOptions {
+    /// Blocks per SM the split count aims for (flash-decoding fills the GPU at batch 1).
+    pub blocks_per_sm: usize,
+    /// Fewest pages per split (bounds the partials' traffic).
+    pub min_pages_per_split: usize,
+}
+
+impl Default for DecodeOptions {
+    fn default() -> Self {
+        Self { blocks_per_sm: 4, min_pages_per_split: 16 }
+    }
+}
+
+pub struct DecodePlan {
+    pub dev: Arc<GpuDevice>,
+    pub n_q_heads: usize,
+    pub group: usize,
+    pub n_splits: usize,
+    pub pages_per_split: usize,
+    pub q: CudaSlice<f32>,
+    pub out: CudaSlice<f32>,
+    qprep: CudaSlice<f32>,
+    part_acc: CudaSlice<f32>,
+    part_ml: CudaSlice<f32>,
+    f_prep: CudaFunction,
+    f_decode: CudaFunction,
+    f_combine: CudaFunction,
+}
+
+fn kind_defines(prefix: char, f: &GpuFormat) -> [(String, i64); 4] {
+    [
+        (format!("{prefix}K"), f.kind as i64),
+        (format!("{prefix}B"), f.bits.max(1) as i64),
+        (format!("{}_ROW_BYTES", prefix), f.row_bytes as i64),
+        (format!("{}_PAGE_BYTES", prefix), f.page_bytes as i64),
+    ]
+}
+
+impl DecodePlan {
+    pub fn new(cache: &GpuPagedCache, n_q_heads: usize, opts: DecodeOptions) -> Result<Self> {
+        let cfg = &cache.cfg;
+        let dev = cache.dev.clone();
+        if n_q_heads == 0 || n_q_heads % cfg.n_kv_heads != 0 || n_q_heads / cfg.n_kv_heads > 8 {
+            return Err(CudaError::ShapeMismatch {
+                op: "GQA group (n_q_heads / n_kv_heads must be 1..=8)",
+                expected: cfg.n_kv_heads,
+                got: n_q_heads,
+            });
+        }
+        if cfg.page_tokens != 32 {
+            return Err(CudaError::UnsupportedFormat {
+                format: format!("page size {}", cfg.page_tokens),
+                why: "the decode kernel tiles pages of 32 tokens",
+            });
+        }
+        let g = n_q_heads / cfg.n_kv_heads;
+        let d = cfg.head_dim;
+        let (kf, vf) = (&cache.k.fmt, &cache.v.fmt);
+        let mut defs: Vec<(String, i64)> =
+            vec![("D".into(), d as i64), ("T".into(), 32), ("G".into(), g as i64), ("NWARPS".into(), NWARPS as i64)];
+        defs.extend(kind_defines('K', kf));
+        defs.extend(kind_defines('V', vf));
+        let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
+        let adefs = [
+            ("D", d as i64),
+            ("G", g as i64),
+            ("KROT", kf.rotation.is_some() as i64),
+            ("VROT", vf.rotation.is_some() as i64),
+        ];
+        let f_prep = dev.function(Family::Attn, &adefs, "prep_query")?;
+        let f_combine = dev.function(Family::Attn, &adefs, "combine")?;
+
+        let b = cfg.n_seqs;
+        let max_pages = cache.max_pages().max(1);
+        let target = dev.sm_count * opts.blocks_per_sm;
+        let per_head = target.div_ceil(b * cfg.n_kv_heads).max(1);
+        let pps = opts.min_pages_per_split.max(max_pages.div_ceil(per_head));
+        let n_splits = max_pages.div_ceil(pps).max(1);
+        let s = &dev.stream;
+        let nq = b * n_q_heads * d;
+        Ok(Self {
+            n_q_heads,
+            group: g,
+            n_splits,
+            pages_per_split: pps,
+            q: s.alloc_zeros(nq).map_err(drv("alloc"))?,
+            out: s.alloc_zeros(nq).map_err(drv("alloc"))?,
+            qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
+            part_acc: s.alloc_zeros(b * cfg.n_kv_heads * n_splits * g * d).map_err(drv("alloc"))?,
+            part_ml: s.alloc_zeros(b * cfg.n_kv_heads * n_splits * g * 2).map_err(drv("alloc"))?,
+            f_prep,
+            f_decode,
+            f_combine,
+            dev,
+        })
+    }
+
+    /// Launch one decode step over `self.q` into `self.out` (no synchronization).
+    pub fn run(&mut self, cache: &GpuPagedCache) -> Result<()> {
+        let cfg = &cache.cfg;
+        let (b, d, hk) = (cfg.n_seqs as u32, cfg.head_dim as u32, cfg.n_kv_heads as i32);
+        let s = self.dev.stream.clone();
+        let per_q = LaunchConfig { grid_dim: (self.n_q_heads as u32, b, 1), block_dim: (d, 1, 1), shared_mem_bytes: 0 };
+        let mut l = s.launch_builder(&self.f_prep);
+        l.arg(&self.q).arg(&mut self.qprep).arg(&cache.k.signs).arg(&cache.k.rot_scale);
+        // SAFETY: matches prep_query(q, qprep, ksigns, krot_scale); sizes from the plan.
+        unsafe { l.launch(per_q) }.map_err(drv("prep_query"))?;
+
+        let max_pages = cfg.max_pages_per_seq as i32;
+        let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
+        let cfg_dec = LaunchConfig {
+            grid_dim: (self.n_splits as u32, hk as u32, b),
+            block_dim: ((NWARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut l = s.launch_builder(&self.f_decode);
+        l.arg(&self.qprep)
+            .arg(&cache.k.pool)
+            .arg(&cache.v.pool)
+            .arg(&cache.page_table_dev)
+            .arg(&cache.n_pages_dev)
+            .arg(&max_pages)
+            .arg(&pps)
+            .arg(&ns)
+            .arg(&hk)
+            .arg(&cache.k.table)
+            .arg(&cache.v.table)
+            .arg(&mut self.part_acc)
+            .arg(&mut self.part_ml);
+        // SAFETY: matches decode_pages in kernels/decode.cu; the page table holds valid
+        // physical pages for the first n_pages[b] entries of every row.
+        unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
+
+        let tail_cap = cache.tail_cap() as i32;
+        let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32) * 4, ..per_q };
+        let mut l = s.launch_builder(&self.f_combine);
+        l.arg(&self.part_acc)
+            .arg(&self.part_ml)
+            .arg(&ns)
+            .arg(&hk)
+            .arg(&self.q)
+            .arg(&cache.k.tail)
+            .arg(&cache.v.tail)
+            .arg(&cache.n_tail_dev)
+            .arg(&tail_cap)
+            .arg(&cache.v.signs)
+            .arg(&cache.v.rot_scale)
+            .arg(&mut self.out);
+        // SAFETY: matches combine in kernels/attn.cu; dynamic smem holds tail_cap scores.
+        unsafe { l.launch(cfg_comb) }.map_err(drv("combine"))?;
+        Ok(())
+    }
+}
+
+/// One decode step from the host: q is [n_seqs][n_q_heads][d]; returns the same shape.
+pub fn decode(cache: &mut GpuPagedCache, q: &[f32], n_q_heads: usize) -> Result<Vec<f32>> {
+    cache.sync_tables()?;
+    let mut plan = DecodePlan::new(cache, n_q_heads, DecodeOptions::default())?;
+    let want = cache.cfg.n_seqs * n_q_heads * cache.cfg.head_dim;
+    if q.len() != want {
+        return Err(CudaError::ShapeMismatch { op: "gpu decode query", expected: want, got: q.len() });
+    }
+    let s = cache.dev.stream.clone();
+    s.memcpy_htod(q, &mut plan.q).map_err(drv("htod q"))?;
+    plan.run(cache)?;
+    s.clone_dtoh(&plan.out).map_err(drv("dtoh out"))
+}

@@ -1,0 +1,316 @@
+//! GPU decode-attention and encode benchmarks, behind `veloxquant bench cuda` (CLI feature
+//! `cuda`) and the standalone `veloxquant-cuda-bench`:
+//!
+//!   veloxquant bench cuda run --out ours.json [--iters 100]
+//!   veloxquant bench cuda report --ours a.json,b.json --peer p.json,q.json --out final.json
+//!       [--md final.md] [--commit C] [--date D]
+//!
+//! `run` measures the read bandwidth (probe kernel) and copy bandwidth, encode throughput
+//! per format at 2M vectors, and decode time per (shape, format) as the median of CUDA-event
+//! timings after warm-up, rotating among several caches so L2 cannot help. `report` merges
+//! rounds of ours and the peer's (peer_sdpa.py), taking each side's best median, and prints
+//! the table.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::attn::{DecodeOptions, DecodePlan};
+use crate::bench_util::{fill_normal_f16, read_probe};
+use crate::{GpuCacheConfig, GpuDevice, GpuEncoder, GpuFormat, GpuPagedCache, InputKind, Result};
+use cudarc::driver::sys::CUevent_flags;
+use serde_json::{json, Value};
+use veloxquant::FormatSpec;
+
+const SHAPES: [(usize, usize, usize, usize); 5] =
+    [(1, 32, 8, 32768), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 8192), (1, 32, 32, 32768)];
+const FORMATS: [&str; 6] = ["fp16", "q8_0", "q4_0", "turboquant_mse:4", "turboquant_mse:3", "turboquant_mse:2"];
+const D: usize = 128;
+
+fn arg(args: &[String], name: &str) -> Option<String> {
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+/// Median over `iters` of the event-timed duration (µs) of `f(i)`.
+fn time_us(dev: &Arc<GpuDevice>, warm: usize, iters: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
+    let ev = || dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
+    for i in 0..warm {
+        f(i)?;
+    }
+    dev.synchronize()?;
+    let mut ts = Vec::with_capacity(iters);
+    for i in 0..iters {
+        let (a, b) = (ev(), ev());
+        a.record(&dev.stream).expect("record");
+        f(i)?;
+        b.record(&dev.stream).expect("record");
+        b.synchronize().expect("sync");
+        ts.push(a.elapsed_ms(&b).expect("elapsed") as f64 * 1e3);
+    }
+    Ok(median(ts))
+}
+
+fn bandwidth(dev: &Arc<GpuDevice>) -> Result<(f64, f64)> {
+    let bytes = 2usize << 30;
+    let s = dev.stream.clone();
+    let buf = s.alloc_zeros::<u8>(bytes).expect("alloc");
+    let mut dst = s.alloc_zeros::<u8>(bytes).expect("alloc");
+    let mut sink = s.alloc_zeros::<u32>(1).expect("alloc");
+    let read_us = time_us(dev, 3, 20, |_| read_probe(dev, &buf, bytes / 16, &mut sink))?;
+    let copy_us = time_us(dev, 3, 20, |_| {
+        s.memcpy_dtod(&buf, &mut dst).expect("dtod");
+        Ok(())
+    })?;
+    Ok((bytes as f64 / read_us / 1e6, 2.0 * bytes as f64 / copy_us / 1e6))
+}
+
+fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<Vec<Value>> {
+    let n_vec = 1usize << 21;
+    let t = 32;
+    let jobs = n_vec / t;
+    let s = dev.stream.clone();
+    let mut x = s.alloc_zeros::<u16>(n_vec * D).expect("alloc");
+    fill_normal_f16(dev, &mut x, n_vec * D, 3)?;
+    let pid: Vec<i32> = (0..jobs as i32).collect();
+    let hid = vec![0i32; jobs];
+    let pid = s.clone_htod(&pid).expect("htod");
+    let hid = s.clone_htod(&hid).expect("htod");
+    let mut rows = Vec::new();
+    for f in FORMATS.iter().chain(["turboquant_mse:4:eden"].iter()) {
+        let spec = FormatSpec::parse(f)?;
+        let gf = GpuFormat::new(&spec, D, t, 11)?;
+        let enc = GpuEncoder::new(dev, &gf, InputKind::F16)?;
+        let mut pool = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
+        let (signs, sc) = gf.signs_or_ones();
+        let sd = s.clone_htod(&signs).expect("htod");
+        let us = time_us(dev, 3, 20, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd, sc))?;
+        let in_bytes = (n_vec * D * 2) as f64;
+        let out_bytes = (jobs * gf.page_bytes) as f64;
+        let moved = (in_bytes + out_bytes) / us / 1e6;
+        rows.push(json!({
+            "format": f, "vectors": n_vec, "d": D, "input": "f16", "us": us,
+            "input_gbps": in_bytes / us / 1e3, "moved_tbps": moved,
+            "bw_fraction": moved / copy_tbps, "read_bw_fraction_input": (in_bytes / us / 1e6) / read_tbps,
+        }));
+        eprintln!(
+            "encode {f:>22}: {us:8.1} µs  {:7.1} GB/s input  {:.2} of copy bw",
+            in_bytes / us / 1e3,
+            moved / copy_tbps
+        );
+    }
+    Ok(rows)
+}
+
+fn decode_rows(dev: &Arc<GpuDevice>, iters: usize, read_tbps: f64, opts: DecodeOptions) -> Result<Vec<Value>> {
+    let mut rows = Vec::new();
+    for &(b, hq, hkv, sl) in &SHAPES {
+        for f in FORMATS {
+            let spec = FormatSpec::parse(f)?;
+            let cfg = GpuCacheConfig {
+                n_seqs: b,
+                n_kv_heads: hkv,
+                head_dim: D,
+                page_tokens: 32,
+                recent: 0,
+                k: spec.clone(),
+                v: spec.clone(),
+                seed: 0x5EED,
+                layer: 0,
+                max_pages_per_seq: sl / 32,
+            };
+            let gf = GpuFormat::new(&spec, D, 32, 1)?;
+            let bytes_one = b * hkv * (sl / 32) * gf.page_bytes * 2;
+            let n_sets = (256usize << 20).div_ceil(bytes_one).clamp(1, 4);
+            let mut caches = Vec::new();
+            let mut plans = Vec::new();
+            for i in 0..n_sets {
+                let mut c = GpuPagedCache::new(dev, cfg.clone())?;
+                c.fill_random(&vec![sl; b], 100 + i as u64)?;
+                let mut p = DecodePlan::new(&c, hq, opts)?;
+                let mut qd = dev.stream.alloc_zeros::<u16>(b * hq * D).expect("alloc");
+                fill_normal_f16(dev, &mut qd, b * hq * D, 5 + i as u64)?;
+                let qh: Vec<f32> = dev
+                    .stream
+                    .clone_dtoh(&qd)
+                    .expect("dtoh")
+                    .into_iter()
+                    .map(|h| half::f16::from_bits(h).to_f32())
+                    .collect();
+                dev.stream.memcpy_htod(&qh, &mut p.q).expect("htod");
+                caches.push(c);
+                plans.push(p);
+            }
+            let us = time_us(dev, 10, iters, |i| {
+                let k = i % n_sets;
+                plans[k].run(&caches[k])
+            })?;
+            let out: Vec<f32> = dev.stream.clone_dtoh(&plans[0].out).expect("dtoh");
+            let finite = out.iter().all(|v| v.is_finite());
+            let bytes = caches[0].bytes_read() as f64;
+            let tbps = bytes / us / 1e6;
+            eprintln!(
+                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) splits={} finite={finite}",
+                tbps / read_tbps,
+                plans[0].n_splits
+            );
+            rows.push(json!({
+                "b": b, "hq": hq, "hkv": hkv, "d": D, "s": sl, "format": f,
+                "k_bits": gf.bits_per_value(), "v_bits": gf.bits_per_value(),
+                "ours_us": us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
+                "n_splits": plans[0].n_splits, "finite": finite,
+            }));
+        }
+    }
+    Ok(rows)
+}
+
+fn run(args: &[String]) -> Result<()> {
+    let out = arg(args, "--out").unwrap_or_else(|| "ours.json".into());
+    let iters: usize = arg(args, "--iters").and_then(|s| s.parse().ok()).unwrap_or(100);
+    let mut opts = DecodeOptions::default();
+    if let Some(v) = arg(args, "--blocks-per-sm").and_then(|s| s.parse().ok()) {
+        opts.blocks_per_sm = v;
+    }
+    if let Some(v) = arg(args, "--min-pages").and_then(|s| s.parse().ok()) {
+        opts.min_pages_per_split = v;
+    }
+    let dev = GpuDevice::new(0)?;
+    eprintln!("device: {dev:?}, {} SMs", dev.sm_count);
+    let (read_tbps, copy_tbps) = bandwidth(&dev)?;
+    eprintln!("read probe {read_tbps:.2} TB/s, device copy {copy_tbps:.2} TB/s (read+write)");
+    let decode = decode_rows(&dev, iters, read_tbps, opts)?;
+    let encode =
+        if args.iter().any(|a| a == "--no-encode") { vec![] } else { encode_rows(&dev, read_tbps, copy_tbps)? };
+    let v = json!({
+        "device": dev.name, "sm_count": dev.sm_count, "read_tbps": read_tbps, "copy_tbps": copy_tbps,
+        "iters": iters, "decode": decode, "encode": encode,
+    });
+    std::fs::write(&out, serde_json::to_string_pretty(&v).expect("json")).expect("write");
+    Ok(())
+}
+
+fn load(list: &str) -> Vec<Value> {
+    list.split(',')
+        .filter(|s| !s.is_empty())
+        .map(|p| serde_json::from_str(&std::fs::read_to_string(p).expect("read")).expect("parse"))
+        .collect()
+}
+
+fn report(args: &[String]) {
+    let ours = load(&arg(args, "--ours").expect("--ours"));
+    let peers = load(&arg(args, "--peer").unwrap_or_default());
+    let key = |r: &Value| format!("{}-{}-{}-{}", r["b"], r["hq"], r["hkv"], r["s"]);
+    let mut peer_best: BTreeMap<String, (f64, String)> = BTreeMap::new();
+    for p in &peers {
+        for r in p["rows"].as_array().into_iter().flatten() {
+            let us = r["peer_us"].as_f64().unwrap_or(f64::INFINITY);
+            let e = peer_best.entry(key(r)).or_insert((f64::INFINITY, String::new()));
+            if us < e.0 {
+                *e = (us, r["backend"].as_str().unwrap_or("").to_string());
+            }
+        }
+    }
+    let read_tbps = ours.iter().map(|o| o["read_tbps"].as_f64().unwrap_or(0.0)).fold(0.0, f64::max);
+    let mut best: BTreeMap<(String, String), Value> = BTreeMap::new();
+    let mut order = Vec::new();
+    for o in &ours {
+        for r in o["decode"].as_array().into_iter().flatten() {
+            let k = (key(r), r["format"].as_str().unwrap_or("").to_string());
+            let us = r["ours_us"].as_f64().unwrap_or(f64::INFINITY);
+            if !best.contains_key(&k) {
+                order.push(k.clone());
+            }
+            let better = best.get(&k).map_or(true, |b| us < b["ours_us"].as_f64().unwrap_or(f64::INFINITY));
+            if better {
+                best.insert(k, r.clone());
+            }
+        }
+    }
+    let mut rows = Vec::new();
+    println!(
+        "| B | Hq | Hkv | d | S | format | bits/value K/V | ours µs | peer µs (backend) | speedup | TB/s read | of read bw |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for k in &order {
+        let r = &best[k];
+        let us = r["ours_us"].as_f64().unwrap();
+        let (peer_us, backend) = peer_best.get(&k.0).cloned().unwrap_or((f64::NAN, "-".into()));
+        let tbps = r["bytes"].as_f64().unwrap() / us / 1e6;
+        let row = json!({
+            "b": r["b"], "hq": r["hq"], "hkv": r["hkv"], "d": r["d"], "s": r["s"], "format": r["format"],
+            "k_bits": r["k_bits"], "v_bits": r["v_bits"], "ours_us": us, "peer_us": peer_us,
+            "peer_backend": backend, "speedup": peer_us / us, "tbps": tbps, "bw_fraction": tbps / read_tbps,
+        });
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {:.3}/{:.3} | {:.1} | {:.1} ({}) | {:.2}× | {:.2} | {:.0} % |",
+            r["b"],
+            r["hq"],
+            r["hkv"],
+            r["d"],
+            r["s"],
+            r["format"].as_str().unwrap(),
+            r["k_bits"].as_f64().unwrap(),
+            r["v_bits"].as_f64().unwrap(),
+            us,
+            peer_us,
+            backend,
+            peer_us / us,
+            tbps,
+            100.0 * tbps / read_tbps
+        );
+        rows.push(row);
+    }
+    let enc = ours.first().map(|o| o["encode"].clone()).unwrap_or(Value::Null);
+    if let Some(list) = enc.as_array() {
+        println!("\n| encode format (2M vectors, d=128, f16 in) | µs | GB/s input | of copy bw (in+out) |");
+        println!("|---|---|---|---|");
+        for e in list {
+            println!(
+                "| {} | {:.1} | {:.0} | {:.0} % |",
+                e["format"].as_str().unwrap_or(""),
+                e["us"].as_f64().unwrap_or(0.0),
+                e["input_gbps"].as_f64().unwrap_or(0.0),
+                100.0 * e["bw_fraction"].as_f64().unwrap_or(0.0)
+            );
+        }
+    }
+    let v = json!({
+        "device": ours.first().map(|o| o["device"].clone()).unwrap_or(Value::Null),
+        "date": arg(args, "--date").unwrap_or_default(),
+        "commit": arg(args, "--commit").unwrap_or_default(),
+        "read_tbps": read_tbps,
+        "copy_tbps": ours.first().map(|o| o["copy_tbps"].clone()).unwrap_or(Value::Null),
+        "peer": "torch.nn.functional.scaled_dot_product_attention, bf16 K/V, fastest of flash and cuDNN",
+        "rows": rows,
+        "encode": enc,
+    });
+    if let Some(p) = arg(args, "--out") {
+        std::fs::write(p, serde_json::to_string_pretty(&v).expect("json")).expect("write");
+    }
+}
+
+/// Entry point: `args[1]` is `run` or `report` (args[0] is the program name). Returns the
+/// process exit code.
+pub fn main_with_args(args: &[String]) -> i32 {
+    match args.get(1).map(String::as_str) {
+        Some("run") => match run(args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
+        Some("report") => {
+            report(args);
+            0
+        }
+        _ => {
+            eprintln!("usage: bench cuda run --out FILE [--iters N] | report --ours A[,B] --peer P[,Q] --out FILE");
+            2
+        }
+    }
+}

@@ -1,0 +1,153 @@
+//! The device: presence checks, context and stream, and the NVRTC module cache.
+//!
+//! Kernels are CUDA C sources embedded in the binary, specialized by `#define`s and compiled
+//! on first use for the device's own compute capability with `--fmad=false` (the CPU never
+//! fuses multiply-add in encoders, so codes round identically) and IEEE division and sqrt.
+//! Modules are cached per configuration key (family + defines), which is also their name.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::nvrtc::{CompileError, CompileOptions};
+
+use crate::error::{drv, CudaError, Result};
+
+const COMMON: &str = include_str!("../kernels/common.cuh");
+
+/// Kernel families: one CUDA C file each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    Encode,
+    Decode,
+    Attn,
+}
+
+impl Family {
+    fn source(self) -> &'static str {
+        match self {
+            Family::Encode => include_str!("../kernels/encode.cu"),
+            Family::Decode => include_str!("../kernels/decode.cu"),
+            Family::Attn => include_str!("../kernels/attn.cu"),
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Family::Encode => "encode",
+            Family::Decode => "decode",
+            Family::Attn => "attn",
+        }
+    }
+}
+
+pub struct GpuDevice {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub compute_capability: (i32, i32),
+    pub sm_count: usize,
+    pub name: String,
+    modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+}
+
+impl std::fmt::Debug for GpuDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuDevice({}, sm_{}{})", self.name, self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+/// Whether libcuda and libnvrtc can be loaded (never panics, touches no device).
+pub fn libraries_present() -> Result<()> {
+    // SAFETY: these only try dlopen on the candidate names; no CUDA call is made.
+    let cuda = catch_unwind(|| unsafe { cudarc::driver::sys::is_culib_present() }).unwrap_or(false);
+    if !cuda {
+        return Err(CudaError::CudaUnavailable {
+            lib: "libcuda (driver)",
+            why: "not found by the dynamic loader".into(),
+        });
+    }
+    // SAFETY: as above.
+    let nvrtc = catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }).unwrap_or(false);
+    if !nvrtc {
+        return Err(CudaError::CudaUnavailable { lib: "libnvrtc", why: "not found by the dynamic loader".into() });
+    }
+    Ok(())
+}
+
+impl GpuDevice {
+    /// Open device `ordinal`; a missing library or device is a typed error, never a panic.
+    pub fn new(ordinal: usize) -> Result<Arc<Self>> {
+        libraries_present()?;
+        let ctx = catch_unwind(|| CudaContext::new(ordinal))
+            .map_err(|_| CudaError::CudaUnavailable {
+                lib: "libcuda (driver)",
+                why: "panicked while initializing".into(),
+            })?
+            .map_err(|e| CudaError::CudaUnavailable { lib: "libcuda (driver)", why: format!("{e:?}") })?;
+        // SAFETY: we order all work on one stream ourselves; per-slice event tracking only
+        // adds events to every launch.
+        unsafe { ctx.disable_event_tracking() };
+        let cc = ctx.compute_capability().map_err(drv("compute_capability"))?;
+        let sm_count = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("attribute"))? as usize;
+        let name = ctx.name().map_err(drv("name"))?;
+        let stream = ctx.default_stream();
+        Ok(Arc::new(Self { ctx, stream, compute_capability: cc, sm_count, name, modules: Mutex::new(HashMap::new()) }))
+    }
+
+    /// The function `name` of `family` compiled with `defines`, compiling on first use.
+    pub fn function(&self, family: Family, defines: &[(&str, i64)], name: &str) -> Result<CudaFunction> {
+        let mut key = family.name().to_string();
+        for (k, v) in defines {
+            key.push_str(&format!("_{k}{v}"));
+        }
+        let module = {
+            let mut cache = self.modules.lock().expect("module cache poisoned");
+            match cache.get(&key) {
+                Some(m) => m.clone(),
+                None => {
+                    let m = self.compile(family, defines, &key)?;
+                    cache.insert(key.clone(), m.clone());
+                    m
+                }
+            }
+        };
+        module.load_function(name).map_err(drv("load_function"))
+    }
+
+    fn compile(&self, family: Family, defines: &[(&str, i64)], key: &str) -> Result<Arc<CudaModule>> {
+        let mut src = String::new();
+        for (k, v) in defines {
+            src.push_str(&format!("#define {k} {v}\n"));
+        }
+        src.push_str(COMMON);
+        src.push_str(family.source());
+        let arch: &'static str =
+            Box::leak(format!("compute_{}{}", self.compute_capability.0, self.compute_capability.1).into_boxed_str());
+        let opts = CompileOptions {
+            fmad: Some(false),
+            prec_div: Some(true),
+            prec_sqrt: Some(true),
+            ftz: Some(false),
+            arch: Some(arch),
+            options: vec!["--std=c++17".into()],
+            name: Some(format!("{key}.cu")),
+            ..Default::default()
+        };
+        let ptx = catch_unwind(AssertUnwindSafe(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts)))
+            .map_err(|_| CudaError::CudaUnavailable { lib: "libnvrtc", why: "panicked while compiling".into() })?
+            .map_err(|e| CudaError::Nvrtc {
+                key: key.to_string(),
+                log: match e {
+                    CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+                    other => format!("{other:?}"),
+                },
+            })?;
+        self.ctx.load_module(ptx).map_err(drv("load_module"))
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(drv("synchronize"))
+    }
+}

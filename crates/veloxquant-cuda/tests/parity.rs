@@ -1,0 +1,223 @@
+//! GPU parity: encode bit-identical to the CPU for every format, d ∈ {64, 128}, all bit
+//! widths; decode attention vs the CPU reference ≤ 2e-3 relative across batch, GQA ratio,
+//! lengths off the page grid and the recent window R. Skips with a message without a GPU.
+
+use std::sync::Arc;
+
+use veloxquant::attn::decode_attention_ref;
+use veloxquant::format::{FormatCtx, FormatSpec, Stream, REGISTRY};
+use veloxquant::rng::SplitMix64;
+use veloxquant::{CacheConfig, PagedCache};
+use veloxquant_cuda::{attn, GpuCacheConfig, GpuDevice, GpuEncoder, GpuFormat, GpuPagedCache, InputKind};
+
+fn device() -> Option<Arc<GpuDevice>> {
+    match GpuDevice::new(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("SKIPPED: no usable GPU ({e})");
+            None
+        }
+    }
+}
+
+fn all_specs() -> Vec<FormatSpec> {
+    let mut out = Vec::new();
+    for desc in REGISTRY {
+        let bits: Vec<Option<u32>> =
+            if desc.bits.is_empty() { vec![None] } else { desc.bits.iter().map(|&b| Some(b)).collect() };
+        for b in bits {
+            let base = match b {
+                Some(b) => format!("{}:{b}", desc.name),
+                None => desc.name.to_string(),
+            };
+            out.push(FormatSpec::parse(&base).unwrap());
+            if desc.rotatable {
+                out.push(FormatSpec::parse(&format!("{base}:rot")).unwrap());
+            }
+            if desc.has_norm_mode {
+                out.push(FormatSpec::parse(&format!("{base}:eden")).unwrap());
+            }
+        }
+    }
+    out
+}
+
+/// Rows that stress rounding: Gaussian with outlier channels, zeros, ties, tiny and huge.
+fn awkward_rows(rng: &mut SplitMix64, n_rows: usize, d: usize) -> Vec<f32> {
+    let mut x = Vec::with_capacity(n_rows * d);
+    for r in 0..n_rows {
+        for i in 0..d {
+            let g = rng.next_gaussian() as f32;
+            x.push(match r % 8 {
+                0 => 0.0,
+                1 => {
+                    if i % 2 == 0 {
+                        3.0
+                    } else {
+                        -3.0
+                    }
+                }
+                2 => g * 1e-4,
+                3 => g * if i < 4 { 40.0 } else { 1.0 },
+                4 => (g * 4.0).round() / 4.0,
+                _ => g,
+            });
+        }
+    }
+    x
+}
+
+#[test]
+fn encode_bit_identical_to_cpu() {
+    let Some(dev) = device() else { return };
+    let t = 32;
+    let mut checked = 0;
+    let mut failures = Vec::new();
+    for spec in all_specs() {
+        for d in [64usize, 128] {
+            let seed = 0x1234 + d as u64;
+            let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
+            let gf = GpuFormat::new(&spec, d, t, seed).unwrap();
+            assert_eq!(gf.page_bytes, cpu.page_bytes(), "{spec} d={d} page bytes");
+            let enc = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap();
+            let mut rng = SplitMix64::new(seed ^ 77);
+            let n_pages = 6;
+            let x = awkward_rows(&mut rng, n_pages * t, d);
+            let got = enc.encode_pages_f32(&x).unwrap();
+            let pb = cpu.page_bytes();
+            let mut bad = None;
+            for p in 0..n_pages {
+                let mut want = vec![0u8; pb];
+                cpu.encode_page(&x[p * t * d..(p + 1) * t * d], &mut want).unwrap();
+                if let Some(i) = (0..pb).find(|&i| got[p * pb + i] != want[i]) {
+                    let r0 = i / gf.row_bytes.max(1) * gf.row_bytes;
+                    let r1 = (r0 + gf.row_bytes).min(pb);
+                    bad = Some(format!(
+                        "{spec} d={d} page {p}: byte {i} (row {}) gpu {:#04x} cpu {:#04x}\n gpu row {:02x?}\n cpu row {:02x?}",
+                        i / gf.row_bytes.max(1), got[p * pb + i], want[i],
+                        &got[p * pb + r0..p * pb + r1], &want[r0..r1]
+                    ));
+                    break;
+                }
+            }
+            if let Some(b) = bad {
+                eprintln!("MISMATCH {b}");
+                failures.push(format!("{spec} d={d}"));
+                continue;
+            }
+            checked += 1;
+        }
+    }
+    eprintln!("encode parity: {checked} (format, d) cases bit-identical; failures: {failures:?}");
+    assert!(failures.is_empty(), "encode mismatches: {failures:?}");
+}
+
+struct Case {
+    k: &'static str,
+    v: &'static str,
+    d: usize,
+    gqa: usize,
+    recent: usize,
+    lens: &'static [usize],
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
+    a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs())) / scale
+}
+
+fn run_case(dev: &Arc<GpuDevice>, c: &Case, seed: u64) -> f64 {
+    let (kspec, vspec) = (FormatSpec::parse(c.k).unwrap(), FormatSpec::parse(c.v).unwrap());
+    let n_kv = 2;
+    let d = c.d;
+    let hq = n_kv * c.gqa;
+    let max_len = *c.lens.iter().max().unwrap();
+    let gcfg = GpuCacheConfig {
+        n_seqs: c.lens.len(),
+        n_kv_heads: n_kv,
+        head_dim: d,
+        page_tokens: 32,
+        recent: c.recent,
+        k: kspec.clone(),
+        v: vspec.clone(),
+        seed: 0x5EED,
+        layer: 0,
+        max_pages_per_seq: max_len / 32 + 2,
+    };
+    let mut gpu = GpuPagedCache::new(dev, gcfg).unwrap();
+    let mut cpus = Vec::new();
+    let mut rng = SplitMix64::new(seed);
+    for (b, &n) in c.lens.iter().enumerate() {
+        let mut cfg = CacheConfig::new(1, n_kv, d, kspec.clone(), vspec.clone());
+        cfg.recent = c.recent;
+        cfg.encode_rows = false; // the GPU cache flushes whole pages (page mode)
+        let mut cpu = PagedCache::new(cfg).unwrap();
+        let keys: Vec<f32> =
+            (0..n_kv * n * d).map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 }).collect();
+        let vals = rng.gaussian_vec(n_kv * n * d);
+        let per = |x: &[f32], lo: usize, hi: usize| -> Vec<f32> {
+            (0..n_kv).flat_map(|h| x[(h * n + lo) * d..(h * n + hi) * d].to_vec()).collect()
+        };
+        let first = n * 2 / 3;
+        let mut chunks = vec![(0, first)];
+        chunks.extend((first..n).map(|t| (t, t + 1)));
+        for (lo, hi) in chunks {
+            if hi == lo {
+                continue;
+            }
+            let (kk, vv) = (per(&keys, lo, hi), per(&vals, lo, hi));
+            cpu.append(0, &kk, &vv, hi - lo).unwrap();
+            gpu.append(b, &kk, &vv, hi - lo).unwrap();
+        }
+        cpus.push(cpu);
+    }
+    let q = rng.gaussian_vec(c.lens.len() * hq * d);
+    let out = attn::decode(&mut gpu, &q, hq).unwrap();
+    let mut worst = 0f64;
+    for (b, cpu) in cpus.iter().enumerate() {
+        let qb = &q[b * hq * d..(b + 1) * hq * d];
+        let want = decode_attention_ref(cpu, 0, qb, hq).unwrap();
+        let got = &out[b * hq * d..(b + 1) * hq * d];
+        assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
+        worst = worst.max(rel_err(got, &want));
+    }
+    worst
+}
+
+#[test]
+fn decode_matches_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let pairs: &[(&str, &str)] = &[
+        ("fp16", "fp16"),
+        ("q8_0", "q8_0"),
+        ("q4_0", "q4_0"),
+        ("q8_0:rot", "q4_0:rot"),
+        ("turboquant_mse:4", "turboquant_mse:4"),
+        ("turboquant_mse:3:eden", "turboquant_mse:2"),
+        ("turboquant_mse:2", "turboquant_mse:1"),
+        ("turboquant_mse:4:eden", "q8_0"),
+    ];
+    let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097]];
+    let mut n = 0;
+    let mut worst_all = 0f64;
+    let mut bad: Vec<String> = Vec::new();
+    for (pi, &(k, v)) in pairs.iter().enumerate() {
+        for d in [64, 128] {
+            for gqa in [1, 4] {
+                for recent in [0, 32] {
+                    let l = lens[(pi + d / 64 + gqa + recent / 32) % lens.len()];
+                    let c = Case { k, v, d, gqa, recent, lens: l };
+                    let e = run_case(&dev, &c, (pi * 1000 + d + gqa * 10 + recent) as u64);
+                    if !(e <= 2e-3) {
+                        eprintln!("FAIL K={k} V={v} d={d} gqa={gqa} R={recent} lens={l:?}: rel err {e:.2e}");
+                        bad.push(format!("{k}/{v} d={d} g={gqa} R={recent}: {e:.2e}"));
+                    }
+                    worst_all = worst_all.max(e);
+                    n += 1;
+                }
+            }
+        }
+    }
+    eprintln!("decode parity: {n} cases, worst rel err {worst_all:.2e}, failures {}", bad.len());
+    assert!(bad.is_empty(), "decode failures: {bad:#?}");
+}
