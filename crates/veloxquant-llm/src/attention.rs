@@ -1,0 +1,252 @@
+//! Exact causal attention over f32 K/V (GQA), shared by every cache that can decode to f32.
+
+use crate::error::{LlmError, Result};
+use rayon::prelude::*;
+
+/// Query rows per attention task: small enough to skip most of the causal upper triangle
+/// and to give rayon several tasks per head.
+const Q_BLOCK: usize = 128;
+
+/// Exact causal attention over f32 keys/values, parallel over (head, query block).
+///
+/// `keys[g]`, `values[g]`: kv head g as [len][head_dim]. q: [n_heads][n_q][head_dim].
+/// Query head h reads kv head h / (n_heads / n_kv_heads) (GQA). Returns [n_q][n_heads * head_dim].
+pub fn causal_attention_f32(
+    q: &[f32],
+    n_q: usize,
+    keys: &[&[f32]],
+    values: &[&[f32]],
+    len: usize,
+    head_dim: usize,
+) -> Result<Vec<f32>> {
+    let n_kv_heads = keys.len();
+    if n_q == 0 {
+        return Ok(Vec::new());
+    }
+    if n_kv_heads == 0 || values.len() != n_kv_heads || head_dim == 0 {
+        return Err(LlmError::Store("no kv heads or key/value head count differ".into()));
+    }
+    if n_q > len {
+        return Err(LlmError::ShapeMismatch { op: "attend: n_q <= len", expected: len, got: n_q });
+    }
+    if q.len() % (n_q * head_dim) != 0 {
+        return Err(LlmError::ShapeMismatch { op: "attend: q length", expected: n_q * head_dim, got: q.len() });
+    }
+    let n_heads = q.len() / (n_q * head_dim);
+    if n_heads % n_kv_heads != 0 {
+        return Err(LlmError::ShapeMismatch {
+            op: "attend: n_heads multiple of n_kv_heads",
+            expected: n_kv_heads,
+            got: n_heads,
+        });
+    }
+    for kv in keys.iter().chain(values.iter()) {
+        if kv.len() < len * head_dim {
+            return Err(LlmError::ShapeMismatch {
+                op: "attend: kv head length",
+                expected: len * head_dim,
+                got: kv.len(),
+            });
+        }
+    }
+    let group = n_heads / n_kv_heads;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let n_blocks = n_q.div_ceil(Q_BLOCK);
+    let tasks: Vec<(usize, usize)> = (0..n_heads).flat_map(|h| (0..n_blocks).map(move |b| (h, b))).collect();
+    let parts: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(h, b)| {
+            let r0 = b * Q_BLOCK;
+            let rows = Q_BLOCK.min(n_q - r0);
+            let first_pos = len - n_q + r0; // absolute position of row 0 of this block
+            let n_keys = first_pos + rows;
+            let g = h / group;
+            let q_blk = &q[(h * n_q + r0) * head_dim..(h * n_q + r0 + rows) * head_dim];
+            let mut scores = vec![0f32; rows * n_keys];
+            // scores = scale * Q K^T
+            gemm_rowmajor(rows, n_keys, head_dim, &mut scores, q_blk, head_dim, 1, keys[g], 1, head_dim, scale);
+            for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
+                let valid = first_pos + i + 1;
+                softmax_prefix(row, valid);
+            }
+            let mut out = vec![0f32; rows * head_dim];
+            // out = P V
+            gemm_rowmajor(rows, head_dim, n_keys, &mut out, &scores, n_keys, 1, values[g], head_dim, 1, 1.0);
+            out
+        })
+        .collect();
+    let width = n_heads * head_dim;
+    let mut result = vec![0f32; n_q * width];
+    for (&(h, b), part) in tasks.iter().zip(&parts) {
+        let r0 = b * Q_BLOCK;
+        for (i, src) in part.chunks_exact(head_dim).enumerate() {
+            let dst = (r0 + i) * width + h * head_dim;
+            result[dst..dst + head_dim].copy_from_slice(src);
+        }
+    }
+    Ok(result)
+}
+
+/// Softmax over row[..valid]; row[valid..] (future keys) set to zero.
+fn softmax_prefix(row: &mut [f32], valid: usize) {
+    let (live, masked) = row.split_at_mut(valid);
+    masked.fill(0.0);
+    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    // Separate map and sum passes so both vectorize (libm expf would not).
+    live.iter_mut().for_each(|x| *x = exp_approx(*x - max));
+    let mut lanes = [0f32; 8];
+    let mut chunks = live.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, v) in lanes.iter_mut().zip(c) {
+            *l += v;
+        }
+    }
+    let sum = lanes.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>();
+    let inv = 1.0 / sum;
+    live.iter_mut().for_each(|x| *x *= inv);
+}
+
+/// e^x for x ≤ 0 (softmax after max subtraction), relative error < 2e-7: range reduction
+/// x = k·ln2 + r, |r| ≤ ln2/2, then a degree-6 Taylor polynomial; branch-free so it
+/// vectorizes. Underflows to 0 below -87.
+#[inline(always)]
+pub(crate) fn exp_approx(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer
+    let x = x.max(-87.0);
+    let k = (x * LOG2E + ROUND) - ROUND;
+    let r = x - k * LN2_HI - k * LN2_LO;
+    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits(((k as i32 + 127) as u32) << 23);
+    p * scale
+}
+
+/// dst[m×n] (row-major, overwritten) = alpha · lhs[m×k] · rhs[k×n], with explicit strides
+/// (row stride, column stride) for lhs and rhs so transposed operands need no copy.
+#[allow(clippy::too_many_arguments)]
+fn gemm_rowmajor(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    lhs: &[f32],
+    lhs_rs: usize,
+    lhs_cs: usize,
+    rhs: &[f32],
+    rhs_rs: usize,
+    rhs_cs: usize,
+    alpha: f32,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let max_index = |rows: usize, cols: usize, rs: usize, cs: usize| (rows.max(1) - 1) * rs + (cols.max(1) - 1) * cs;
+    assert!(dst.len() >= m * n);
+    assert!(k == 0 || lhs.len() > max_index(m, k, lhs_rs, lhs_cs));
+    assert!(k == 0 || rhs.len() > max_index(k, n, rhs_rs, rhs_cs));
+    // SAFETY: the asserts above keep every index gemm touches (row*rs + col*cs) inside the
+    // slices; dst is exclusively borrowed and does not alias lhs or rhs.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            false,
+            lhs.as_ptr(),
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs.as_ptr(),
+            rhs_cs as isize,
+            rhs_rs as isize,
+            0.0,
+            alpha,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    // Plain triple loop: the oracle for the gemm path.
+    fn attend_ref(q: &[f32], n_q: usize, k: &[Vec<f32>], v: &[Vec<f32>], len: usize, hd: usize) -> Vec<f32> {
+        let n_heads = q.len() / (n_q * hd);
+        let group = n_heads / k.len();
+        let mut out = vec![0f32; n_q * n_heads * hd];
+        for h in 0..n_heads {
+            for i in 0..n_q {
+                let pos = len - n_q + i;
+                let qi = &q[(h * n_q + i) * hd..][..hd];
+                let s: Vec<f64> = (0..=pos)
+                    .map(|j| {
+                        let kj = &k[h / group][j * hd..][..hd];
+                        qi.iter().zip(kj).map(|(a, b)| (a * b) as f64).sum::<f64>() / (hd as f64).sqrt()
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                for (j, sj) in s.iter().enumerate() {
+                    let p = (sj - m).exp() / z;
+                    for d in 0..hd {
+                        out[i * n_heads * hd + h * hd + d] += (p * v[h / group][j * hd + d] as f64) as f32;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn attention_matches_reference_across_block_edges() {
+        let hd = 16;
+        for &(len, n_q) in &[(1, 1), (5, 5), (300, 1), (300, 129), (257, 257)] {
+            let k: Vec<Vec<f32>> = (0..2).map(|g| pseudo(len * hd, 10 + g)).collect();
+            let v: Vec<Vec<f32>> = (0..2).map(|g| pseudo(len * hd, 20 + g)).collect();
+            let q = pseudo(6 * n_q * hd, 3);
+            let kr: Vec<&[f32]> = k.iter().map(|x| x.as_slice()).collect();
+            let vr: Vec<&[f32]> = v.iter().map(|x| x.as_slice()).collect();
+            let got = causal_attention_f32(&q, n_q, &kr, &vr, len, hd).unwrap();
+            let want = attend_ref(&q, n_q, &k, &v, len, hd);
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-4, "len {len} n_q {n_q}: {a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn exp_approx_is_accurate() {
+        let mut worst = 0f64;
+        for i in 0..=200_000 {
+            let x = -(i as f32) * 1e-3 * 0.5; // 0 .. -100
+            let want = (x as f64).exp();
+            let got = exp_approx(x) as f64;
+            if want > 1e-37 {
+                worst = worst.max((got - want).abs() / want);
+            } else {
+                assert!(got <= 1e-37);
+            }
+        }
+        assert!(worst < 3e-7, "relative error {worst}");
+    }
+}

@@ -1,0 +1,134 @@
+//! Streaming text generation.
+
+use crate::error::{LlmError, Result};
+use crate::eval::argmax;
+use crate::model::Llama;
+use crate::store::KvStore;
+use crate::tokenizer::Tokenizer;
+use std::time::Instant;
+
+/// Chooses the next token from a logits row.
+pub trait Sampler {
+    fn sample(&mut self, logits: &[f32]) -> u32;
+}
+
+/// Argmax decoding (first index on ties).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Greedy;
+
+impl Sampler for Greedy {
+    fn sample(&mut self, logits: &[f32]) -> u32 {
+        argmax(logits) as u32
+    }
+}
+
+/// Prompt tokens per forward call during prefill; bounds activation memory on long prompts.
+pub const PREFILL_CHUNK: usize = 2048;
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenStats {
+    /// Generated ids (without the prompt).
+    pub tokens: Vec<u32>,
+    pub n_prompt: usize,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+    pub prefill_tokens_per_s: f64,
+    /// Generated tokens per second, excluding prefill.
+    pub decode_tokens_per_s: f64,
+}
+
+/// Greedy/sampled generation from token ids; `on_token(id)` returns false to stop early.
+/// Stops at `stop` ids. The store must be empty or hold exactly the context before `prompt`.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_ids(
+    model: &Llama,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop: &[u32],
+    store: &mut dyn KvStore,
+    sampler: &mut dyn Sampler,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<GenStats> {
+    if prompt.is_empty() {
+        return Err(LlmError::InvalidArgument("empty prompt".into()));
+    }
+    let t0 = Instant::now();
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(PREFILL_CHUNK) {
+        logits = model.forward(chunk, store, chunk.len() - 1)?;
+    }
+    let prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut out = Vec::with_capacity(max_tokens);
+    for step in 0..max_tokens {
+        let next = sampler.sample(&logits);
+        out.push(next);
+        if stop.contains(&next) || !on_token(next) || step + 1 == max_tokens {
+            break;
+        }
+        logits = model.forward(&[next], store, 0)?;
+    }
+    let decode_s = t1.elapsed().as_secs_f64();
+    Ok(GenStats {
+        n_prompt: prompt.len(),
+        prefill_s,
+        decode_s,
+        prefill_tokens_per_s: prompt.len() as f64 / prefill_s,
+        decode_tokens_per_s: out.len() as f64 / decode_s.max(1e-9),
+        tokens: out,
+    })
+}
+
+/// Encodes `prompt`, generates up to `max_tokens`, streaming decoded text to `on_text`
+/// (whole UTF-8 characters only). Stops at EOS or `<|im_end|>`.
+pub fn generate(
+    model: &Llama,
+    tok: &Tokenizer,
+    prompt: &str,
+    max_tokens: usize,
+    store: &mut dyn KvStore,
+    sampler: &mut dyn Sampler,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenStats> {
+    let ids = tok.encode(prompt)?;
+    generate_from_ids(model, tok, &ids, max_tokens, store, sampler, on_text)
+}
+
+/// As [`generate`] from already-built ids (e.g. a chat template with special tokens).
+pub fn generate_from_ids(
+    model: &Llama,
+    tok: &Tokenizer,
+    ids: &[u32],
+    max_tokens: usize,
+    store: &mut dyn KvStore,
+    sampler: &mut dyn Sampler,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<GenStats> {
+    let stop: Vec<u32> = tok.eos.into_iter().chain(tok.token_id("<|im_end|>")).collect();
+    let mut generated = Vec::new();
+    let mut printed = 0usize;
+    let mut err = None;
+    let stats = generate_ids(model, ids, max_tokens, &stop, store, sampler, &mut |id| {
+        if stop.contains(&id) {
+            return false;
+        }
+        generated.push(id);
+        match tok.decode(&generated) {
+            // A trailing U+FFFD is a character split across tokens: wait for the rest.
+            Ok(text) if !text.ends_with('\u{FFFD}') && text.len() > printed => {
+                on_text(&text[printed..]);
+                printed = text.len();
+                true
+            }
+            Ok(_) => true,
+            Err(e) => {
+                err = Some(e);
+                false
+            }
+        }
+    })?;
+    match err {
+        Some(e) => Err(e),
+        None => Ok(stats),
+    }
+}

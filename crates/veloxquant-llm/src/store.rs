@@ -1,0 +1,214 @@
+//! The KV-cache contract the model calls, and the fp16 reference cache.
+
+use crate::error::{LlmError, Result};
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use rayon::prelude::*;
+
+pub use crate::attention::causal_attention_f32;
+
+/// One sequence's KV cache for all layers. Layouts are row-major f32.
+pub trait KvStore {
+    /// Append `n_tokens` new tokens to `layer`. k, v: [n_kv_heads][n_tokens][head_dim], keys already RoPE'd.
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()>;
+    /// Causal attention of the `n_q` newest positions of `layer` (already appended). q: [n_heads][n_q][head_dim], RoPE'd, not pre-scaled.
+    /// Query i is at absolute position len - n_q + i and attends to keys 0..=that position, softmax scale 1/sqrt(head_dim).
+    /// Returns [n_q][n_heads * head_dim].
+    fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>>;
+    fn len(&self, layer: usize) -> usize;
+    /// Bytes actually allocated for keys and values.
+    fn resident_bytes(&self) -> usize;
+}
+
+/// Builds a fresh, empty store (one per evaluated sequence).
+pub type StoreFactory<'a> = dyn FnMut() -> Result<Box<dyn KvStore>> + 'a;
+
+/// Reference cache: keys and values stored as IEEE fp16, attention computed in f32.
+pub struct Fp16Store {
+    n_kv_heads: usize,
+    head_dim: usize,
+    /// [layer][kv head] → [len][head_dim]
+    keys: Vec<Vec<Vec<f16>>>,
+    values: Vec<Vec<Vec<f16>>>,
+    lens: Vec<usize>,
+}
+
+impl Fp16Store {
+    pub fn new(n_layers: usize, n_kv_heads: usize, head_dim: usize) -> Self {
+        Self::with_capacity(n_layers, n_kv_heads, head_dim, 0)
+    }
+
+    /// Reserves room for `n_tokens` per layer up front (no regrowth during a window).
+    pub fn with_capacity(n_layers: usize, n_kv_heads: usize, head_dim: usize, n_tokens: usize) -> Self {
+        let empty = || {
+            (0..n_layers).map(|_| (0..n_kv_heads).map(|_| Vec::with_capacity(n_tokens * head_dim)).collect()).collect()
+        };
+        Self { n_kv_heads, head_dim, keys: empty(), values: empty(), lens: vec![0; n_layers] }
+    }
+
+    /// Empty cache shaped for `config`, with room for `n_tokens` per layer.
+    pub fn for_config(config: &crate::model::LlamaConfig, n_tokens: usize) -> Self {
+        Self::with_capacity(config.n_layers, config.n_kv_heads, config.head_dim, n_tokens)
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        if layer >= self.lens.len() {
+            return Err(LlmError::Store(format!("layer {layer} out of range ({} layers)", self.lens.len())));
+        }
+        Ok(())
+    }
+}
+
+impl KvStore for Fp16Store {
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()> {
+        self.check_layer(layer)?;
+        let per_head = n_tokens * self.head_dim;
+        let expected = self.n_kv_heads * per_head;
+        for (got, op) in [(k.len(), "append: k"), (v.len(), "append: v")] {
+            if got != expected {
+                return Err(LlmError::ShapeMismatch { op, expected, got });
+            }
+        }
+        for g in 0..self.n_kv_heads {
+            for (dst, src) in [
+                (&mut self.keys[layer][g], &k[g * per_head..(g + 1) * per_head]),
+                (&mut self.values[layer][g], &v[g * per_head..(g + 1) * per_head]),
+            ] {
+                let start = dst.len();
+                dst.resize(start + per_head, f16::ZERO);
+                dst[start..].convert_from_f32_slice(src);
+            }
+        }
+        self.lens[layer] += n_tokens;
+        Ok(())
+    }
+
+    fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>> {
+        self.check_layer(layer)?;
+        let widen = |heads: &Vec<Vec<f16>>| -> Vec<Vec<f32>> {
+            heads
+                .par_iter()
+                .map(|h| {
+                    let mut out = vec![0f32; h.len()];
+                    h.convert_to_f32_slice(&mut out);
+                    out
+                })
+                .collect()
+        };
+        let kf = widen(&self.keys[layer]);
+        let vf = widen(&self.values[layer]);
+        let kr: Vec<&[f32]> = kf.iter().map(|x| x.as_slice()).collect();
+        let vr: Vec<&[f32]> = vf.iter().map(|x| x.as_slice()).collect();
+        causal_attention_f32(q, n_q, &kr, &vr, self.lens[layer], self.head_dim)
+    }
+
+    fn len(&self, layer: usize) -> usize {
+        self.lens.get(layer).copied().unwrap_or(0)
+    }
+
+    fn resident_bytes(&self) -> usize {
+        self.keys.iter().chain(self.values.iter()).flatten().map(|h| h.capacity() * std::mem::size_of::<f16>()).sum()
+    }
+}
+
+/// Exact f32 cache (no rounding of K/V): an oracle for tests and for isolating fp16 effects.
+pub struct F32Store {
+    n_kv_heads: usize,
+    head_dim: usize,
+    /// [layer][kv head] → [len][head_dim]
+    keys: Vec<Vec<Vec<f32>>>,
+    values: Vec<Vec<Vec<f32>>>,
+    lens: Vec<usize>,
+}
+
+impl F32Store {
+    pub fn new(n_layers: usize, n_kv_heads: usize, head_dim: usize) -> Self {
+        let empty = || vec![vec![Vec::new(); n_kv_heads]; n_layers];
+        Self { n_kv_heads, head_dim, keys: empty(), values: empty(), lens: vec![0; n_layers] }
+    }
+}
+
+impl KvStore for F32Store {
+    fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()> {
+        if layer >= self.lens.len() {
+            return Err(LlmError::Store(format!("layer {layer} out of range")));
+        }
+        let per_head = n_tokens * self.head_dim;
+        let expected = self.n_kv_heads * per_head;
+        for (got, op) in [(k.len(), "append: k"), (v.len(), "append: v")] {
+            if got != expected {
+                return Err(LlmError::ShapeMismatch { op, expected, got });
+            }
+        }
+        for g in 0..self.n_kv_heads {
+            self.keys[layer][g].extend_from_slice(&k[g * per_head..(g + 1) * per_head]);
+            self.values[layer][g].extend_from_slice(&v[g * per_head..(g + 1) * per_head]);
+        }
+        self.lens[layer] += n_tokens;
+        Ok(())
+    }
+
+    fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>> {
+        if layer >= self.lens.len() {
+            return Err(LlmError::Store(format!("layer {layer} out of range")));
+        }
+        let kr: Vec<&[f32]> = self.keys[layer].iter().map(|x| x.as_slice()).collect();
+        let vr: Vec<&[f32]> = self.values[layer].iter().map(|x| x.as_slice()).collect();
+        causal_attention_f32(q, n_q, &kr, &vr, self.lens[layer], self.head_dim)
+    }
+
+    fn len(&self, layer: usize) -> usize {
+        self.lens.get(layer).copied().unwrap_or(0)
+    }
+
+    fn resident_bytes(&self) -> usize {
+        self.keys.iter().chain(self.values.iter()).flatten().map(|h| h.capacity() * std::mem::size_of::<f32>()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fp16_store_appends_in_chunks_like_one_shot() {
+        let (hd, n_kv, n_heads, len) = (8, 2, 4, 40);
+        let k = pseudo(n_kv * len * hd, 1);
+        let v = pseudo(n_kv * len * hd, 2);
+        let q = pseudo(n_heads * hd, 3);
+        let mut one = Fp16Store::new(1, n_kv, hd);
+        one.append(0, &k, &v, len).unwrap();
+        let mut two = Fp16Store::new(1, n_kv, hd);
+        let split = |x: &[f32], a: usize, b: usize| -> Vec<f32> {
+            (0..n_kv).flat_map(|g| x[(g * len + a) * hd..(g * len + b) * hd].to_vec()).collect()
+        };
+        two.append(0, &split(&k, 0, 25), &split(&v, 0, 25), 25).unwrap();
+        two.append(0, &split(&k, 25, len), &split(&v, 25, len), len - 25).unwrap();
+        assert_eq!(one.len(0), len);
+        assert_eq!(two.len(0), len);
+        assert_eq!(one.attend(0, &q, 1).unwrap(), two.attend(0, &q, 1).unwrap());
+        assert!(one.resident_bytes() >= 2 * n_kv * len * hd * 2);
+    }
+
+    #[test]
+    fn fp16_store_rejects_bad_shapes() {
+        let mut s = Fp16Store::new(2, 3, 4);
+        assert!(matches!(s.append(0, &[0.0; 11], &[0.0; 12], 1), Err(LlmError::ShapeMismatch { .. })));
+        assert!(matches!(s.append(2, &[0.0; 12], &[0.0; 12], 1), Err(LlmError::Store(_))));
+        s.append(0, &[0.0; 12], &[0.0; 12], 1).unwrap();
+        assert!(s.attend(0, &[0.0; 8], 2).is_err()); // n_q > len
+        assert!(s.attend(0, &[0.0; 8], 1).is_err()); // 2 heads not a multiple of 3 kv heads
+    }
+}
