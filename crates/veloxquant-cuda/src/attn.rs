@@ -76,6 +76,7 @@ impl DecodePlan {
             vec![("D".into(), d as i64), ("T".into(), 32), ("G".into(), g as i64), ("NWARPS".into(), NWARPS as i64)];
         defs.extend(kind_defines('K', kf));
         defs.extend(kind_defines('V', vf));
+        defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
         let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
         let adefs = [
