@@ -225,9 +225,14 @@ struct PageRaw {
     u32 kn[4];
     u32 vn[4];
 };
-__device__ __forceinline__ void load_page(const u8* kp, const u8* vp, int g, int t, PageRaw& r) {
+__device__ __forceinline__ void load_k(const u8* kp, int g, int t, PageRaw& r) {
 #pragma unroll
     for (int i = 0; i < 4; i++) ldraw<KRB>(kp + (g + 8 * i) * K_ROW_BYTES + t * KRB, r.k[i]);
+    const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
+#pragma unroll
+    for (int i = 0; i < 4; i++) r.kn[i] = kn[g + 8 * i];
+}
+__device__ __forceinline__ void load_v(const u8* vp, int g, int t, PageRaw& r) {
 #pragma unroll
     for (int kk = 0; kk < 2; kk++) {
         const int tA = 16 * kk + 2 * t;
@@ -239,9 +244,6 @@ __device__ __forceinline__ void load_page(const u8* kp, const u8* vp, int g, int
         r.vn[2 * kk] = *(const u32*)(vn + tA);
         r.vn[2 * kk + 1] = *(const u32*)(vn + tA + 8);
     }
-    const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
-#pragma unroll
-    for (int i = 0; i < 4; i++) r.kn[i] = kn[g + 8 * i];
 }
 // The value dim that acc[mt]'s row half `hf` holds for row-group g.
 __device__ __forceinline__ int vdim(int g, int mt, int hf) {
@@ -344,20 +346,30 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
     const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
 
 #if FAST
-    PageRaw nx;
+    // This warp's pages are p0 + warp + NWARPS*j; lane i holds the physical index of page j = i
+    // (mod 32) of the current chunk, so the data loads never wait on a page-table load.
+    int ptv = 0;
+    if (p0 + warp + NWARPS * lane < p1) ptv = pt[p0 + warp + NWARPS * lane];
+    // One buffer: the next page's K is loaded as soon as this page's keys are scored, its V
+    // as soon as this page's values are accumulated (a page of compute ahead, no second copy).
+    PageRaw cur;
     if (p0 + warp < p1) {
-        const int phys = pt[p0 + warp];
-        load_page(kpool + (size_t)phys * K_PAGE_BYTES, vpool + (size_t)phys * V_PAGE_BYTES, g, t, nx);
+        const int phys = __shfl_sync(FULL_MASK, ptv, 0);
+        load_k(kpool + (size_t)phys * K_PAGE_BYTES, g, t, cur);
+        load_v(vpool + (size_t)phys * V_PAGE_BYTES, g, t, cur);
     }
+    int j = 0;
 #endif
     for (int p = p0 + warp; p < p1; p += NWARPS) {
         float s[2][4];
 #if FAST
-        const PageRaw cur = nx;
-        if (p + NWARPS < p1) {
-            const int phys = pt[p + NWARPS];
-            load_page(kpool + (size_t)phys * K_PAGE_BYTES, vpool + (size_t)phys * V_PAGE_BYTES, g, t, nx);
+        j++;
+        if ((j & 31) == 0) {
+            const int q = p + NWARPS + NWARPS * lane;
+            ptv = q < p1 ? pt[q] : 0;
         }
+        const bool more = p + NWARPS < p1;
+        const int nphys = __shfl_sync(FULL_MASK, ptv, j & 31);
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             u32 ka[KS * 2], kb[KS * 2];
@@ -386,6 +398,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
             const float n0 = h2f((u16)cur.kn[2 * mt]), n1 = h2f((u16)cur.kn[2 * mt + 1]);
             s[mt][0] = c[0] * n0; s[mt][1] = c[1] * n0; s[mt][2] = c[2] * n1; s[mt][3] = c[3] * n1;
         }
+        if (more) load_k(kpool + (size_t)nphys * K_PAGE_BYTES, g, t, cur);
 #else
         const int phys = pt[p];
         const u8* kp = kpool + (size_t)phys * K_PAGE_BYTES;
@@ -500,6 +513,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
             }
 #endif
         }
+#if FAST
+        if (more) load_v(vpool + (size_t)nphys * V_PAGE_BYTES, g, t, cur);
+#endif
     }
 
     // merge: warps of the block, then one partial per (sequence, KV head, split)
