@@ -12,6 +12,24 @@
 #define VC (D / 8)   // value dims per thread row-group in the PV operand
 #define KS (D / 16)  // k-steps of the score mma, = M-tiles of the PV mma
 #define NEG_INF (-__int_as_float(0x7f800000))
+// FAST: 2- and 4-bit codes for both streams, dequantized in registers. 4-bit: one lookup per
+// byte (two codes) in a 256-entry f16x2 table replicated per lane in shared memory (entry e at
+// word 32e + lane, so a warp's lookups never conflict); 2-bit: the 4 centroids as f16 in two
+// registers, two codes -> f16x2 by one prmt. The next page's bytes are loaded into registers
+// before the current page is scored (one page of K and V in flight per warp).
+#if KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB == 2 || VB == 4) && (KB == 2 || VB == 2 || KVSAME)
+#define FAST 1
+#else
+#define FAST 0
+#endif
+#define KLUT (FAST && KB == 4)
+#define VLUT (FAST && VB == 4)
+// Query hi and lo halves share one mma (columns [0,G) hi, [G,2G) lo) for G in {1, 2, 4}.
+#define QPACK (G == 1 || G == 2 || G == 4)
+#define KRB (QD * KB / 8)          // K bytes per thread per row (FAST)
+#define KRW ((KRB + 3) / 4)
+#define VRB (VC * VB / 8)          // V bytes per thread per row (FAST)
+#define VRW ((VRB + 3) / 4)
 
 __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -97,7 +115,9 @@ __device__ __forceinline__ u32 u4x2_h2(u32 t, u32 s2) {
 
 // The key dim that thread t's slot j of k-step ks holds (the Q operand uses the same map).
 __device__ __forceinline__ int kdim(int t, int ks, int j) {
-#if KK == 2
+#if FAST && KB == 2
+    return t * QD + 16 * (ks >> 2) + (ks & 3) + 4 * j;
+#elif KK == 2
     int blk = (t * QD) / 32, off = (t * QD) % 32;
     return blk * 32 + (j < 2 ? off / 2 + 2 * ks + j : 16 + off / 2 + 2 * ks + j - 2);
 #else
@@ -170,6 +190,91 @@ __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* 
 #endif
 }
 
+
+template <int NB>
+__device__ __forceinline__ void ldraw(const u8* p, u32* w) {
+    if (NB >= 16) {
+        vec4u v = *(const vec4u*)p;
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if (NB == 8) {
+        vec2u v = *(const vec2u*)p;
+        w[0] = v.x; w[1] = v.y;
+    } else if (NB == 4) {
+        w[0] = *(const u32*)p;
+    } else {
+        w[0] = *(const u16*)p;
+    }
+}
+// Table entry for byte k of w: the byte isolated (prmt / shift / and), then one LEA.
+__device__ __forceinline__ u32 byte_of(u32 w, int k) {
+    return k == 3 ? (w >> 24) : k == 0 ? (w & 0xFFu) : prmt(w, 0u, 0x4440u + k);
+}
+// lutb = shared-window address of this lane's column: one LEA + LDS per lookup.
+__device__ __forceinline__ u32 lut_at(u32 lutb, u32 w, int k) {
+    u32 r;
+    asm("{\n\t.reg .u32 a;\n\tmad.lo.u32 a, %1, 128, %2;\n\tld.shared.u32 %0, [a];\n\t}"
+        : "=r"(r) : "r"(byte_of(w, k)), "r"(lutb));
+    return r;
+}
+
+// Raw bytes of one page for this thread: K rows g + 8i (i < 4), V rows tA, tA+1, tA+8, tA+9
+// for kk = 0, 1 (tA = 16kk + 2t), and their norms.
+struct PageRaw {
+    u32 k[4][KRW];
+    u32 v[8][VRW];
+    u32 kn[4];
+    u32 vn[4];
+};
+__device__ __forceinline__ void load_k(const u8* kp, int g, int t, PageRaw& r) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) ldraw<KRB>(kp + (g + 8 * i) * K_ROW_BYTES + t * KRB, r.k[i]);
+    const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
+#pragma unroll
+    for (int i = 0; i < 4; i++) r.kn[i] = kn[g + 8 * i];
+}
+__device__ __forceinline__ void load_v(const u8* vp, int g, int t, PageRaw& r) {
+#pragma unroll
+    for (int kk = 0; kk < 2; kk++) {
+        const int tA = 16 * kk + 2 * t;
+        ldraw<VRB>(vp + tA * V_ROW_BYTES + g * VRB, r.v[4 * kk]);
+        ldraw<VRB>(vp + (tA + 1) * V_ROW_BYTES + g * VRB, r.v[4 * kk + 1]);
+        ldraw<VRB>(vp + (tA + 8) * V_ROW_BYTES + g * VRB, r.v[4 * kk + 2]);
+        ldraw<VRB>(vp + (tA + 9) * V_ROW_BYTES + g * VRB, r.v[4 * kk + 3]);
+        const u16* vn = (const u16*)(vp + T * V_ROW_BYTES);
+        r.vn[2 * kk] = *(const u32*)(vn + tA);
+        r.vn[2 * kk + 1] = *(const u32*)(vn + tA + 8);
+    }
+}
+// The value dim that acc[mt]'s row half `hf` holds for row-group g.
+__device__ __forceinline__ int vdim(int g, int mt, int hf) {
+#if FAST && VB == 2
+    return VC == 16 ? g * VC + (mt & 1) * 8 + (mt >> 1) + 4 * hf : g * VC + mt + 4 * hf;
+#else
+    return g * VC + 2 * mt + hf;
+#endif
+}
+
+// Score one 16-token tile: keys ka (rows g) / kb (rows g+8) against the query operand; the
+// result c[0..1] = (token g, heads 2t, 2t+1), c[2..3] = token g+8 (QPACK: hi + lo summed).
+__device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u32 (*qh)[2],
+                                           const u32 (*ql)[2], int t, float* c) {
+    c[0] = c[1] = c[2] = c[3] = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+        mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], qh[ks][0], qh[ks][1]);
+#if !QPACK
+        mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], ql[ks][0], ql[ks][1]);
+#endif
+    }
+#if QPACK && G == 1
+    c[0] += c[1]; c[1] = c[0];
+    c[2] += c[3]; c[3] = c[2];
+#elif QPACK
+#pragma unroll
+    for (int i = 0; i < 4; i++) c[i] += __shfl_xor_sync(FULL_MASK, c[i], G / 2);
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
     const float* __restrict__ qprep, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
     const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
@@ -177,28 +282,61 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
     const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml) {
     __shared__ u16 ktab[16], vtab[16];
     __shared__ float pbuf[NWARPS][32][9];
-    __shared__ float macc[NWARPS][8][D];
     __shared__ float mml[NWARPS][8][2];
+#if KLUT || VLUT
+    __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table, then macc
+#else
+    __shared__ __align__(16) u32 big[NWARPS * 8 * D];
+#endif
+    float (*macc)[8][D] = (float (*)[8][D])big;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     if (tid < 16) { ktab[tid] = ktab_g[tid]; vtab[tid] = vtab_g[tid]; }
     __syncthreads();
+#if KLUT || VLUT
+    {
+        const u16* ts = KLUT ? ktab : vtab;
+        for (int i = tid; i < 256 * 32; i += NWARPS * 32) {
+            const int e = i >> 5;
+            big[i] = (u32)ts[e & 15] | ((u32)ts[e >> 4] << 16);
+        }
+        __syncthreads();
+    }
+    const u32 lutb = (u32)__cvta_generic_to_shared(big) + lane * 4;
+#endif
+#if FAST
+    const u32 kt0 = (u32)ktab[0] | ((u32)ktab[1] << 16), kt1 = (u32)ktab[2] | ((u32)ktab[3] << 16);
+    const u32 vt0 = (u32)vtab[0] | ((u32)vtab[1] << 16), vt1 = (u32)vtab[2] | ((u32)vtab[3] << 16);
+#endif
     const int np = n_pages[b];
     const int p0 = split * pages_per_split;
     const int p1 = min(p0 + pages_per_split, np);
 
     // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
+    // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
     u32 qh[KS][2], ql[KS][2];
     const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
 #pragma unroll
         for (int hh = 0; hh < 2; hh++) {
-            float x0 = g < G ? qb[g * D + kdim(t, ks, 2 * hh)] : 0.0f;
-            float x1 = g < G ? qb[g * D + kdim(t, ks, 2 * hh + 1)] : 0.0f;
+#if QPACK
+            const int head = g < G ? g : g - G;
+            const bool on = g < 2 * G;
+#else
+            const int head = g;
+            const bool on = g < G;
+#endif
+            float x0 = on ? qb[head * D + kdim(t, ks, 2 * hh)] : 0.0f;
+            float x1 = on ? qb[head * D + kdim(t, ks, 2 * hh + 1)] : 0.0f;
             u32 hi = pack_h2(x0, x1);
+            u32 lo = pack_h2(x0 - h2f((u16)(hi & 0xffff)), x1 - h2f((u16)(hi >> 16)));
+#if QPACK
+            qh[ks][hh] = g < G ? hi : lo;
+#else
             qh[ks][hh] = hi;
-            ql[ks][hh] = pack_h2(x0 - h2f((u16)(hi & 0xffff)), x1 - h2f((u16)(hi >> 16)));
+#endif
+            ql[ks][hh] = lo;
         }
     }
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
@@ -207,23 +345,72 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
     for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
     const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
 
+#if FAST
+    // This warp's pages are p0 + warp + NWARPS*j; lane i holds the physical index of page j = i
+    // (mod 32) of the current chunk, so the data loads never wait on a page-table load.
+    int ptv = 0;
+    if (p0 + warp + NWARPS * lane < p1) ptv = pt[p0 + warp + NWARPS * lane];
+    // One buffer: the next page's K is loaded as soon as this page's keys are scored, its V
+    // as soon as this page's values are accumulated (a page of compute ahead, no second copy).
+    PageRaw cur;
+    if (p0 + warp < p1) {
+        const int phys = __shfl_sync(FULL_MASK, ptv, 0);
+        load_k(kpool + (size_t)phys * K_PAGE_BYTES, g, t, cur);
+        load_v(vpool + (size_t)phys * V_PAGE_BYTES, g, t, cur);
+    }
+    int j = 0;
+#endif
     for (int p = p0 + warp; p < p1; p += NWARPS) {
+        float s[2][4];
+#if FAST
+        j++;
+        if ((j & 31) == 0) {
+            const int q = p + NWARPS + NWARPS * lane;
+            ptv = q < p1 ? pt[q] : 0;
+        }
+        const bool more = p + NWARPS < p1;
+        const int nphys = __shfl_sync(FULL_MASK, ptv, j & 31);
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            u32 ka[KS * 2], kb[KS * 2];
+#if KB == 4
+#pragma unroll
+            for (int by = 0; by < KRB; by++) {
+                ka[by] = lut_at(lutb, cur.k[2 * mt][by / 4], by % 4);
+                kb[by] = lut_at(lutb, cur.k[2 * mt + 1][by / 4], by % 4);
+            }
+#else
+#pragma unroll
+            for (int wi = 0; wi < KRW; wi++) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const u32 sa = ((cur.k[2 * mt][wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
+                    const u32 sb = ((cur.k[2 * mt + 1][wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
+                    ka[8 * wi + 2 * k] = prmt(kt0, kt1, sa);
+                    ka[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sa >> 16);
+                    kb[8 * wi + 2 * k] = prmt(kt0, kt1, sb);
+                    kb[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sb >> 16);
+                }
+            }
+#endif
+            float c[4];
+            score_tile(ka, kb, qh, ql, t, c);
+            const float n0 = h2f((u16)cur.kn[2 * mt]), n1 = h2f((u16)cur.kn[2 * mt + 1]);
+            s[mt][0] = c[0] * n0; s[mt][1] = c[1] * n0; s[mt][2] = c[2] * n1; s[mt][3] = c[3] * n1;
+        }
+        if (more) load_k(kpool + (size_t)nphys * K_PAGE_BYTES, g, t, cur);
+#else
         const int phys = pt[p];
         const u8* kp = kpool + (size_t)phys * K_PAGE_BYTES;
         const u8* vp = vpool + (size_t)phys * V_PAGE_BYTES;
         // score: s[mt] = (tok 16mt+g | +8) x (head 2t | 2t+1), log2 units
-        float s[2][4];
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             u32 ka[KS * 2], kb[KS * 2];
             k_row(kp + (16 * mt + g) * K_ROW_BYTES, t, ktab, ka);
             k_row(kp + (16 * mt + g + 8) * K_ROW_BYTES, t, ktab, kb);
-            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int ks = 0; ks < KS; ks++) {
-                mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], qh[ks][0], qh[ks][1]);
-                mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], ql[ks][0], ql[ks][1]);
-            }
+            float c[4];
+            score_tile(ka, kb, qh, ql, t, c);
 #if KK == 3
             const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
             float n0 = h2f(kn[16 * mt + g]), n1 = h2f(kn[16 * mt + g + 8]);
@@ -231,6 +418,7 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
 #endif
             s[mt][0] = c[0]; s[mt][1] = c[1]; s[mt][2] = c[2]; s[mt][3] = c[3];
         }
+#endif
         // update state: online softmax per head column
         float x0 = fmaxf(fmaxf(s[0][0], s[0][2]), fmaxf(s[1][0], s[1][2]));
         float x1 = fmaxf(fmaxf(s[0][1], s[0][3]), fmaxf(s[1][1], s[1][3]));
@@ -266,6 +454,48 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
             const int tA = 16 * kk + 2 * t;
             float wA = pbuf[warp][tA][g], wB = pbuf[warp][tA + 1][g];
             float wC = pbuf[warp][tA + 8][g], wD = pbuf[warp][tA + 9][g];
+#if FAST
+            wA *= h2f((u16)cur.vn[2 * kk]); wB *= h2f((u16)(cur.vn[2 * kk] >> 16));
+            wC *= h2f((u16)cur.vn[2 * kk + 1]); wD *= h2f((u16)(cur.vn[2 * kk + 1] >> 16));
+            const u32 b0 = pack_h2(wA, wB), b1 = pack_h2(wC, wD);
+#if VB == 4
+#pragma unroll
+            for (int wi = 0; wi < VRW; wi++) {
+                const u32 vA = cur.v[4 * kk][wi], vB = cur.v[4 * kk + 1][wi];
+                const u32 vC = cur.v[4 * kk + 2][wi], vD = cur.v[4 * kk + 3][wi];
+                const u32 loAB = (vA & 0x0F0F0F0Fu) | ((vB << 4) & 0xF0F0F0F0u);
+                const u32 hiAB = ((vA >> 4) & 0x0F0F0F0Fu) | (vB & 0xF0F0F0F0u);
+                const u32 loCD = (vC & 0x0F0F0F0Fu) | ((vD << 4) & 0xF0F0F0F0u);
+                const u32 hiCD = ((vC >> 4) & 0x0F0F0F0Fu) | (vD & 0xF0F0F0F0u);
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    if (4 * wi + k < KS) {
+                        mma16816(acc[4 * wi + k], lut_at(lutb, loAB, k), lut_at(lutb, hiAB, k),
+                                 lut_at(lutb, loCD, k), lut_at(lutb, hiCD, k), b0, b1);
+                    }
+                }
+            }
+#else
+            const u32 vA = cur.v[4 * kk][0], vB = cur.v[4 * kk + 1][0];
+            const u32 vC = cur.v[4 * kk + 2][0], vD = cur.v[4 * kk + 3][0];
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const u32 xa = (vA >> (2 * k)) & 0x03030303u, xb = (vB >> (2 * k)) & 0x03030303u;
+                const u32 xc = (vC >> (2 * k)) & 0x03030303u, xd = (vD >> (2 * k)) & 0x03030303u;
+                const u32 s0 = prmt(xa, xb, 0x5140u) * 0x22u + 0x10101010u;
+                const u32 s1 = prmt(xc, xd, 0x5140u) * 0x22u + 0x10101010u;
+                const int mt0 = VC == 16 ? 2 * k : k;
+                mma16816(acc[mt0], prmt(vt0, vt1, s0), prmt(vt0, vt1, s0 >> 16), prmt(vt0, vt1, s1),
+                         prmt(vt0, vt1, s1 >> 16), b0, b1);
+                if (VC == 16) {
+                    const u32 s2 = prmt(xa, xb, 0x7362u) * 0x22u + 0x10101010u;
+                    const u32 s3 = prmt(xc, xd, 0x7362u) * 0x22u + 0x10101010u;
+                    mma16816(acc[(2 * k + 1) % KS], prmt(vt0, vt1, s2), prmt(vt0, vt1, s2 >> 16), prmt(vt0, vt1, s3),
+                             prmt(vt0, vt1, s3 >> 16), b0, b1);
+                }
+            }
+#endif
+#else
 #if VK == 3
             const u16* vn = (const u16*)(vp + T * V_ROW_BYTES);
             wA *= h2f(vn[tA]); wB *= h2f(vn[tA + 1]); wC *= h2f(vn[tA + 8]); wD *= h2f(vn[tA + 9]);
@@ -281,7 +511,11 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
                 mma16816(acc[mt], prmt(xa[mt], xb[mt], 0x5410), prmt(xa[mt], xb[mt], 0x7632),
                          prmt(xc[mt], xd[mt], 0x5410), prmt(xc[mt], xd[mt], 0x7632), b0, b1);
             }
+#endif
         }
+#if FAST
+        if (more) load_v(vpool + (size_t)nphys * V_PAGE_BYTES, g, t, cur);
+#endif
     }
 
     // merge: warps of the block, then one partial per (sequence, KV head, split)
@@ -294,13 +528,16 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
         mml[warp][2 * t][0] = m0; mml[warp][2 * t][1] = l0;
         mml[warp][2 * t + 1][0] = m1; mml[warp][2 * t + 1][1] = l1;
     }
+#if KLUT || VLUT
+    __syncthreads();  // every warp is done with the table that macc overlays
+#endif
 #pragma unroll
     for (int mt = 0; mt < KS; mt++) {
-        const int dm = g * VC + 2 * mt;
-        macc[warp][2 * t][dm] = acc[mt][0];
-        macc[warp][2 * t + 1][dm] = acc[mt][1];
-        macc[warp][2 * t][dm + 1] = acc[mt][2];
-        macc[warp][2 * t + 1][dm + 1] = acc[mt][3];
+        const int d0 = vdim(g, mt, 0), d1 = vdim(g, mt, 1);
+        macc[warp][2 * t][d0] = acc[mt][0];
+        macc[warp][2 * t + 1][d0] = acc[mt][1];
+        macc[warp][2 * t][d1] = acc[mt][2];
+        macc[warp][2 * t + 1][d1] = acc[mt][3];
     }
     __syncthreads();
     for (int i = tid; i < G * D; i += NWARPS * 32) {

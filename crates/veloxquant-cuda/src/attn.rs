@@ -76,6 +76,7 @@ impl DecodePlan {
             vec![("D".into(), d as i64), ("T".into(), 32), ("G".into(), g as i64), ("NWARPS".into(), NWARPS as i64)];
         defs.extend(kind_defines('K', kf));
         defs.extend(kind_defines('V', vf));
+        defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
         let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
         let adefs = [
@@ -89,8 +90,16 @@ impl DecodePlan {
 
         let b = cfg.n_seqs;
         let max_pages = cache.max_pages().max(1);
-        let target = dev.sm_count * opts.blocks_per_sm;
-        let per_head = target.div_ceil(b * cfg.n_kv_heads).max(1);
+        // Whole waves: as many blocks as fit at once (the kernel's occupancy, capped by
+        // blocks_per_sm), rounded down to a multiple of the (sequence, KV head) rows.
+        let resident = f_decode
+            .occupancy_max_active_blocks_per_multiprocessor((NWARPS * 32) as u32, 0, None)
+            .map(|n| n as usize)
+            .unwrap_or(opts.blocks_per_sm)
+            .clamp(1, opts.blocks_per_sm.max(1));
+        let target = dev.sm_count * resident;
+        let rows = b * cfg.n_kv_heads;
+        let per_head = if rows >= target { 1 } else { target / rows };
         let pps = opts.min_pages_per_split.max(max_pages.div_ceil(per_head));
         let n_splits = max_pages.div_ceil(pps).max(1);
         let s = &dev.stream;

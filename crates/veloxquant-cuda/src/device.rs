@@ -126,7 +126,8 @@ impl GpuDevice {
         let arch: &'static str =
             Box::leak(format!("compute_{}{}", self.compute_capability.0, self.compute_capability.1).into_boxed_str());
         let opts = CompileOptions {
-            fmad: Some(false),
+            // Encode must round exactly like the CPU (no contraction); decode may fuse.
+            fmad: Some(family != Family::Encode),
             prec_div: Some(true),
             prec_sqrt: Some(true),
             ftz: Some(false),

@@ -76,8 +76,15 @@ fn encode_bit_identical_to_cpu() {
     for spec in all_specs() {
         for d in [64usize, 128] {
             let seed = 0x1234 + d as u64;
+            let gf = match GpuFormat::new(&spec, d, t, seed) {
+                Ok(f) => f,
+                Err(veloxquant_cuda::CudaError::UnsupportedFormat { why, .. }) => {
+                    eprintln!("skip {spec} d={d}: {why}");
+                    continue;
+                }
+                Err(e) => panic!("{spec} d={d}: {e}"),
+            };
             let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
-            let gf = GpuFormat::new(&spec, d, t, seed).unwrap();
             assert_eq!(gf.page_bytes, cpu.page_bytes(), "{spec} d={d} page bytes");
             let enc = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap();
             let mut rng = SplitMix64::new(seed ^ 77);
