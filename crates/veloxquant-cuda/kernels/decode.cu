@@ -31,6 +31,14 @@
 #define VRB (VC * VB / 8)          // V bytes per thread per row (FAST)
 #define VRW ((VRB + 3) / 4)
 
+// Blocks per SM the register allocation is held to: 4 (<= 128 registers, 16 warps/SM) for
+// q4_0 and codes, where it costs no spills; fp16 and q8_0 keep their natural allocation.
+#if KK >= 2 && VK >= 2
+#define MINB 4
+#else
+#define MINB 1
+#endif
+
 __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
@@ -275,7 +283,7 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
+extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) decode_pages(
     const float* __restrict__ qprep, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
     const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
     int pages_per_split, int n_splits, int n_kv, const u16* __restrict__ ktab_g,
@@ -428,17 +436,21 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32) decode_pages(
             x1 = fmaxf(x1, __shfl_xor_sync(FULL_MASK, x1, off));
         }
         const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
-        const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
-        m0 = mn0; m1 = mn1;
+        // Rescale only when some head's running max grew (rare after the first pages).
+        if (__any_sync(FULL_MASK, mn0 > m0 || mn1 > m1)) {
+            const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
+            m0 = mn0; m1 = mn1;
+            l0 *= a0; l1 *= a1;
+#pragma unroll
+            for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
+        }
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             s[mt][0] = exp2f(s[mt][0] - m0); s[mt][2] = exp2f(s[mt][2] - m0);
             s[mt][1] = exp2f(s[mt][1] - m1); s[mt][3] = exp2f(s[mt][3] - m1);
         }
-        l0 = l0 * a0 + ((s[0][0] + s[0][2]) + (s[1][0] + s[1][2]));
-        l1 = l1 * a1 + ((s[0][1] + s[0][3]) + (s[1][1] + s[1][3]));
-#pragma unroll
-        for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
+        l0 += (s[0][0] + s[0][2]) + (s[1][0] + s[1][2]);
+        l1 += (s[0][1] + s[0][3]) + (s[1][1] + s[1][3]);
         __syncwarp();
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
