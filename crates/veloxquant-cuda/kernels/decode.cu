@@ -33,11 +33,19 @@
 
 // Blocks per SM the register allocation is held to: 4 (<= 128 registers, 16 warps/SM) for
 // q4_0 and codes, where it costs no spills; fp16 and q8_0 keep their natural allocation.
-#if KK >= 2 && VK >= 2
+// Register bounds and the softmax update per path, each as measured on the H200 (commit
+// 24d8d09 vs 7b29de4): q4_0 and 3-bit codes run best held to 4 blocks/SM (<= 128 registers,
+// no spills) with LAZY; fp16 with LAZY and an explicit 1-block bound; q8_0 and the FAST 2/4-bit
+// paths were slower that way at batch 1 and keep the compiler's default bound and the eager
+// update. LAZY: rescale the accumulators only when a head's running max grows.
+#if KK >= 2 && VK >= 2 && !FAST
 #define MINB 4
-#else
+#elif KK == 0 && VK == 0
 #define MINB 1
+#else
+#define MINB 0
 #endif
+#define LAZY (!FAST && KK != 1 && VK != 1)
 
 __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -283,7 +291,12 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
 #endif
 }
 
-extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) decode_pages(
+#if MINB > 0
+#define DECODE_BOUNDS __launch_bounds__(NWARPS * 32, MINB)
+#else
+#define DECODE_BOUNDS __launch_bounds__(NWARPS * 32)
+#endif
+extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const float* __restrict__ qprep, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
     const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
     int pages_per_split, int n_splits, int n_kv, const u16* __restrict__ ktab_g,
@@ -435,8 +448,9 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) decode_pages(
             x0 = fmaxf(x0, __shfl_xor_sync(FULL_MASK, x0, off));
             x1 = fmaxf(x1, __shfl_xor_sync(FULL_MASK, x1, off));
         }
+#if LAZY
         const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
-        // Rescale only when some head's running max grew (rare after the first pages).
+        // LAZY: rescale only when some head's running max grew (rare after the first pages).
         if (__any_sync(FULL_MASK, mn0 > m0 || mn1 > m1)) {
             const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
             m0 = mn0; m1 = mn1;
@@ -451,6 +465,20 @@ extern "C" __global__ void __launch_bounds__(NWARPS * 32, MINB) decode_pages(
         }
         l0 += (s[0][0] + s[0][2]) + (s[1][0] + s[1][2]);
         l1 += (s[0][1] + s[0][3]) + (s[1][1] + s[1][3]);
+#else
+        const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
+        const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
+        m0 = mn0; m1 = mn1;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            s[mt][0] = exp2f(s[mt][0] - m0); s[mt][2] = exp2f(s[mt][2] - m0);
+            s[mt][1] = exp2f(s[mt][1] - m1); s[mt][3] = exp2f(s[mt][3] - m1);
+        }
+        l0 = l0 * a0 + ((s[0][0] + s[0][2]) + (s[1][0] + s[1][2]));
+        l1 = l1 * a1 + ((s[0][1] + s[0][3]) + (s[1][1] + s[1][3]));
+#pragma unroll
+        for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
+#endif
         __syncwarp();
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
