@@ -32,7 +32,14 @@ struct Run {
     text: String,
 }
 
-fn run_one(model: &Llama, tok: &Tokenizer, prompt: &[u32], method: &Method, max_tokens: usize, stream: bool) -> AnyResult<Run> {
+fn run_one(
+    model: &Llama,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    method: &Method,
+    max_tokens: usize,
+    stream: bool,
+) -> AnyResult<Run> {
     let mut store = method.store(&model.config, prompt.len() + max_tokens, None)?;
     let stop: Vec<u32> = tok.eos.into_iter().chain(tok.token_id("<|im_end|>")).collect();
     let mut out = std::io::stdout();
@@ -138,7 +145,11 @@ pub fn demo(a: &DemoArgs) -> AnyResult {
         "\n{} vs fp16 on the same {} generated positions (teacher-forced): mean KL {kl:.5} nats, top-1 agreement {:.1} %",
         method, runs[0].stats.tokens.len(), 100.0 * top1
     );
-    println!("cache {:.2}× smaller than fp16 · demo took {:.0} s", runs[0].resident as f64 / runs[1].resident as f64, t0.elapsed().as_secs_f64());
+    println!(
+        "cache {:.2}× smaller than fp16 · demo took {:.0} s",
+        runs[0].resident as f64 / runs[1].resident as f64,
+        t0.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -182,7 +193,8 @@ pub fn passkey(a: &PasskeyArgs) -> AnyResult {
         }
         rows.push(row);
     }
-    let header: Vec<String> = std::iter::once("method".to_string()).chain(a.lengths.iter().map(|l| format!("{l} tokens"))).collect();
+    let header: Vec<String> =
+        std::iter::once("method".to_string()).chain(a.lengths.iter().map(|l| format!("{l} tokens"))).collect();
     let header: Vec<&str> = header.iter().map(String::as_str).collect();
     print_table_to(&header, &rows, a.md.as_deref())?;
     if let Some(p) = &a.json {

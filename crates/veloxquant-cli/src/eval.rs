@@ -56,7 +56,11 @@ pub struct EvalArgs {
 
 pub fn run(a: &EvalArgs) -> AnyResult {
     let methods: Vec<Method> = a.methods.iter().map(|m| Method::parse(m)).collect::<AnyResult<_>>()?;
-    let text_path = a.text.clone().or_else(default_text).ok_or("no --text given and ../shared/data/wikitext-2-raw-test.txt not found")?;
+    let text_path = a
+        .text
+        .clone()
+        .or_else(default_text)
+        .ok_or("no --text given and ../shared/data/wikitext-2-raw-test.txt not found")?;
     let bytes = std::fs::read(&text_path).map_err(|e| format!("{}: {e}", text_path.display()))?;
     let text = String::from_utf8_lossy(&bytes);
     let (model, tok) = a.model.load()?;
@@ -64,7 +68,13 @@ pub fn run(a: &EvalArgs) -> AnyResult {
     let tokens = tok.encode(&text)?;
     let n_windows = if a.windows == 0 { tokens.len() / a.ctx } else { a.windows.min(tokens.len() / a.ctx) };
     if n_windows == 0 {
-        return Err(format!("{} holds {} tokens, fewer than one window of {}", text_path.display(), tokens.len(), a.ctx).into());
+        return Err(format!(
+            "{} holds {} tokens, fewer than one window of {}",
+            text_path.display(),
+            tokens.len(),
+            a.ctx
+        )
+        .into());
     }
     // Calibrated formats learn from text that is never scored: right after the windows.
     let cal = if methods.iter().any(Method::needs_calibration) {
@@ -91,7 +101,9 @@ pub fn run(a: &EvalArgs) -> AnyResult {
     let mut cands: Vec<&mut StoreFactory> = factories.iter_mut().map(|f| f.as_mut() as &mut StoreFactory).collect();
     let pb = progress(n_windows as u64, "windows");
     let stats =
-        compare_many_with_progress(&model, &tokens, a.ctx, n_windows, tok.add_bos, &mut ref_f, &mut cands, &mut |w| pb.set_position(w as u64))?;
+        compare_many_with_progress(&model, &tokens, a.ctx, n_windows, tok.add_bos, &mut ref_f, &mut cands, &mut |w| {
+            pb.set_position(w as u64)
+        })?;
     pb.finish_and_clear();
 
     let held = a.ctx - 1; // tokens a window's cache holds at its end
@@ -99,7 +111,14 @@ pub fn run(a: &EvalArgs) -> AnyResult {
     let mut rows = Vec::new();
     let mut out = Vec::new();
     let fp16_bits = Method::Fp16.resident_bits(&c, held, None)?;
-    let mut push = |name: String, recent: usize, (kb, vb, bytes): (f64, f64, usize), ppl: f64, err: f64, kl: f64, top1: f64, tps: f64| {
+    let mut push = |name: String,
+                    recent: usize,
+                    (kb, vb, bytes): (f64, f64, usize),
+                    ppl: f64,
+                    err: f64,
+                    kl: f64,
+                    top1: f64,
+                    tps: f64| {
         let d = 100.0 * (ppl / base.ppl - 1.0);
         rows.push(vec![
             name.clone(),
@@ -122,10 +141,27 @@ pub fn run(a: &EvalArgs) -> AnyResult {
     push("fp16".into(), 0, fp16_bits, base.ppl, base.ppl_stderr, 0.0, 1.0, base.tokens_per_s);
     for (m, s) in methods.iter().zip(&stats) {
         let bits = m.resident_bits(&c, held, cal.as_ref())?;
-        push(m.to_string(), m.recent(), bits, s.candidate.ppl, s.candidate.ppl_stderr, s.kl_mean, s.top1_agreement, s.candidate.tokens_per_s);
+        push(
+            m.to_string(),
+            m.recent(),
+            bits,
+            s.candidate.ppl,
+            s.candidate.ppl_stderr,
+            s.kl_mean,
+            s.top1_agreement,
+            s.candidate.tokens_per_s,
+        );
     }
-    println!("{} · n_ctx {} · {n_windows} windows · second half of each window scored (llama-perplexity protocol)\n", text_path.display(), a.ctx);
-    print_table_to(&["method", "K bits/value", "V bits/value", "R", "KV bytes/token", "PPL", "ΔPPL", "KL", "top-1 %", "tokens/s"], &rows, a.md.as_deref())?;
+    println!(
+        "{} · n_ctx {} · {n_windows} windows · second half of each window scored (llama-perplexity protocol)\n",
+        text_path.display(),
+        a.ctx
+    );
+    print_table_to(
+        &["method", "K bits/value", "V bits/value", "R", "KV bytes/token", "PPL", "ΔPPL", "KL", "top-1 %", "tokens/s"],
+        &rows,
+        a.md.as_deref(),
+    )?;
     if let Some(p) = &a.json {
         write_json(p, &serde_json::Value::Array(out.clone()))?;
     }
@@ -133,7 +169,13 @@ pub fn run(a: &EvalArgs) -> AnyResult {
         let mut series: Vec<Series> = Vec::new();
         for r in out.iter().skip(1) {
             let name = r["method"].as_str().unwrap_or_default();
-            let family = if name.starts_with("turboquant") { "ours: turboquant_mse" } else if name.starts_with("q8_0") || name.starts_with("q4_0") { "ours: llama.cpp-style q8_0/q4_0" } else { "ours: other seed methods" };
+            let family = if name.starts_with("turboquant") {
+                "ours: turboquant_mse"
+            } else if name.starts_with("q8_0") || name.starts_with("q4_0") {
+                "ours: llama.cpp-style q8_0/q4_0"
+            } else {
+                "ours: other seed methods"
+            };
             let x = (r["k_bits"].as_f64().unwrap_or(0.0) + r["v_bits"].as_f64().unwrap_or(0.0)) / 2.0;
             let y = r["delta_ppl_pct"].as_f64().unwrap_or(0.0);
             match series.iter_mut().find(|s| s.label == family) {
@@ -141,8 +183,19 @@ pub fn run(a: &EvalArgs) -> AnyResult {
                 None => series.push(Series { label: family.into(), points: vec![(x, y)] }),
             }
         }
-        series.push(Series { label: "llama.cpp (REFERENCE.md §10)".into(), points: LLAMA_CPP_512.iter().filter(|p| p.2 < 10.0).map(|p| (p.1, p.2)).collect() });
-        scatter_svg(p, &format!("ΔPPL vs resident bits/value (SmolLM2-135M, WikiText-2, n_ctx {})", a.ctx), "bits/value (K and V averaged, all side information)", "ΔPPL %", &series, &[], false)?;
+        series.push(Series {
+            label: "llama.cpp (REFERENCE.md §10)".into(),
+            points: LLAMA_CPP_512.iter().filter(|p| p.2 < 10.0).map(|p| (p.1, p.2)).collect(),
+        });
+        scatter_svg(
+            p,
+            &format!("ΔPPL vs resident bits/value (SmolLM2-135M, WikiText-2, n_ctx {})", a.ctx),
+            "bits/value (K and V averaged, all side information)",
+            "ΔPPL %",
+            &series,
+            &[],
+            false,
+        )?;
     }
     Ok(())
 }

@@ -2,9 +2,9 @@
 
 mod bench;
 mod demo;
+mod distortion;
 mod eval;
 mod model;
-mod distortion;
 mod plot;
 mod util;
 

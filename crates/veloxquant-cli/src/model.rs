@@ -52,15 +52,20 @@ impl ModelArgs {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Method {
     Fp16,
-    Compressed { k: FormatSpec, v: FormatSpec, recent: usize },
+    Compressed { k: FormatSpec, v: FormatSpec, recent: usize, sink: usize },
 }
 
 impl Method {
-    /// `fp16`, or `KSPEC[/VSPEC][@R]` (V defaults to K, R to 0).
+    /// `fp16`, or `KSPEC[/VSPEC][@R][+S]`: V defaults to K; R newest and S first (sink)
+    /// tokens stay exact in fp16 (both default to 0).
     pub fn parse(s: &str) -> AnyResult<Self> {
         if s == "fp16" {
             return Ok(Self::Fp16);
         }
+        let (s, sink) = match s.split_once('+') {
+            Some((a, n)) => (a, n.parse().map_err(|_| format!("method {s:?}: S after '+' must be a number"))?),
+            None => (s, 0),
+        };
         let (specs, recent) = match s.split_once('@') {
             Some((a, r)) => (a, r.parse().map_err(|_| format!("method {s:?}: R after '@' must be a number"))?),
             None => (s, 0),
@@ -69,7 +74,7 @@ impl Method {
             Some((k, v)) => (FormatSpec::parse(k)?, FormatSpec::parse(v)?),
             None => (FormatSpec::parse(specs)?, FormatSpec::parse(specs)?),
         };
-        Ok(Self::Compressed { k, v, recent })
+        Ok(Self::Compressed { k, v, recent, sink })
     }
 
     pub fn needs_calibration(&self) -> bool {
@@ -83,16 +88,30 @@ impl Method {
         }
     }
 
-    pub fn store(&self, c: &LlamaConfig, n_tokens: usize, cal: Option<&Arc<Calibration>>) -> AnyResult<Box<dyn KvStore>> {
+    pub fn store(
+        &self,
+        c: &LlamaConfig,
+        n_tokens: usize,
+        cal: Option<&Arc<Calibration>>,
+    ) -> AnyResult<Box<dyn KvStore>> {
         Ok(match self {
             Self::Fp16 => Box::new(Fp16Store::for_config(c, n_tokens)),
-            Self::Compressed { k, v, recent } => Box::new(CompressedStore::new(Self::cache_config(c, k, v, *recent, cal))?),
+            Self::Compressed { k, v, recent, sink } => {
+                Box::new(CompressedStore::new(Self::cache_config(c, k, v, (*recent, *sink), cal))?)
+            }
         })
     }
 
-    fn cache_config(c: &LlamaConfig, k: &FormatSpec, v: &FormatSpec, recent: usize, cal: Option<&Arc<Calibration>>) -> CacheConfig {
+    fn cache_config(
+        c: &LlamaConfig,
+        k: &FormatSpec,
+        v: &FormatSpec,
+        (recent, sink): (usize, usize),
+        cal: Option<&Arc<Calibration>>,
+    ) -> CacheConfig {
         let mut cfg = CacheConfig::new(c.n_layers, c.n_kv_heads, c.head_dim, k.clone(), v.clone());
         cfg.recent = recent;
+        cfg.sink = sink;
         cfg.calibration = cal.cloned();
         cfg
     }
@@ -100,7 +119,12 @@ impl Method {
     /// Resident bits per value for K and V, and total bytes, once `n_tokens` are held:
     /// everything counted (codes, scales, norms, codebooks, the fp16 window, page table),
     /// measured on a real store.
-    pub fn resident_bits(&self, c: &LlamaConfig, n_tokens: usize, cal: Option<&Arc<Calibration>>) -> AnyResult<(f64, f64, usize)> {
+    pub fn resident_bits(
+        &self,
+        c: &LlamaConfig,
+        n_tokens: usize,
+        cal: Option<&Arc<Calibration>>,
+    ) -> AnyResult<(f64, f64, usize)> {
         let kv = vec![0.01f32; c.n_kv_heads * n_tokens * c.head_dim];
         match self {
             Self::Fp16 => {
@@ -111,8 +135,8 @@ impl Method {
                 let bits = (s.resident_bytes() * 4) as f64 / (c.n_layers * c.n_kv_heads * c.head_dim * n_tokens) as f64;
                 Ok((bits, bits, s.resident_bytes()))
             }
-            Self::Compressed { k, v, recent } => {
-                let mut s = CompressedStore::new(Self::cache_config(c, k, v, *recent, cal))?;
+            Self::Compressed { k, v, recent, sink } => {
+                let mut s = CompressedStore::new(Self::cache_config(c, k, v, (*recent, *sink), cal))?;
                 for l in 0..c.n_layers {
                     s.append(l, &kv, &kv, n_tokens)?;
                 }
@@ -127,8 +151,17 @@ impl std::fmt::Display for Method {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Fp16 => f.write_str("fp16"),
-            Self::Compressed { k, v, recent } if k == v => write!(f, "{k}@{recent}"),
-            Self::Compressed { k, v, recent } => write!(f, "{k}/{v}@{recent}"),
+            Self::Compressed { k, v, recent, sink } => {
+                write!(f, "{k}")?;
+                if k != v {
+                    write!(f, "/{v}")?;
+                }
+                write!(f, "@{recent}")?;
+                if *sink > 0 {
+                    write!(f, "+{sink}")?;
+                }
+                Ok(())
+            }
         }
     }
 }

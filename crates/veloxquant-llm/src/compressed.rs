@@ -8,7 +8,8 @@
 //! row mode).
 
 use half::f16;
-use veloxquant::attn::decode_attention;
+use veloxquant::attn::{decode_attention, materialize_pages};
+use veloxquant::cache::StreamStore;
 use veloxquant::{CacheConfig, PagedCache, VqError};
 
 use crate::attention::causal_attention_f32;
@@ -19,8 +20,9 @@ fn backend(e: VqError) -> LlmError {
     LlmError::StoreBackend(Box::new(e))
 }
 
-/// What the last append brought: per KV head, the exact (fp16-rounded) K and V of tokens
-/// [paged_tokens(start), end), which a prefill's queries may need beyond the tail.
+/// What the last append brought: per KV head, every position [0, end) whose exact
+/// (fp16-rounded) K and V a prefill query may need — the sinks, the tail before the chunk,
+/// and the chunk; positions only held as codes stay zero and are never read.
 struct Pending {
     layer: usize,
     start: usize,
@@ -41,38 +43,49 @@ impl CompressedStore {
     pub fn cache(&self) -> &PagedCache {
         &self.cache
     }
+}
 
-    fn exact_rows(x: &[f32]) -> impl Iterator<Item = f32> + '_ {
-        x.iter().map(|&v| f16::from_f32(v).to_f32())
-    }
+fn exact_rows(x: &[f32]) -> impl Iterator<Item = f32> + '_ {
+    x.iter().map(|&v| f16::from_f32(v).to_f32())
+}
+
+fn f16_rows(x: &[f16]) -> impl Iterator<Item = f32> + '_ {
+    x.iter().map(|v| v.to_f32())
 }
 
 impl KvStore for CompressedStore {
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()> {
         let start = self.cache.n_tokens(layer).map_err(backend)?;
         let (h, d) = (self.cache.config().n_kv_heads, self.cache.config().head_dim);
+        let end = start + n_tokens;
         // Snapshot the tail (exact tokens before this chunk) before appending flushes it.
         let lc = self.cache.layer(layer).map_err(backend)?;
-        let tail = |s: &veloxquant::cache::StreamStore| s.tail().iter().map(|x| x.to_f32()).collect::<Vec<f32>>();
-        let mut keys: Vec<Vec<f32>> = lc.keys.iter().map(tail).collect();
-        let mut values: Vec<Vec<f32>> = lc.values.iter().map(tail).collect();
+        let snap = |s: &StreamStore| f16_rows(s.tail()).collect::<Vec<f32>>();
+        let (k_tail, v_tail): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+            (lc.keys.iter().map(snap).collect(), lc.values.iter().map(snap).collect());
         self.cache.append(layer, k, v, n_tokens).map_err(backend)?;
-        if n_tokens > 1 {
-            let per = n_tokens * d;
-            for i in 0..h {
-                keys[i].extend(Self::exact_rows(&k[i * per..(i + 1) * per]));
-                values[i].extend(Self::exact_rows(&v[i * per..(i + 1) * per]));
-            }
-            self.pending = Some(Pending { layer, start, keys, values });
-        } else {
+        if n_tokens == 1 {
             self.pending = None;
+            return Ok(());
         }
+        let lc = self.cache.layer(layer).map_err(backend)?;
+        let per = n_tokens * d;
+        let build = |tail: &[f32], sink: &[f16], chunk: &[f32]| {
+            let mut e = vec![0f32; end * d];
+            e[(start * d - tail.len())..start * d].copy_from_slice(tail);
+            e.iter_mut().zip(f16_rows(sink)).for_each(|(a, b)| *a = b);
+            e[start * d..].iter_mut().zip(exact_rows(chunk)).for_each(|(a, b)| *a = b);
+            e
+        };
+        let keys = (0..h).map(|i| build(&k_tail[i], lc.keys[i].sink(), &k[i * per..(i + 1) * per])).collect();
+        let values = (0..h).map(|i| build(&v_tail[i], lc.values[i].sink(), &v[i * per..(i + 1) * per])).collect();
+        self.pending = Some(Pending { layer, start, keys, values });
         Ok(())
     }
 
     fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>> {
-        let cfg = self.cache.config().clone();
-        let d = cfg.head_dim;
+        let d = self.cache.config().head_dim;
+        let n_sink = self.cache.config().sink;
         let len = self.cache.n_tokens(layer).map_err(backend)?;
         if n_q == 1 {
             return decode_attention(&self.cache, layer, q, q.len() / d).map_err(backend);
@@ -85,29 +98,32 @@ impl KvStore for CompressedStore {
         let n_heads = q.len() / (n_q * d);
         let lc = self.cache.layer(layer).map_err(backend)?;
         // Decode every page once (reference decoder): [kv head] → [paged tokens][d].
-        let decode = |s: &veloxquant::cache::StreamStore| veloxquant::attn::materialize_pages(s);
-        let k_dec: Vec<Vec<f32>> = lc.keys.iter().map(decode).collect();
-        let v_dec: Vec<Vec<f32>> = lc.values.iter().map(decode).collect();
-        let exact_from = self.cache.paged_tokens(p.start);
+        let k_dec: Vec<Vec<f32>> = lc.keys.iter().map(materialize_pages).collect();
+        let v_dec: Vec<Vec<f32>> = lc.values.iter().map(materialize_pages).collect();
+        // What query position pos sees, as decode would have stored it with pos + 1 tokens:
+        // exact sinks, then the coded run, then exact tokens. None: everything exact.
+        let split = |pos: usize| (pos + 1 > n_sink).then(|| self.cache.paged_tokens(pos + 1));
         let width = n_heads * d;
         let mut out = vec![0f32; n_q * width];
         let mut i = 0;
         while i < n_q {
-            let pos = p.start + i;
-            let split = self.cache.paged_tokens(pos + 1);
-            // Queries sharing this split point: up to the position where it next moves.
+            let coded = split(p.start + i);
             let mut j = i + 1;
-            while j < n_q && self.cache.paged_tokens(p.start + j + 1) == split {
+            while j < n_q && split(p.start + j) == coded {
                 j += 1;
             }
             let end = p.start + j; // keys visible to the last query of the group
             let eff = |dec: &[Vec<f32>], exact: &[Vec<f32>]| -> Vec<Vec<f32>> {
                 dec.iter()
                     .zip(exact)
-                    .map(|(dk, ek)| {
-                        let mut e = dk[..split * d].to_vec();
-                        e.extend_from_slice(&ek[(split - exact_from) * d..(end - exact_from) * d]);
-                        e
+                    .map(|(dk, ek)| match coded {
+                        None => ek[..end * d].to_vec(),
+                        Some(n_coded) => {
+                            let mut e = ek[..n_sink * d].to_vec();
+                            e.extend_from_slice(&dk[..n_coded * d]);
+                            e.extend_from_slice(&ek[(n_sink + n_coded) * d..end * d]);
+                            e
+                        }
                     })
                     .collect()
             };

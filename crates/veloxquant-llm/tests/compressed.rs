@@ -16,23 +16,30 @@ fn cfg(layers: usize, kv: usize, d: usize, k: &str, v: &str, recent: usize, rows
     c
 }
 
+fn with_sink(mut c: CacheConfig, sink: usize) -> CacheConfig {
+    c.sink = sink;
+    c
+}
+
 #[test]
 fn prefill_attention_equals_decode_attention() {
     let (kv, heads, d, n) = (3, 9, 64, 150);
-    for (k, v, recent, rows) in [
-        ("turboquant_mse:4:eden", "turboquant_mse:3", 0, true),
-        ("turboquant_mse:4", "q4_0:rot", 32, true),
-        ("turboquant_mse:2", "turboquant_mse:2", 5, false),
-        ("kivi:2", "kivi:2", 16, true), // page-granular: page mode whatever was asked
+    for (k, v, recent, rows, sink) in [
+        ("turboquant_mse:4:eden", "turboquant_mse:3", 0, true, 0),
+        ("turboquant_mse:4:eden", "turboquant_mse:3", 0, true, 4),
+        ("turboquant_mse:4", "q4_0:rot", 32, true, 0),
+        ("turboquant_mse:2", "turboquant_mse:2", 5, false, 0),
+        ("turboquant_mse:2", "turboquant_mse:2", 5, false, 40),
+        ("kivi:2", "kivi:2", 16, true, 3), // page-granular: page mode whatever was asked
     ] {
         let mut rng = SplitMix64::new(11);
         let keys = rng.gaussian_vec(kv * n * d);
         let vals = rng.gaussian_vec(kv * n * d);
         let q = rng.gaussian_vec(heads * n * d); // [head][pos][d]
-        let mut chunk = CompressedStore::new(cfg(1, kv, d, k, v, recent, rows)).unwrap();
+        let mut chunk = CompressedStore::new(with_sink(cfg(1, kv, d, k, v, recent, rows), sink)).unwrap();
         chunk.append(0, &keys, &vals, n).unwrap();
         let all = chunk.attend(0, &q, n).unwrap();
-        let mut step = CompressedStore::new(cfg(1, kv, d, k, v, recent, rows)).unwrap();
+        let mut step = CompressedStore::new(with_sink(cfg(1, kv, d, k, v, recent, rows), sink)).unwrap();
         let mut worst = 0f64;
         for t in 0..n {
             let pick = |x: &[f32], h: usize, per: usize| x[(h * per + t) * d..(h * per + t + 1) * d].to_vec();
@@ -46,8 +53,8 @@ fn prefill_attention_equals_decode_attention() {
             let err = got.iter().zip(want).fold(0f64, |a, (x, y)| a.max((x - y).abs() as f64));
             worst = worst.max(err / scale);
         }
-        println!("K {k} V {v} R={recent}: prefill vs decode worst rel err {worst:.2e}");
-        assert!(worst <= 1e-4, "K {k} V {v} R={recent}: {worst}");
+        println!("K {k} V {v} R={recent} S={sink}: prefill vs decode worst rel err {worst:.2e}");
+        assert!(worst <= 1e-4, "K {k} V {v} R={recent} S={sink}: {worst}");
         assert_eq!(chunk.resident_bytes(), step.resident_bytes());
     }
 }

@@ -130,3 +130,33 @@ fn attention_bad_input_is_a_typed_error() {
     assert!(matches!(decode_attention(&cache, 0, &bad, 4), Err(VqError::NonFinite { .. })));
     assert!(matches!(decode_attention_ref(&cache, 0, &bad, 4), Err(VqError::NonFinite { .. })));
 }
+
+#[test]
+fn sink_tokens_stay_exact_and_fused_matches_reference() {
+    let (d, n_kv) = (64, 2);
+    for (spec, rows) in [("turboquant_mse:3", true), ("kivi:2", true), ("q4_0:rot", false)] {
+        let s = FormatSpec::parse(spec).unwrap();
+        for sink in [1, 4, 40] {
+            let mut cfg = CacheConfig::new(1, n_kv, d, s.clone(), s.clone());
+            cfg.sink = sink;
+            cfg.recent = 3;
+            cfg.encode_rows = rows;
+            let mut cache = PagedCache::new(cfg).unwrap();
+            let mut rng = SplitMix64::new(sink as u64);
+            let keys = rng.gaussian_vec(n_kv * 100 * d);
+            cache.append(0, &keys, &rng.gaussian_vec(n_kv * 100 * d), 100).unwrap();
+            let ks = &cache.layer(0).unwrap().keys[1];
+            // The first S keys of head 1, bit for bit as fp16.
+            let want: Vec<half::f16> =
+                keys[100 * d..(100 + sink) * d].iter().map(|&v| half::f16::from_f32(v)).collect();
+            assert_eq!(ks.sink(), &want[..]);
+            assert_eq!(ks.sink().len() / d + ks.paged_tokens() + ks.tail_tokens(), 100);
+            let q = rng.gaussian_vec(n_kv * 3 * d);
+            let e = rel_err(
+                &decode_attention(&cache, 0, &q, n_kv * 3).unwrap(),
+                &decode_attention_ref(&cache, 0, &q, n_kv * 3).unwrap(),
+            );
+            assert!(e <= 1e-4, "{spec} S={sink}: {e}");
+        }
+    }
+}

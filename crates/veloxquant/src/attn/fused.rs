@@ -71,19 +71,21 @@ fn pages_partial(ks: &StreamStore, vs: &StreamStore, qs: &QueryState, p0: usize,
     part
 }
 
-/// The exact fp16 tail, scored with the fp16 row kernels.
+/// The exact fp16 tokens (sinks, then the tail), scored with the fp16 row kernels.
 fn tail_partial(ks: &StreamStore, vs: &StreamStore, q: &[f32], g: usize) -> Partial {
     let d = ks.format().head_dim();
-    let n = ks.tail_tokens();
     let mut part = Partial::empty(g, d);
-    if n == 0 {
-        return part;
+    for (k, v) in [(ks.sink(), vs.sink()), (ks.tail(), vs.tail())] {
+        let n = k.len() / d;
+        if n == 0 {
+            continue;
+        }
+        let layout = RowLayout::new(RowKind::F16, d, n);
+        let (mut s, mut w) = (vec![0f32; g * n], vec![0f32; g * n]);
+        layout.scores(q, g, f16_bytes(k), &mut s);
+        part.absorb_scores(&s, n, n, &mut w);
+        layout.accumulate(&w, g, f16_bytes(v), &mut part.acc);
     }
-    let layout = RowLayout::new(RowKind::F16, d, n);
-    let (mut s, mut w) = (vec![0f32; g * n], vec![0f32; g * n]);
-    layout.scores(q, g, f16_bytes(ks.tail()), &mut s);
-    part.absorb_scores(&s, n, n, &mut w);
-    layout.accumulate(&w, g, f16_bytes(vs.tail()), &mut part.acc);
     part
 }
 

@@ -18,9 +18,10 @@ pub fn materialize_pages(s: &StreamStore) -> Vec<f32> {
     out
 }
 
-/// All keys (or values) of one stream as n × d f32, pages first, then the tail.
+/// All keys (or values) of one stream as n × d f32 in sequence order: sinks, pages, tail.
 pub fn materialize(s: &StreamStore) -> Vec<f32> {
-    let mut out = materialize_pages(s);
+    let mut out: Vec<f32> = s.sink().iter().map(|v| v.to_f32()).collect();
+    out.extend(materialize_pages(s));
     out.extend(s.tail().iter().map(|v| v.to_f32()));
     out
 }
@@ -39,13 +40,15 @@ pub fn decode_attention_ref(cache: &PagedCache, layer: usize, q: &[f32], n_heads
     for (kvh, (ks, vs)) in lc.keys.iter().zip(&lc.values).enumerate() {
         let (k, v) = (materialize(ks), materialize(vs));
         let n = k.len() / d;
+        // Keys scored through the format: positions [sinks, sinks + paged).
+        let n_sink = ks.sink().len() / d;
         let n_paged = ks.paged_tokens();
         let q_group = &q[kvh * g * d..(kvh + 1) * g * d];
         let q_paged = ks.format().scoring_query_ref(q_group, g);
         for h in 0..g {
             let s: Vec<f64> = (0..n)
                 .map(|t| {
-                    let qh = if t < n_paged { &q_paged[..] } else { q_group };
+                    let qh = if (n_sink..n_sink + n_paged).contains(&t) { &q_paged[..] } else { q_group };
                     qh[h * d..(h + 1) * d]
                         .iter()
                         .zip(&k[t * d..(t + 1) * d])

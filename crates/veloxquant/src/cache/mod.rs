@@ -42,6 +42,10 @@ pub struct CacheConfig {
     /// Encode tokens one at a time when both formats allow it (row mode); false forces
     /// whole-page encoding with an fp16 tail of up to R + T − 1 tokens.
     pub encode_rows: bool,
+    /// The first S tokens stay exact in fp16 (attention sinks, StreamingLLM, arXiv
+    /// 2309.17453): models put large attention weight on them, so their keys' quantization
+    /// error costs more than S·16 bits buy elsewhere.
+    pub sink: usize,
 }
 
 /// Calibration vectors for calibrated formats, per (layer, KV head, stream): each set is
@@ -90,13 +94,14 @@ impl CacheConfig {
             seed: 0x5EED,
             calibration: None,
             encode_rows: true,
+            sink: 0,
         }
     }
 
     /// Tokens held in pages once `n` tokens have been appended (`row_mode`: see
-    /// [`PagedCache::row_mode`]).
+    /// [`PagedCache::row_mode`]); they are positions [S, S + paged) after the S sinks.
     pub fn paged_tokens(&self, n: usize, row_mode: bool) -> usize {
-        let old = n.saturating_sub(self.recent);
+        let old = n.saturating_sub(self.sink).saturating_sub(self.recent);
         if row_mode {
             old
         } else {
@@ -149,7 +154,7 @@ impl PagedCache {
         // Row mode needs both streams row-granular (their pages must stay aligned).
         let row_mode = cfg.encode_rows && built[0].0[0].row_granular() && built[0].1[0].row_granular();
         let wrap = |fs: Vec<Arc<dyn crate::Format>>| -> Vec<StreamStore> {
-            fs.into_iter().map(|f| StreamStore::new(f, cfg.recent, row_mode)).collect()
+            fs.into_iter().map(|f| StreamStore::new(f, cfg.recent, row_mode, cfg.sink)).collect()
         };
         let layers =
             built.into_iter().map(|(k, v)| LayerCache { keys: wrap(k), values: wrap(v), n_tokens: 0 }).collect();

@@ -1,4 +1,5 @@
-//! One stream (K or V) of one KV head: pages in the format, plus the fp16 tail.
+//! One stream (K or V) of one KV head: optional exact sink tokens (the first S of the
+//! sequence), pages in the format, plus the fp16 tail.
 //!
 //! Two modes, fixed at construction. *Page mode*: the tail collects tokens and whole pages
 //! of T are encoded once T tokens are older than the recent window R. *Row mode* (both
@@ -22,15 +23,25 @@ pub struct StreamStore {
     open_rows: usize,
     /// Newest tokens not yet encoded, n_tail × d, f16.
     tail: Vec<f16>,
+    /// The first `n_sink` tokens of the sequence, kept exact (attention sinks), f16.
+    sink: Vec<f16>,
+    n_sink: usize,
     recent: usize,
     row_mode: bool,
 }
 
 impl StreamStore {
-    pub fn new(format: Arc<dyn Format>, recent: usize, row_mode: bool) -> Self {
+    pub fn new(format: Arc<dyn Format>, recent: usize, row_mode: bool, n_sink: usize) -> Self {
         let slack = if row_mode { 1 } else { format.page_tokens() };
-        let cap = (recent + slack) * format.head_dim();
-        Self { format, pages: Vec::new(), open_rows: 0, tail: Vec::with_capacity(cap), recent, row_mode }
+        let d = format.head_dim();
+        let tail = Vec::with_capacity((recent + slack) * d);
+        let sink = Vec::with_capacity(n_sink * d);
+        Self { format, pages: Vec::new(), open_rows: 0, tail, sink, n_sink, recent, row_mode }
+    }
+
+    /// The sink tokens held so far (≤ n_sink), exact f16.
+    pub fn sink(&self) -> &[f16] {
+        &self.sink
     }
 
     pub fn format(&self) -> &dyn Format {
@@ -73,7 +84,9 @@ impl StreamStore {
     pub fn append(&mut self, x: &[f32]) -> Result<()> {
         let (d, t) = (self.format.head_dim(), self.format.page_tokens());
         let cap_tokens = self.recent + if self.row_mode { 1 } else { t };
-        let mut rest = x;
+        let room = (self.n_sink * d).saturating_sub(self.sink.len()).min(x.len());
+        self.sink.extend(x[..room].iter().map(|&v| f16::from_f32(v)));
+        let mut rest = &x[room..];
         while !rest.is_empty() {
             let room = cap_tokens - self.tail_tokens();
             let take = room.min(rest.len() / d);
@@ -121,6 +134,7 @@ impl StreamStore {
         self.pages.iter().map(|p| p.len() + ARC_HEADER).sum::<usize>()
             + self.pages.capacity() * std::mem::size_of::<Page>()
             + self.tail.capacity() * 2
+            + self.sink.capacity() * 2
             + self.format.state_bytes()
     }
 }
