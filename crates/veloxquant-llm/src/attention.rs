@@ -7,6 +7,14 @@ use rayon::prelude::*;
 /// and to give rayon several tasks per head.
 const Q_BLOCK: usize = 128;
 
+/// A second key/value source for [`causal_attention_mixed`]: for the query at absolute
+/// position p, keys in `range(p)` are read from these arrays instead (same indexing).
+pub struct CodedSource<'a> {
+    pub keys: &'a [&'a [f32]],
+    pub values: &'a [&'a [f32]],
+    pub range: &'a (dyn Fn(usize) -> std::ops::Range<usize> + Sync),
+}
+
 /// Exact causal attention over f32 keys/values, parallel over (head, query block).
 ///
 /// `keys[g]`, `values[g]`: kv head g as [len][head_dim]. q: [n_heads][n_q][head_dim].
@@ -16,6 +24,21 @@ pub fn causal_attention_f32(
     n_q: usize,
     keys: &[&[f32]],
     values: &[&[f32]],
+    len: usize,
+    head_dim: usize,
+) -> Result<Vec<f32>> {
+    causal_attention_mixed(q, n_q, keys, values, None, len, head_dim)
+}
+
+/// [`causal_attention_f32`] where each query may read part of its keys and values from a
+/// second source (a compressed cache's decoded codes): two score gemms, a per-row select,
+/// and the weights split between the two value gemms — no per-query copies.
+pub fn causal_attention_mixed(
+    q: &[f32],
+    n_q: usize,
+    keys: &[&[f32]],
+    values: &[&[f32]],
+    coded: Option<&CodedSource>,
     len: usize,
     head_dim: usize,
 ) -> Result<Vec<f32>> {
@@ -65,13 +88,36 @@ pub fn causal_attention_f32(
             let mut scores = vec![0f32; rows * n_keys];
             // scores = scale * Q K^T
             gemm_rowmajor(rows, n_keys, head_dim, &mut scores, q_blk, head_dim, 1, keys[g], 1, head_dim, scale);
+            let mut coded_p = coded.map(|c| {
+                let mut sc = vec![0f32; rows * n_keys];
+                gemm_rowmajor(rows, n_keys, head_dim, &mut sc, q_blk, head_dim, 1, c.keys[g], 1, head_dim, scale);
+                for (i, (row, crow)) in scores.chunks_exact_mut(n_keys).zip(sc.chunks_exact(n_keys)).enumerate() {
+                    let r = (c.range)(first_pos + i);
+                    row[r.clone()].copy_from_slice(&crow[r]);
+                }
+                sc
+            });
             for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
                 let valid = first_pos + i + 1;
                 softmax_prefix(row, valid);
             }
+            // Move the coded keys' weights to their own matrix (zero elsewhere).
+            if let (Some(c), Some(pc)) = (coded, coded_p.as_mut()) {
+                for (i, (row, crow)) in scores.chunks_exact_mut(n_keys).zip(pc.chunks_exact_mut(n_keys)).enumerate() {
+                    let r = (c.range)(first_pos + i);
+                    crow.fill(0.0);
+                    crow[r.clone()].copy_from_slice(&row[r.clone()]);
+                    row[r].fill(0.0);
+                }
+            }
             let mut out = vec![0f32; rows * head_dim];
-            // out = P V
+            // out = P V (+ P_coded V_coded)
             gemm_rowmajor(rows, head_dim, n_keys, &mut out, &scores, n_keys, 1, values[g], head_dim, 1, 1.0);
+            if let (Some(c), Some(pc)) = (coded, coded_p) {
+                let mut out2 = vec![0f32; rows * head_dim];
+                gemm_rowmajor(rows, head_dim, n_keys, &mut out2, &pc, n_keys, 1, c.values[g], head_dim, 1, 1.0);
+                out.iter_mut().zip(out2).for_each(|(a, b)| *a += b);
+            }
             out
         })
         .collect();

@@ -12,7 +12,11 @@ use veloxquant::attn::{decode_attention, materialize_pages};
 use veloxquant::cache::StreamStore;
 use veloxquant::{CacheConfig, PagedCache, VqError};
 
-use crate::attention::causal_attention_f32;
+use crate::attention::{causal_attention_mixed, CodedSource};
+
+fn refs(x: &[Vec<f32>]) -> Vec<&[f32]> {
+    x.iter().map(|v| v.as_slice()).collect()
+}
 use crate::error::{LlmError, Result};
 use crate::store::KvStore;
 
@@ -95,48 +99,26 @@ impl KvStore for CompressedStore {
             .take()
             .filter(|p| p.layer == layer && len - n_q == p.start)
             .ok_or_else(|| LlmError::Store("a multi-token attend must follow the append of those tokens".into()))?;
-        let n_heads = q.len() / (n_q * d);
         let lc = self.cache.layer(layer).map_err(backend)?;
-        // Decode every page once (reference decoder): [kv head] → [paged tokens][d].
-        let k_dec: Vec<Vec<f32>> = lc.keys.iter().map(materialize_pages).collect();
-        let v_dec: Vec<Vec<f32>> = lc.values.iter().map(materialize_pages).collect();
+        // Decoded codes at their absolute positions [S, S + paged); exact values elsewhere.
+        let place = |s: &StreamStore| {
+            let mut full = vec![0f32; len * d];
+            let dec = materialize_pages(s);
+            full[n_sink * d..n_sink * d + dec.len()].copy_from_slice(&dec);
+            full
+        };
+        let k_dec: Vec<Vec<f32>> = lc.keys.iter().map(place).collect();
+        let v_dec: Vec<Vec<f32>> = lc.values.iter().map(place).collect();
         // What query position pos sees, as decode would have stored it with pos + 1 tokens:
-        // exact sinks, then the coded run, then exact tokens. None: everything exact.
-        let split = |pos: usize| (pos + 1 > n_sink).then(|| self.cache.paged_tokens(pos + 1));
-        let width = n_heads * d;
-        let mut out = vec![0f32; n_q * width];
-        let mut i = 0;
-        while i < n_q {
-            let coded = split(p.start + i);
-            let mut j = i + 1;
-            while j < n_q && split(p.start + j) == coded {
-                j += 1;
-            }
-            let end = p.start + j; // keys visible to the last query of the group
-            let eff = |dec: &[Vec<f32>], exact: &[Vec<f32>]| -> Vec<Vec<f32>> {
-                dec.iter()
-                    .zip(exact)
-                    .map(|(dk, ek)| match coded {
-                        None => ek[..end * d].to_vec(),
-                        Some(n_coded) => {
-                            let mut e = ek[..n_sink * d].to_vec();
-                            e.extend_from_slice(&dk[..n_coded * d]);
-                            e.extend_from_slice(&ek[(n_sink + n_coded) * d..end * d]);
-                            e
-                        }
-                    })
-                    .collect()
-            };
-            let (ke, ve) = (eff(&k_dec, &p.keys), eff(&v_dec, &p.values));
-            let rows = j - i;
-            let qg: Vec<f32> =
-                (0..n_heads).flat_map(|h| q[(h * n_q + i) * d..(h * n_q + j) * d].iter().copied()).collect();
-            let kr: Vec<&[f32]> = ke.iter().map(|x| x.as_slice()).collect();
-            let vr: Vec<&[f32]> = ve.iter().map(|x| x.as_slice()).collect();
-            let part = causal_attention_f32(&qg, rows, &kr, &vr, end, d)?;
-            out[i * width..j * width].copy_from_slice(&part);
-            i = j;
-        }
+        // keys [S, S + paged_tokens(pos + 1)) through the codes, the rest exact.
+        let cache = &self.cache;
+        let range = move |pos: usize| {
+            let coded = if pos + 1 > n_sink { cache.paged_tokens(pos + 1) } else { 0 };
+            n_sink..n_sink + coded
+        };
+        let (kd, vd, ke, ve) = (refs(&k_dec), refs(&v_dec), refs(&p.keys), refs(&p.values));
+        let coded = CodedSource { keys: &kd, values: &vd, range: &range };
+        let out = causal_attention_mixed(q, n_q, &ke, &ve, Some(&coded), len, d)?;
         Ok(out)
     }
 
