@@ -10,7 +10,7 @@ use crate::util::AnyResult;
 
 /// The default compressed configuration (demo, generate): chosen from `eval` on WikiText-2
 /// (see README "Quality on a real model").
-pub const DEFAULT_METHOD: &str = "turboquant_mse:4:eden/turboquant_mse:3@0";
+pub const DEFAULT_METHOD: &str = "turboquant_mse:4:eden/turboquant_mse:3@8+4";
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct ModelArgs {

@@ -2,6 +2,7 @@
 
 use crate::error::{LlmError, Result};
 use rayon::prelude::*;
+pub(crate) use veloxquant::cpu::exp_approx;
 
 /// Query rows per attention task: small enough to skip most of the causal upper triangle
 /// and to give rayon several tasks per head.
@@ -150,23 +151,6 @@ fn softmax_prefix(row: &mut [f32], valid: usize) {
     let sum = lanes.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>();
     let inv = 1.0 / sum;
     live.iter_mut().for_each(|x| *x *= inv);
-}
-
-/// e^x for x ≤ 0 (softmax after max subtraction), relative error < 2e-7: range reduction
-/// x = k·ln2 + r, |r| ≤ ln2/2, then a degree-6 Taylor polynomial; branch-free so it
-/// vectorizes. Underflows to 0 below -87.
-#[inline(always)]
-pub(crate) fn exp_approx(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer
-    let x = x.max(-87.0);
-    let k = (x * LOG2E + ROUND) - ROUND;
-    let r = x - k * LN2_HI - k * LN2_LO;
-    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits(((k as i32 + 127) as u32) << 23);
-    p * scale
 }
 
 /// dst[m×n] (row-major, overwritten) = alpha · lhs[m×k] · rhs[k×n], with explicit strides

@@ -38,11 +38,11 @@ impl Partial {
             w[h * stride + n..(h + 1) * stride].fill(0.0);
             let m_new = row.iter().fold(self.m[h], |a, &b| a.max(b));
             let alpha = if self.m[h] == f32::NEG_INFINITY { 0.0 } else { (self.m[h] - m_new).exp() };
-            let mut sum = 0.0;
-            for (wi, &si) in w[h * stride..h * stride + n].iter_mut().zip(row) {
-                *wi = (si - m_new).exp();
-                sum += *wi;
-            }
+            // A vectorizable exp (rel. error < 3e-7): libm's expf here was the bulk of a
+            // decode step, one call per (query head, key).
+            let wr = &mut w[h * stride..h * stride + n];
+            wr.iter_mut().zip(row).for_each(|(wi, &si)| *wi = crate::cpu::exp_approx(si - m_new));
+            let sum: f32 = wr.iter().sum();
             self.l[h] = self.l[h] * alpha + sum;
             self.m[h] = m_new;
             if alpha != 1.0 {

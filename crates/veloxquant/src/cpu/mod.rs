@@ -111,3 +111,32 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 pub fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
     acc.iter_mut().zip(x).for_each(|(a, b)| *a += w * b);
 }
+
+/// e^x for x ≤ 0 (softmax after max subtraction), relative error < 2e-7: range reduction
+/// x = k·ln2 + r, |r| ≤ ln2/2, then a degree-6 Taylor polynomial; branch-free so it
+/// vectorizes. Underflows to 0 below -87.
+#[inline(always)]
+pub fn exp_approx(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer
+    let x = x.max(-87.0);
+    let k = (x * LOG2E + ROUND) - ROUND;
+    let r = x - k * LN2_HI - k * LN2_LO;
+    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits(((k as i32 + 127) as u32) << 23);
+    p * scale
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn exp_approx_matches_exp() {
+        for i in 0..=2000 {
+            let x = -(i as f32) * 0.05;
+            let (got, want) = (super::exp_approx(x) as f64, (x as f64).exp());
+            assert!((got - want).abs() <= 3e-7 * want + 1e-38, "x={x}: {got} vs {want}");
+        }
+    }
+}
