@@ -185,7 +185,7 @@ pub fn passkey(a: &PasskeyArgs) -> AnyResult {
         let mut row = vec![m.to_string()];
         for &len in &a.lengths {
             let (mm, c) = (m.clone(), model.config.clone());
-            let mut f = move || mm.store(&c, len + 64, None).map_err(|e| veloxquant_llm::LlmError::StoreBackend(e));
+            let mut f = move || mm.store(&c, len + 64, None).map_err(veloxquant_llm::LlmError::StoreBackend);
             let s = passkey_accuracy(&model, &tok, &mut f, len, &a.depths, a.n, a.seed, PasskeyFormat::Plain)?;
             eprintln!("{m} @ {len}: {}/{}", s.n_correct, s.n_trials);
             row.push(format!("{}/{}", s.n_correct, s.n_trials));

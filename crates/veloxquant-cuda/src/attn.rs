@@ -56,7 +56,7 @@ impl DecodePlan {
     pub fn new(cache: &GpuPagedCache, n_q_heads: usize, opts: DecodeOptions) -> Result<Self> {
         let cfg = &cache.cfg;
         let dev = cache.dev.clone();
-        if n_q_heads == 0 || n_q_heads % cfg.n_kv_heads != 0 || n_q_heads / cfg.n_kv_heads > 8 {
+        if n_q_heads == 0 || !n_q_heads.is_multiple_of(cfg.n_kv_heads) || n_q_heads / cfg.n_kv_heads > 8 {
             return Err(CudaError::ShapeMismatch {
                 op: "GQA group (n_q_heads / n_kv_heads must be 1..=8)",
                 expected: cfg.n_kv_heads,

@@ -224,7 +224,7 @@ fn report(args: &[String]) {
             if !best.contains_key(&k) {
                 order.push(k.clone());
             }
-            let better = best.get(&k).map_or(true, |b| us < b["ours_us"].as_f64().unwrap_or(f64::INFINITY));
+            let better = best.get(&k).is_none_or(|b| us < b["ours_us"].as_f64().unwrap_or(f64::INFINITY));
             if better {
                 best.insert(k, r.clone());
             }

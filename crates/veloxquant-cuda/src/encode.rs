@@ -89,7 +89,7 @@ impl GpuEncoder {
     /// Host convenience (tests): encode `n_pages` pages of f32 input, pages returned in order.
     pub fn encode_pages_f32(&self, x: &[f32]) -> Result<Vec<u8>> {
         let per = self.fmt.t * self.fmt.d;
-        if self.input != InputKind::F32 || x.len() % per != 0 {
+        if self.input != InputKind::F32 || !x.len().is_multiple_of(per) {
             return Err(CudaError::ShapeMismatch { op: "encode_pages_f32", expected: per, got: x.len() });
         }
         let n = x.len() / per;

@@ -53,11 +53,11 @@ pub fn causal_attention_mixed(
     if n_q > len {
         return Err(LlmError::ShapeMismatch { op: "attend: n_q <= len", expected: len, got: n_q });
     }
-    if q.len() % (n_q * head_dim) != 0 {
+    if !q.len().is_multiple_of(n_q * head_dim) {
         return Err(LlmError::ShapeMismatch { op: "attend: q length", expected: n_q * head_dim, got: q.len() });
     }
     let n_heads = q.len() / (n_q * head_dim);
-    if n_heads % n_kv_heads != 0 {
+    if !n_heads.is_multiple_of(n_kv_heads) {
         return Err(LlmError::ShapeMismatch {
             op: "attend: n_heads multiple of n_kv_heads",
             expected: n_kv_heads,

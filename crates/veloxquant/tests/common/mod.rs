@@ -24,9 +24,9 @@ pub fn all_specs() -> Vec<FormatSpec> {
 /// `UnsupportedHeadDim` (the formats' documented shape limits; tests skip exactly these).
 pub fn unsupported(spec: &FormatSpec, d: usize, stream: Stream) -> bool {
     match spec.name {
-        "q8_0" | "q4_0" => d % 32 != 0,
-        "kivi" => stream == Stream::Values && d % spec.group as usize != 0,
-        "vecinfer" => d % spec.group as usize != 0,
+        "q8_0" | "q4_0" => !d.is_multiple_of(32),
+        "kivi" => stream == Stream::Values && !d.is_multiple_of(spec.group as usize),
+        "vecinfer" => !d.is_multiple_of(spec.group as usize),
         _ => false,
     }
 }
