@@ -32,17 +32,18 @@ pub fn simd_level() -> SimdLevel {
     })
 }
 
+/// Whether this machine can run `level` (levels are nested: AVX-512 ⊃ AVX2 ⊃ scalar).
+fn runs(level: SimdLevel) -> bool {
+    match simd_level() {
+        SimdLevel::Avx512 => true,
+        SimdLevel::Avx2 => level != SimdLevel::Avx512,
+        SimdLevel::Scalar => level == SimdLevel::Scalar,
+    }
+}
+
 /// Levels this machine can run, best first (tests run every one against the scalar path).
 pub fn available_levels() -> Vec<SimdLevel> {
-    let best = simd_level();
-    [SimdLevel::Avx512, SimdLevel::Avx2, SimdLevel::Scalar]
-        .into_iter()
-        .filter(|l| match best {
-            SimdLevel::Avx512 => true,
-            SimdLevel::Avx2 => *l != SimdLevel::Avx512,
-            SimdLevel::Scalar => *l == SimdLevel::Scalar,
-        })
-        .collect()
+    [SimdLevel::Avx512, SimdLevel::Avx2, SimdLevel::Scalar].into_iter().filter(|l| runs(*l)).collect()
 }
 
 /// out[h·T + t] = q_h · (scale_t · row_t) for n_q queries of d floats.
@@ -59,7 +60,7 @@ pub fn accumulate(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [
 pub fn scores_at(level: SimdLevel, l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
     assert!(page.len() >= l.page_bytes() && q.len() >= n_q * l.d && out.len() >= n_q * l.t);
     #[cfg(target_arch = "x86_64")]
-    if available_levels().contains(&level) {
+    if runs(level) {
         match level {
             // SAFETY: the level's features were detected at run time; the assert above gives
             // the buffer sizes the kernels' unchecked loads rely on.
@@ -77,7 +78,7 @@ pub fn scores_at(level: SimdLevel, l: &RowLayout, q: &[f32], n_q: usize, page: &
 pub fn accumulate_at(level: SimdLevel, l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
     assert!(page.len() >= l.page_bytes() && w.len() >= n_q * l.t && acc.len() >= n_q * l.d);
     #[cfg(target_arch = "x86_64")]
-    if available_levels().contains(&level) {
+    if runs(level) {
         match level {
             // SAFETY: as in `scores_at`.
             SimdLevel::Avx512 if l.d.is_multiple_of(16) => return unsafe { x86_512::accumulate(l, w, n_q, page, acc) },
