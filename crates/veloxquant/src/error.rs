@@ -25,6 +25,28 @@ pub enum VqError {
     MissingCalibration { format: String, why: String },
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    #[error("cannot trim {requested} tokens: layer {layer} holds {held}")]
+    TrimTooFar { layer: usize, requested: usize, held: usize },
+    #[error("I/O error ({kind:?}) while {during}: {message}")]
+    Io { during: &'static str, kind: std::io::ErrorKind, message: String },
+    #[error("cache file truncated in {section}")]
+    FileTruncated { section: String },
+    #[error("cache file corrupt: {0}")]
+    FileCorrupt(String),
+    #[error("cache file version {found:?} is not supported (this build reads version {supported})")]
+    FileVersion { found: String, supported: u32 },
+    #[error("cache file was saved for another model: {what} is {found}, expected {expected}")]
+    FileMismatch { what: &'static str, expected: String, found: String },
+    #[error("cache file checksum mismatch: header says {expected:08x}, payload gives {found:08x}")]
+    FileChecksum { expected: u32, found: u32 },
+}
+
+impl VqError {
+    /// An I/O error with what was being done, keeping the error kind (truncation reads as
+    /// [`VqError::FileTruncated`] at the call sites that know the section).
+    pub fn io(during: &'static str, e: &std::io::Error) -> Self {
+        Self::Io { during, kind: e.kind(), message: e.to_string() }
+    }
 }
 
 pub type Result<T, E = VqError> = std::result::Result<T, E>;

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use super::check_query;
 use super::state::Partial;
-use crate::cache::{PagedCache, StreamStore};
+use crate::cache::{LayerCache, PagedCache, StreamStore};
 use crate::error::Result;
 use crate::format::rows::{RowKind, RowLayout};
 use crate::format::QueryState;
@@ -21,40 +21,82 @@ const MIN_PAGES_PER_TASK: usize = 8;
 
 /// q: [n_heads][d] → [n_heads][d]. Softmax scale 1/√d.
 pub fn decode_attention(cache: &PagedCache, layer: usize, q: &[f32], n_heads: usize) -> Result<Vec<f32>> {
-    let g = check_query(cache, layer, q, n_heads)?;
-    let d = cache.config().head_dim;
-    let lc = cache.layer(layer)?;
-    let scale = 1.0 / (d as f32).sqrt();
-    let q_scaled: Vec<f32> = q.iter().map(|v| v * scale).collect();
-    let n_kv = lc.keys.len();
-    let n_pages = lc.keys[0].pages().len();
+    let mut out = decode_attention_batch(&[(cache, q)], layer, n_heads)?;
+    Ok(out.pop().expect("one output per sequence"))
+}
 
-    let prepared: Vec<QueryState> =
-        (0..n_kv).map(|h| lc.keys[h].format().prepare_query(&q_scaled[h * g * d..(h + 1) * g * d], g)).collect();
-
-    let threads = rayon::current_num_threads().max(1);
-    let per_task = MIN_PAGES_PER_TASK.max((n_pages * n_kv).div_ceil(threads * 4));
-    let tasks: Vec<(usize, usize, usize)> = (0..n_kv)
-        .flat_map(|h| (0..n_pages).step_by(per_task).map(move |p| (h, p, (p + per_task).min(n_pages))))
+/// One decode step for a batch of sequences of any lengths (say forks of one prompt): every
+/// sequence's (KV head, page run) items run in one parallel pass. Each output equals
+/// [`decode_attention`] on that sequence alone, bit for bit.
+pub fn decode_attention_batch(seqs: &[(&PagedCache, &[f32])], layer: usize, n_heads: usize) -> Result<Vec<Vec<f32>>> {
+    let plans = seqs.iter().map(|&(cache, q)| Plan::new(cache, layer, q, n_heads)).collect::<Result<Vec<_>>>()?;
+    let tasks: Vec<(usize, usize, usize, usize)> =
+        plans.iter().enumerate().flat_map(|(b, p)| p.tasks.iter().map(move |&(h, p0, p1)| (b, h, p0, p1))).collect();
+    let mut partials: Vec<Partial> = tasks
+        .par_iter()
+        .map(|&(b, h, p0, p1)| {
+            let pl = &plans[b];
+            pages_partial(&pl.lc.keys[h], &pl.lc.values[h], &pl.prepared[h], p0, p1)
+        })
         .collect();
-    let partials: Vec<Partial> =
-        tasks.par_iter().map(|&(h, p0, p1)| pages_partial(&lc.keys[h], &lc.values[h], &prepared[h], p0, p1)).collect();
-
-    let mut out = vec![0f32; n_heads * d];
-    let mut it = tasks.iter().zip(partials).peekable();
-    for h in 0..n_kv {
-        let vf = lc.values[h].format();
-        let mut acc = Partial::empty(g, vf.acc_width());
-        while let Some(((th, _, _), p)) = it.next_if(|((th, _, _), _)| *th == h) {
-            debug_assert_eq!(*th, h);
-            acc.merge(&p);
-        }
-        vf.finish(&mut acc.acc, g);
-        let mut acc = acc.narrowed(d);
-        acc.merge(&tail_partial(&lc.keys[h], &lc.values[h], &q_scaled[h * g * d..(h + 1) * g * d], g));
-        acc.output(&mut out[h * g * d..(h + 1) * g * d]);
+    let mut outs = Vec::with_capacity(plans.len());
+    for pl in plans.iter().rev() {
+        let mine = partials.split_off(partials.len() - pl.tasks.len());
+        outs.push(pl.combine(mine));
     }
-    Ok(out)
+    outs.reverse();
+    Ok(outs)
+}
+
+/// One sequence's share of a decode step: prepared queries and its work items.
+struct Plan<'a> {
+    lc: &'a LayerCache,
+    g: usize,
+    d: usize,
+    q_scaled: Vec<f32>,
+    prepared: Vec<QueryState>,
+    /// (KV head, first page, end page), grouped by head in page order.
+    tasks: Vec<(usize, usize, usize)>,
+}
+
+impl<'a> Plan<'a> {
+    fn new(cache: &'a PagedCache, layer: usize, q: &[f32], n_heads: usize) -> Result<Self> {
+        let g = check_query(cache, layer, q, n_heads)?;
+        let d = cache.config().head_dim;
+        let lc = cache.layer(layer)?;
+        let scale = 1.0 / (d as f32).sqrt();
+        let q_scaled: Vec<f32> = q.iter().map(|v| v * scale).collect();
+        let n_kv = lc.keys.len();
+        let n_pages = lc.keys[0].pages().len();
+        let prepared: Vec<QueryState> =
+            (0..n_kv).map(|h| lc.keys[h].format().prepare_query(&q_scaled[h * g * d..(h + 1) * g * d], g)).collect();
+        let threads = rayon::current_num_threads().max(1);
+        let per_task = MIN_PAGES_PER_TASK.max((n_pages * n_kv).div_ceil(threads * 4));
+        let tasks = (0..n_kv)
+            .flat_map(|h| (0..n_pages).step_by(per_task).map(move |p| (h, p, (p + per_task).min(n_pages))))
+            .collect();
+        Ok(Self { lc, g, d, q_scaled, prepared, tasks })
+    }
+
+    /// Per KV head: merge its partials in page order, finish the value format once, merge
+    /// the exact fp16 sinks and tail, normalize.
+    fn combine(&self, partials: Vec<Partial>) -> Vec<f32> {
+        let (g, d, lc) = (self.g, self.d, self.lc);
+        let mut out = vec![0f32; lc.keys.len() * g * d];
+        let mut it = self.tasks.iter().zip(partials).peekable();
+        for h in 0..lc.keys.len() {
+            let vf = lc.values[h].format();
+            let mut acc = Partial::empty(g, vf.acc_width());
+            while let Some((_, p)) = it.next_if(|((th, _, _), _)| *th == h) {
+                acc.merge(&p);
+            }
+            vf.finish(&mut acc.acc, g);
+            let mut acc = acc.narrowed(d);
+            acc.merge(&tail_partial(&lc.keys[h], &lc.values[h], &self.q_scaled[h * g * d..(h + 1) * g * d], g));
+            acc.output(&mut out[h * g * d..(h + 1) * g * d]);
+        }
+        out
+    }
 }
 
 fn pages_partial(ks: &StreamStore, vs: &StreamStore, qs: &QueryState, p0: usize, p1: usize) -> Partial {

@@ -6,7 +6,7 @@ mod fused;
 mod reference;
 pub mod state;
 
-pub use fused::decode_attention;
+pub use fused::{decode_attention, decode_attention_batch};
 pub use reference::{decode_attention_ref, materialize, materialize_pages};
 
 use crate::cache::PagedCache;

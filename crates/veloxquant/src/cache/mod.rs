@@ -7,11 +7,13 @@
 //! or, in row mode (per-token formats), n − R tokens and exactly R in the tail.
 //! Pages are reference-counted so sequences can share them later (fork).
 
+mod persist;
 mod stream;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+pub use persist::{LoadCheck, SaveInfo, FILE_VERSION};
 pub use stream::StreamStore;
 
 use crate::error::{Result, VqError};
@@ -110,6 +112,9 @@ impl CacheConfig {
     }
 }
 
+/// One layer's format instances: (K per head, V per head).
+type FormatPair = (Vec<Arc<dyn crate::Format>>, Vec<Arc<dyn crate::Format>>);
+
 /// One layer: every KV head's K and V streams.
 #[derive(Clone, Debug)]
 pub struct LayerCache {
@@ -136,7 +141,22 @@ impl PagedCache {
         if cfg.n_layers == 0 || cfg.n_kv_heads == 0 {
             return Err(VqError::InvalidConfig("n_layers and n_kv_heads must be > 0".into()));
         }
-        // Build every format instance first (calibrated ones train here, once each).
+        let built = Self::build_formats(&cfg, |_, _, _| None)?;
+        let row_mode = Self::row_mode_of(&cfg, &built);
+        let wrap = |fs: Vec<Arc<dyn crate::Format>>| -> Vec<StreamStore> {
+            fs.into_iter().map(|f| StreamStore::new(f, cfg.recent, row_mode, cfg.sink)).collect()
+        };
+        let layers =
+            built.into_iter().map(|(k, v)| LayerCache { keys: wrap(k), values: wrap(v), n_tokens: 0 }).collect();
+        Ok(Self { cfg, layers, row_mode })
+    }
+
+    /// Every format instance, per layer (K heads, V heads); calibrated ones train here, once
+    /// each, unless `state` returns their saved state.
+    fn build_formats(
+        cfg: &CacheConfig,
+        state: impl Fn(usize, usize, Stream) -> Option<Arc<[f32]>>,
+    ) -> Result<Vec<FormatPair>> {
         let mut built = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let mk = |spec: &FormatSpec, stream: Stream| -> Result<Vec<Arc<dyn crate::Format>>> {
@@ -145,20 +165,19 @@ impl PagedCache {
                         let seed = derive_seed(cfg.seed, &[l as u64, h as u64, stream as u64]);
                         let mut ctx = FormatCtx::new(cfg.head_dim, cfg.page_tokens, stream, seed);
                         ctx.calibration = cfg.calibration.as_ref().and_then(|c| c.get(l, h, stream));
+                        ctx.state = state(l, h, stream);
                         spec.build(&ctx)
                     })
                     .collect()
             };
             built.push((mk(&cfg.k, Stream::Keys)?, mk(&cfg.v, Stream::Values)?));
         }
-        // Row mode needs both streams row-granular (their pages must stay aligned).
-        let row_mode = cfg.encode_rows && built[0].0[0].row_granular() && built[0].1[0].row_granular();
-        let wrap = |fs: Vec<Arc<dyn crate::Format>>| -> Vec<StreamStore> {
-            fs.into_iter().map(|f| StreamStore::new(f, cfg.recent, row_mode, cfg.sink)).collect()
-        };
-        let layers =
-            built.into_iter().map(|(k, v)| LayerCache { keys: wrap(k), values: wrap(v), n_tokens: 0 }).collect();
-        Ok(Self { cfg, layers, row_mode })
+        Ok(built)
+    }
+
+    /// Row mode needs both streams row-granular (their pages must stay aligned).
+    fn row_mode_of(cfg: &CacheConfig, built: &[FormatPair]) -> bool {
+        cfg.encode_rows && built[0].0[0].row_granular() && built[0].1[0].row_granular()
     }
 
     pub fn config(&self) -> &CacheConfig {
@@ -207,9 +226,55 @@ impl PagedCache {
         Ok(())
     }
 
+    /// Drop the `n` newest tokens of every layer (speculative-decoding rollback, reuse of a
+    /// prompt prefix). Checked for every layer before anything changes. Surviving tokens keep
+    /// their stored form, so attention over them is unchanged (see [`StreamStore`]'s trim for
+    /// the one page-mode exception); pages shared with a fork are never written.
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        for (layer, lc) in self.layers.iter().enumerate() {
+            if n > lc.n_tokens {
+                return Err(VqError::TrimTooFar { layer, requested: n, held: lc.n_tokens });
+            }
+        }
+        for lc in &mut self.layers {
+            for s in lc.keys.iter_mut().chain(lc.values.iter_mut()) {
+                s.trim(n)?;
+            }
+            lc.n_tokens -= n;
+        }
+        Ok(())
+    }
+
+    /// A second sequence with the same contents that shares every page (reference counts,
+    /// no copy); pages are copied only where one of the two would write into a shared page
+    /// (the open page in row mode). fp16 tails and sinks are small and copied.
+    pub fn fork(&self) -> Self {
+        self.clone()
+    }
+
     /// Bytes actually allocated: pages, page table, fp16 tails and per-instance state.
     pub fn resident_bytes(&self) -> usize {
         self.streams().map(StreamStore::resident_bytes).sum()
+    }
+
+    /// Bytes allocated by several caches together, counting pages and format state shared
+    /// between forks once: what a server holding these sequences pays.
+    pub fn resident_bytes_shared(caches: &[&PagedCache]) -> usize {
+        let mut pages = HashSet::new();
+        let mut formats = HashSet::new();
+        let mut total = 0;
+        for s in caches.iter().flat_map(|c| c.streams()) {
+            total += s.resident_bytes();
+            for (ptr, len) in s.page_ptrs() {
+                if !pages.insert(ptr) {
+                    total -= len + stream::ARC_HEADER;
+                }
+            }
+            if !formats.insert(Arc::as_ptr(s.format_arc()).cast::<()>()) {
+                total -= s.format().state_bytes();
+            }
+        }
+        total
     }
 
     fn streams(&self) -> impl Iterator<Item = &StreamStore> {

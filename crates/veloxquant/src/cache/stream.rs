@@ -12,7 +12,7 @@ use std::sync::Arc;
 use half::f16;
 
 use super::Page;
-use crate::error::Result;
+use crate::error::{Result, VqError};
 use crate::format::Format;
 
 #[derive(Clone, Debug)]
@@ -48,6 +48,10 @@ impl StreamStore {
         self.format.as_ref()
     }
 
+    pub(crate) fn format_arc(&self) -> &Arc<dyn Format> {
+        &self.format
+    }
+
     /// All pages; the last one holds only [`rows_in_page`](Self::rows_in_page) rows if open.
     pub fn pages(&self) -> &[Page] {
         &self.pages
@@ -78,6 +82,102 @@ impl StreamStore {
 
     pub fn tail_tokens(&self) -> usize {
         self.tail.len() / self.format.head_dim()
+    }
+
+    pub fn sink_tokens(&self) -> usize {
+        self.sink.len() / self.format.head_dim()
+    }
+
+    /// Sinks + paged + tail.
+    pub fn n_tokens(&self) -> usize {
+        self.sink_tokens() + self.paged_tokens() + self.tail_tokens()
+    }
+
+    /// Rows filled in the open last page (row mode), 0 when every page is full.
+    pub fn open_rows(&self) -> usize {
+        self.open_rows
+    }
+
+    /// Tail capacity in tokens (the most the tail holds after an append).
+    fn tail_cap(&self) -> usize {
+        self.recent + if self.row_mode { 0 } else { self.format.page_tokens() - 1 }
+    }
+
+    /// A stream from saved parts, checked against the invariants `append` and `trim`
+    /// keep: sinks fill first, at most R (+T−1 in page mode) tail tokens, open rows only
+    /// in row mode, every page `page_bytes` long.
+    pub(crate) fn from_parts(
+        format: Arc<dyn Format>,
+        recent: usize,
+        row_mode: bool,
+        n_sink: usize,
+        parts: StreamParts,
+    ) -> Result<Self> {
+        let mut me = Self::new(format, recent, row_mode, n_sink);
+        let (d, t, pb) = (me.format.head_dim(), me.format.page_tokens(), me.format.page_bytes());
+        let bad = |why: String| Err(VqError::FileCorrupt(why));
+        if parts.pages.iter().any(|p| p.len() != pb) {
+            return bad(format!("a page is not {pb} bytes"));
+        }
+        if parts.open_rows >= t || (parts.open_rows > 0 && (!row_mode || parts.pages.is_empty())) {
+            return bad(format!("open rows {} invalid for this page mode", parts.open_rows));
+        }
+        if parts.tail.len() % d != 0 || parts.sink.len() % d != 0 || parts.sink.len() > n_sink * d {
+            return bad("tail or sink length is not whole tokens within the configured sizes".into());
+        }
+        if parts.tail.len() / d > me.tail_cap() {
+            return bad(format!("tail holds {} tokens, more than {}", parts.tail.len() / d, me.tail_cap()));
+        }
+        let sink_full = parts.sink.len() == n_sink * d;
+        if !sink_full && (!parts.pages.is_empty() || !parts.tail.is_empty()) {
+            return bad("tokens after unfilled sink slots".into());
+        }
+        if parts.tail.iter().chain(&parts.sink).any(|v| !v.is_finite()) {
+            return bad("non-finite value in the fp16 tail or sinks".into());
+        }
+        me.pages = parts.pages;
+        me.open_rows = parts.open_rows;
+        me.tail.extend_from_slice(&parts.tail);
+        me.sink.extend_from_slice(&parts.sink);
+        Ok(me)
+    }
+
+    /// Drop the `n` newest tokens (caller checked `n ≤ n_tokens()`): tail first, then pages,
+    /// then sinks. Kept tokens keep their stored form — fp16 stays fp16, codes stay the bytes
+    /// decode produced — so attention over them is unchanged; afterwards the tail may hold
+    /// fewer than R tokens until appends refill it. In row mode a partly trimmed page stays
+    /// as the open page. In page mode (codes depend on the whole page, e.g. KIVI's
+    /// per-channel scales) a partly trimmed page cannot be kept: its surviving rows return
+    /// to the fp16 tail as the format decodes them, the one lossy step (the exact values
+    /// are gone; keeping them would cost an fp16 copy of every page).
+    pub(crate) fn trim(&mut self, n: usize) -> Result<()> {
+        let (d, t) = (self.format.head_dim(), self.format.page_tokens());
+        let from_tail = n.min(self.tail_tokens());
+        let from_pages = (n - from_tail).min(self.paged_tokens());
+        let from_sink = n - from_tail - from_pages;
+        let keep = self.paged_tokens() - from_pages;
+        let (full, rows) = (keep / t, keep % t);
+        // Page mode: decode the partly kept page first, so an error changes nothing.
+        let mut back = Vec::new();
+        if !self.row_mode && from_pages > 0 && rows > 0 {
+            let mut x = vec![0f32; t * d];
+            self.format.decode_page(&self.pages[full], &mut x);
+            back = x[..rows * d].iter().map(|&v| f16::from_f32(v)).collect();
+            if let Some(i) = back.iter().position(|v| !v.is_finite()) {
+                return Err(VqError::NonFinite { what: "trimmed page decoded to fp16", token: i / d, channel: i % d });
+            }
+        }
+        self.tail.truncate(self.tail.len() - from_tail * d);
+        if self.row_mode {
+            self.pages.truncate(full + usize::from(rows > 0));
+            self.open_rows = rows;
+        } else if from_pages > 0 {
+            self.pages.truncate(full);
+            self.tail.clear(); // empty already: pages are trimmed only after the tail
+            self.tail.extend_from_slice(&back);
+        }
+        self.sink.truncate(self.sink.len() - from_sink * d);
+        Ok(())
     }
 
     /// Append n×d values (already checked finite), encoding what ages out of the window.
@@ -128,13 +228,29 @@ impl StreamStore {
         Ok(())
     }
 
+    /// Each page's allocation (address, length): forks share allocations, and memory
+    /// accounting over several caches counts each once.
+    pub(crate) fn page_ptrs(&self) -> impl Iterator<Item = (*const u8, usize)> + '_ {
+        self.pages.iter().map(|p| (p.as_ptr(), p.len()))
+    }
+
     /// Pages + page table + tail capacity + format state, as allocated.
     pub fn resident_bytes(&self) -> usize {
-        const ARC_HEADER: usize = 2 * std::mem::size_of::<usize>();
         self.pages.iter().map(|p| p.len() + ARC_HEADER).sum::<usize>()
             + self.pages.capacity() * std::mem::size_of::<Page>()
             + self.tail.capacity() * 2
             + self.sink.capacity() * 2
             + self.format.state_bytes()
     }
+}
+
+/// The strong and weak counts in front of each page's bytes.
+pub(crate) const ARC_HEADER: usize = 2 * std::mem::size_of::<usize>();
+
+/// A stream's saved contents (see [`StreamStore::from_parts`]).
+pub(crate) struct StreamParts {
+    pub pages: Vec<Page>,
+    pub open_rows: usize,
+    pub tail: Vec<f16>,
+    pub sink: Vec<f16>,
 }

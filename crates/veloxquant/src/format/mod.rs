@@ -327,11 +327,14 @@ pub struct FormatCtx {
     pub stream: Stream,
     pub seed: u64,
     pub calibration: Option<Arc<[f32]>>,
+    /// Trained state saved by [`Format::export_state`] (a cache file being loaded): a
+    /// calibrated format restores it instead of training, and needs no calibration.
+    pub state: Option<Arc<[f32]>>,
 }
 
 impl FormatCtx {
     pub fn new(head_dim: usize, page_tokens: usize, stream: Stream, seed: u64) -> Self {
-        Self { head_dim, page_tokens, stream, seed, calibration: None }
+        Self { head_dim, page_tokens, stream, seed, calibration: None, state: None }
     }
 }
 
@@ -363,6 +366,11 @@ pub trait Format: Send + Sync + fmt::Debug {
     /// Bytes of state shared by all pages of this instance (trained codebooks), 0 if none.
     fn state_bytes(&self) -> usize {
         0
+    }
+    /// Trained state that the seed cannot regenerate (codebooks, smoothing), for saving;
+    /// building with it in [`FormatCtx::state`] gives an identical instance. Empty if none.
+    fn export_state(&self) -> Vec<f32> {
+        Vec::new()
     }
 
     /// Encode T×d finite f32 values into one page (`page.len() == page_bytes()`).

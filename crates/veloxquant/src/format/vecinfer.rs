@@ -76,6 +76,9 @@ impl VecInfer {
                 why: "d must be a multiple of the sub-vector size g",
             });
         }
+        if let Some(state) = &ctx.state {
+            return Self::restore(spec, ctx, smooth_rotate, state);
+        }
         let calib = ctx.calibration.as_ref().ok_or_else(|| VqError::MissingCalibration {
             format: spec.to_string(),
             why: "no calibration vectors for this (layer, head, stream)".into(),
@@ -119,6 +122,35 @@ impl VecInfer {
             me.codebooks.extend(km.centroids);
         }
         Ok(me)
+    }
+
+    /// The instance `export_state` was taken from: λ then the codebooks, checked for length
+    /// and finiteness (the state comes from a file).
+    fn restore(spec: &FormatSpec, ctx: &FormatCtx, smooth_rotate: bool, state: &[f32]) -> Result<Self> {
+        let (d, g, k) = (ctx.head_dim, spec.group as usize, 1usize << spec.bits);
+        let want = d + d * k;
+        if state.len() != want {
+            return Err(VqError::InvalidConfig(format!(
+                "{spec}: saved state has {} floats, expected {want} (λ and codebooks)",
+                state.len()
+            )));
+        }
+        check_finite("saved vecinfer state", state, d)?;
+        let (lambda, codebooks) = state.split_at(d);
+        if lambda.iter().any(|l| *l <= 0.0) {
+            return Err(VqError::InvalidConfig(format!("{spec}: saved smoothing factors must be > 0")));
+        }
+        Ok(Self {
+            spec: spec.clone(),
+            d,
+            t: ctx.page_tokens,
+            g,
+            k,
+            lambda: lambda.to_vec(),
+            rot: if smooth_rotate { Some(Rotation::new(d, ctx.seed)?) } else { None },
+            codebooks: codebooks.to_vec(),
+            row_bytes: code_bytes(d / g, spec.bits),
+        })
     }
 
     /// z = R·(x/λ).
@@ -169,6 +201,9 @@ impl Format for VecInfer {
             None => 0,
         };
         (self.codebooks.len() + self.lambda.len()) * 4 + rot
+    }
+    fn export_state(&self) -> Vec<f32> {
+        self.lambda.iter().chain(&self.codebooks).copied().collect()
     }
 
     fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {
