@@ -10,7 +10,7 @@ use veloxquant_llm::{passkey_accuracy, GenStats, Greedy, KvStore, Llama, Passkey
 use crate::model::{Method, ModelArgs, DEFAULT_METHOD};
 use crate::util::{print_table_to, AnyResult};
 
-const DEMO_PROMPT: &str = "The lighthouse keeper had lived alone on the island for twenty years. One stormy night,";
+pub const DEMO_PROMPT: &str = "The lighthouse keeper had lived alone on the island for twenty years. One stormy night,";
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {

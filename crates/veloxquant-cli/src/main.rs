@@ -1,6 +1,7 @@
 //! `veloxquant`: measure what each KV-cache format costs and buys.
 
 mod bench;
+mod cache_cmd;
 mod demo;
 mod distortion;
 mod eval;
@@ -57,6 +58,11 @@ enum Cmd {
         #[arg(long)]
         md: Option<PathBuf>,
     },
+    /// Save a prompt's compressed cache to a file, load it and continue, or inspect a file.
+    Cache {
+        #[command(subcommand)]
+        which: cache_cmd::CacheCmd,
+    },
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -98,6 +104,7 @@ fn main() -> ExitCode {
         Cmd::Passkey(a) => demo::passkey(&a),
         Cmd::FetchModel(a) => demo::fetch(&a),
         Cmd::Distortion { d, n, formats, json, plot, md } => distortion::run(d, n, formats, json, plot, md),
+        Cmd::Cache { which } => cache_cmd::run(&which),
         Cmd::Bench { which: BenchCmd::Cpu(args) } => bench::run_cpu(&args),
         Cmd::Bench { which: BenchCmd::Cuda { args } } => bench_cuda(args),
     };

@@ -78,3 +78,47 @@ fn model_commands_reject_bad_input() {
     assert!(err.contains("fewer than one window") || err.contains("fetching the model failed"), "{err}");
     std::fs::remove_file(&short).ok();
 }
+
+/// The `tokens:` line of a `cache save`/`cache load` run.
+fn generated_ids(out: &std::process::Output) -> String {
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines().find_map(|l| l.strip_prefix("tokens: ")).map(str::to_string).unwrap_or_default()
+}
+
+#[test]
+fn cache_saved_in_one_process_continues_identically_in_another() {
+    let dir = std::env::temp_dir().join(format!("vq-cache-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("prompt.vqc");
+    let saved = vq().args(["cache", "save"]).arg(&file).args(["--max-tokens", "12"]).output().unwrap();
+    let err = String::from_utf8_lossy(&saved.stderr);
+    if !saved.status.success() && err.contains("fetching the model failed") {
+        eprintln!("SKIP: {err}");
+        return;
+    }
+    assert!(saved.status.success(), "{err}");
+    let loaded = vq().args(["cache", "load"]).arg(&file).args(["--max-tokens", "12"]).output().unwrap();
+    assert!(loaded.status.success(), "{}", String::from_utf8_lossy(&loaded.stderr));
+    let (a, b) = (generated_ids(&saved), generated_ids(&loaded));
+    assert_eq!(a.split(',').count(), 12, "{a}");
+    assert_eq!(a, b, "continuation after reload differs");
+
+    let inspect = vq().args(["cache", "inspect"]).arg(&file).output().unwrap();
+    let text = String::from_utf8_lossy(&inspect.stdout);
+    assert!(inspect.status.success() && text.contains("checksum ok") && text.contains("30 layers"), "{text}");
+
+    // A flipped payload byte, a truncated file: clear errors, no panic.
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 100;
+    bytes[last] ^= 0x10;
+    let bad = dir.join("flipped.vqc");
+    std::fs::write(&bad, &bytes).unwrap();
+    let short = dir.join("short.vqc");
+    std::fs::write(&short, &bytes[..bytes.len() / 2]).unwrap();
+    for (f, want) in [(&bad, "checksum"), (&short, "truncated")] {
+        let out = vq().args(["cache", "load"]).arg(f).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want) && !err.contains("panicked"), "{err}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -44,6 +44,12 @@ impl CompressedStore {
         Ok(Self { cache: PagedCache::new(cfg).map_err(backend)?, pending: None })
     }
 
+    /// A store over an existing cache (e.g. one loaded from a file): decoding continues
+    /// from its tokens.
+    pub fn from_cache(cache: PagedCache) -> Self {
+        Self { cache, pending: None }
+    }
+
     pub fn cache(&self) -> &PagedCache {
         &self.cache
     }

@@ -101,7 +101,13 @@ pub fn verify_file(path: &Path) -> Result<()> {
     if meta.len() != MODEL_SIZE_BYTES {
         return check(path, meta.len(), "");
     }
-    let mut f = File::open(path).map_err(|e| LlmError::io(path, e))?;
+    check(path, meta.len(), &sha256_prefix(path, u64::MAX)?)
+}
+
+/// Hex SHA-256 of the first `limit` bytes of a file.
+fn sha256_prefix(path: &Path, limit: u64) -> Result<String> {
+    let f = File::open(path).map_err(|e| LlmError::io(path, e))?;
+    let mut f = f.take(limit);
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
@@ -111,7 +117,15 @@ pub fn verify_file(path: &Path) -> Result<()> {
         }
         hasher.update(&buf[..n]);
     }
-    check(path, meta.len(), &hex(&hasher.finalize()))
+    Ok(hex(&hasher.finalize()))
+}
+
+/// Identity of a model file for cache files: its size and the SHA-256 of its first 64 MiB
+/// (header, metadata and the first tensors), so a cache saved for one model is refused for
+/// another without hashing gigabytes on every load.
+pub fn model_fingerprint(path: &Path) -> Result<String> {
+    let len = std::fs::metadata(path).map_err(|e| LlmError::io(path, e))?.len();
+    Ok(format!("gguf:{len}:sha256-64MiB:{}", sha256_prefix(path, 64 << 20)?))
 }
 
 fn check(path: &Path, n_bytes: u64, digest: &str) -> Result<()> {

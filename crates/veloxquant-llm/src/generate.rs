@@ -59,15 +59,7 @@ pub fn generate_ids(
     }
     let prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
-    let mut out = Vec::with_capacity(max_tokens);
-    for step in 0..max_tokens {
-        let next = sampler.sample(&logits);
-        out.push(next);
-        if stop.contains(&next) || !on_token(next) || step + 1 == max_tokens {
-            break;
-        }
-        logits = model.forward(&[next], store, 0)?;
-    }
+    let out = decode_loop(model, logits, max_tokens, stop, store, sampler, on_token)?;
     let decode_s = t1.elapsed().as_secs_f64();
     Ok(GenStats {
         n_prompt: prompt.len(),
@@ -77,6 +69,44 @@ pub fn generate_ids(
         decode_tokens_per_s: out.len() as f64 / decode_s.max(1e-9),
         tokens: out,
     })
+}
+
+/// Generation from a store that already holds the context before `next` (a cache saved
+/// after prefilling all but the last prompt token, then loaded): feeds `next` as a decode
+/// step, then samples as [`generate_ids`] does. Prefill, save, load and this give the same
+/// tokens as prefill and this in one process.
+pub fn continue_ids(
+    model: &Llama,
+    next: u32,
+    max_tokens: usize,
+    stop: &[u32],
+    store: &mut dyn KvStore,
+    sampler: &mut dyn Sampler,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Vec<u32>> {
+    let logits = model.forward(&[next], store, 0)?;
+    decode_loop(model, logits, max_tokens, stop, store, sampler, on_token)
+}
+
+fn decode_loop(
+    model: &Llama,
+    mut logits: Vec<f32>,
+    max_tokens: usize,
+    stop: &[u32],
+    store: &mut dyn KvStore,
+    sampler: &mut dyn Sampler,
+    on_token: &mut dyn FnMut(u32) -> bool,
+) -> Result<Vec<u32>> {
+    let mut out = Vec::with_capacity(max_tokens);
+    for step in 0..max_tokens {
+        let next = sampler.sample(&logits);
+        out.push(next);
+        if stop.contains(&next) || !on_token(next) || step + 1 == max_tokens {
+            break;
+        }
+        logits = model.forward(&[next], store, 0)?;
+    }
+    Ok(out)
 }
 
 /// Encodes `prompt`, generates up to `max_tokens`, streaming decoded text to `on_text`

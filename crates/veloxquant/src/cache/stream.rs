@@ -122,7 +122,7 @@ impl StreamStore {
         if parts.open_rows >= t || (parts.open_rows > 0 && (!row_mode || parts.pages.is_empty())) {
             return bad(format!("open rows {} invalid for this page mode", parts.open_rows));
         }
-        if parts.tail.len() % d != 0 || parts.sink.len() % d != 0 || parts.sink.len() > n_sink * d {
+        if !parts.tail.len().is_multiple_of(d) || !parts.sink.len().is_multiple_of(d) || parts.sink.len() > n_sink * d {
             return bad("tail or sink length is not whole tokens within the configured sizes".into());
         }
         if parts.tail.len() / d > me.tail_cap() {
