@@ -3,14 +3,14 @@
 use crate::error::{LlmError, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use std::fs::File;
-use std::io::BufReader;
+use std::io::{BufReader, Read, Seek};
 use std::path::{Path, PathBuf};
 
-/// A parsed GGUF header plus the open file for reading tensors.
-pub struct Gguf {
+/// A parsed GGUF header plus the reader (the open file) for reading tensors.
+pub struct Gguf<R = BufReader<File>> {
     pub path: PathBuf,
     pub content: Content,
-    pub reader: BufReader<File>,
+    pub reader: R,
 }
 
 impl Gguf {
@@ -27,7 +27,21 @@ impl Gguf {
         })?;
         Ok(Self { path: path.to_path_buf(), content, reader })
     }
+}
 
+impl<R: Read + Seek> Gguf<R> {
+    /// Parses the header from any reader (memory, a fuzzer's input); `name` labels errors.
+    /// candle's reader bounds every declared string and array by the bytes that remain.
+    pub fn from_reader(mut reader: R, name: &str) -> Result<Self> {
+        let content = Content::read(&mut reader).map_err(|e| LlmError::Truncated {
+            path: PathBuf::from(name),
+            detail: format!("GGUF header unreadable: {e}"),
+        })?;
+        Ok(Self { path: PathBuf::from(name), content, reader })
+    }
+}
+
+impl<R> Gguf<R> {
     fn value(&self, key: &str) -> Result<&Value> {
         self.content.metadata.get(key).ok_or_else(|| missing(key))
     }

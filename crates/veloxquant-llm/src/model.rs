@@ -24,6 +24,78 @@ pub struct LlamaConfig {
     pub n_ctx_train: usize,
 }
 
+/// Bounds on what metadata may declare: far above real Llama models, low enough that
+/// the tables sized from them stay small.
+const MAX_LAYERS: usize = 1 << 10;
+const MAX_HEADS: usize = 1 << 10;
+const MAX_HEAD_DIM: usize = 1 << 10;
+const MAX_HIDDEN: usize = 1 << 16;
+/// RoPE table entries (n_ctx_train × head_dim / 2; Llama 3.1 at 128k needs 2^23).
+const MAX_ROPE_ENTRIES: usize = 1 << 25;
+
+impl LlamaConfig {
+    /// Shapes and constants from the GGUF metadata alone (no tensor is read), checked for
+    /// consistency and bounds; `n_vocab` is 0 until the embedding tensor is seen.
+    pub fn from_metadata<R>(g: &Gguf<R>) -> Result<Self> {
+        g.check_llama()?;
+        let n_heads = g.usize("llama.attention.head_count")?;
+        let hidden = g.usize("llama.embedding_length")?;
+        let n_kv_heads =
+            if g.has("llama.attention.head_count_kv") { g.usize("llama.attention.head_count_kv")? } else { n_heads };
+        if n_heads == 0
+            || n_kv_heads == 0
+            || n_heads > MAX_HEADS
+            || hidden > MAX_HIDDEN
+            || !hidden.is_multiple_of(n_heads)
+            || !n_heads.is_multiple_of(n_kv_heads)
+        {
+            return Err(LlmError::MissingMetadata {
+                key: "llama.attention.head_count(_kv) consistent with embedding_length".into(),
+            });
+        }
+        let head_dim = hidden / n_heads;
+        let config = LlamaConfig {
+            n_layers: g.usize("llama.block_count")?,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            hidden,
+            ffn_hidden: g.usize("llama.feed_forward_length")?,
+            n_vocab: 0,
+            rope_base: if g.has("llama.rope.freq_base") { g.f32("llama.rope.freq_base")? } else { 10_000.0 },
+            rms_eps: g.f32("llama.attention.layer_norm_rms_epsilon")?,
+            n_ctx_train: g.usize("llama.context_length")?,
+        };
+        let bad = |what: &str| Err(LlmError::InvalidArgument(format!("GGUF metadata: {what}")));
+        if !head_dim.is_multiple_of(2) || head_dim > MAX_HEAD_DIM {
+            return bad(&format!("head size {head_dim} must be even and ≤ {MAX_HEAD_DIM}"));
+        }
+        if config.n_layers == 0 || config.n_layers > MAX_LAYERS {
+            return bad(&format!("block_count {} not in 1..={MAX_LAYERS}", config.n_layers));
+        }
+        if config.ffn_hidden == 0 || config.ffn_hidden > 16 * MAX_HIDDEN {
+            return bad(&format!("feed_forward_length {} out of range", config.ffn_hidden));
+        }
+        if config.n_ctx_train == 0 || config.n_ctx_train * head_dim / 2 > MAX_ROPE_ENTRIES {
+            return bad(&format!(
+                "context_length {} × head size {head_dim} / 2 exceeds {MAX_ROPE_ENTRIES}",
+                config.n_ctx_train
+            ));
+        }
+        if !(config.rope_base.is_finite() && config.rope_base > 1.0)
+            || !(config.rms_eps.is_finite() && config.rms_eps > 0.0)
+        {
+            return bad("rope.freq_base must be > 1 and layer_norm_rms_epsilon > 0, both finite");
+        }
+        if g.has("llama.rope.dimension_count") && g.usize("llama.rope.dimension_count")? != head_dim {
+            return Err(LlmError::InvalidArgument(
+                "partial RoPE (rope.dimension_count != head_dim) is unsupported".into(),
+            ));
+        }
+        Ok(config)
+    }
+}
+
 /// How matmul weights are held.
 ///
 /// Measured here (2-core AVX-512 Xeon, 512-token windows of SmolLM2-135M Q4_1, candle 0.11):
@@ -69,34 +141,8 @@ impl Llama {
     }
 
     pub fn from_gguf(g: &mut Gguf, mode: WeightMode) -> Result<Self> {
-        g.check_llama()?;
-        let n_heads = g.usize("llama.attention.head_count")?;
-        let hidden = g.usize("llama.embedding_length")?;
-        let n_kv_heads =
-            if g.has("llama.attention.head_count_kv") { g.usize("llama.attention.head_count_kv")? } else { n_heads };
-        if n_heads == 0 || n_kv_heads == 0 || hidden % n_heads != 0 || n_heads % n_kv_heads != 0 {
-            return Err(LlmError::MissingMetadata {
-                key: "llama.attention.head_count(_kv) consistent with embedding_length".into(),
-            });
-        }
-        let head_dim = hidden / n_heads;
-        let config = LlamaConfig {
-            n_layers: g.usize("llama.block_count")?,
-            n_heads,
-            n_kv_heads,
-            head_dim,
-            hidden,
-            ffn_hidden: g.usize("llama.feed_forward_length")?,
-            n_vocab: 0,
-            rope_base: if g.has("llama.rope.freq_base") { g.f32("llama.rope.freq_base")? } else { 10_000.0 },
-            rms_eps: g.f32("llama.attention.layer_norm_rms_epsilon")?,
-            n_ctx_train: g.usize("llama.context_length")?,
-        };
-        if g.has("llama.rope.dimension_count") && g.usize("llama.rope.dimension_count")? != head_dim {
-            return Err(LlmError::InvalidArgument(
-                "partial RoPE (rope.dimension_count != head_dim) is unsupported".into(),
-            ));
-        }
+        let config = LlamaConfig::from_metadata(g)?;
+        let (hidden, n_kv_heads, head_dim) = (config.hidden, config.n_kv_heads, config.head_dim);
         let (h, kvd, f) = (hidden, n_kv_heads * head_dim, config.ffn_hidden);
         let embed_q = tensor(g, "token_embd.weight", None)?;
         let n_vocab = embed_q.shape().dims().first().copied().unwrap_or(0);

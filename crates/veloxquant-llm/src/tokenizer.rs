@@ -31,7 +31,7 @@ impl Tokenizer {
     }
 
     /// Supports `tokenizer.ggml.model == "gpt2"` with the `smollm` (or default GPT-2) pre-tokenizer.
-    pub fn from_gguf(g: &Gguf) -> Result<Self> {
+    pub fn from_gguf<R>(g: &Gguf<R>) -> Result<Self> {
         let model = g.str("tokenizer.ggml.model")?;
         if model != "gpt2" {
             return Err(LlmError::Tokenizer(format!(
@@ -128,7 +128,7 @@ impl Tokenizer {
     }
 }
 
-fn opt_id(g: &Gguf, key: &str) -> Result<Option<u32>> {
+fn opt_id<R>(g: &Gguf<R>, key: &str) -> Result<Option<u32>> {
     if g.has(key) {
         Ok(Some(g.usize(key)? as u32))
     } else {

@@ -154,18 +154,43 @@ fn every_flipped_header_byte_and_sampled_payload_byte_is_a_typed_error() {
     }
 }
 
+/// A file from a header (JSON, padded to 8 bytes as safetensors does) and a payload.
+fn rebuild(header: &serde_json::Value, payload: &[u8]) -> Vec<u8> {
+    let mut hb = serde_json::to_vec(header).unwrap();
+    hb.resize(hb.len().next_multiple_of(8), b' ');
+    let mut out = (hb.len() as u64).to_le_bytes().to_vec();
+    out.extend(hb);
+    out.extend(payload);
+    out
+}
+
 /// Rewrite one `__metadata__` entry (header rebuilt, payload kept).
 fn with_meta(bytes: &[u8], key: &str, edit: impl Fn(&str) -> String) -> Vec<u8> {
     let h = header_len(bytes);
     let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..h]).unwrap();
     let old = header["__metadata__"][key].as_str().unwrap().to_string();
     header["__metadata__"][key] = serde_json::Value::String(edit(&old));
-    let mut hb = serde_json::to_vec(&header).unwrap();
-    hb.resize(hb.len().next_multiple_of(8), b' ');
-    let mut out = (hb.len() as u64).to_le_bytes().to_vec();
-    out.extend(hb);
-    out.extend(&bytes[h..]);
-    out
+    rebuild(&header, &bytes[h..])
+}
+
+/// `crc32` recomputed as the loader does (sorted metadata entries, then the payload), so an
+/// edited header passes the checksum and reaches the checks behind it.
+fn reseal(bytes: &[u8]) -> Vec<u8> {
+    let h = header_len(bytes);
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..h]).unwrap();
+    let meta = header["__metadata__"].as_object_mut().unwrap();
+    let sorted: std::collections::BTreeMap<String, String> =
+        meta.iter().filter(|(k, _)| *k != "crc32").map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string())).collect();
+    let mut crc = crc32fast::Hasher::new();
+    for (k, v) in &sorted {
+        crc.update(k.as_bytes());
+        crc.update(&[0]);
+        crc.update(v.as_bytes());
+        crc.update(&[0]);
+    }
+    crc.update(&bytes[h..]);
+    meta.insert("crc32".into(), format!("{:08x}", crc.finalize()).into());
+    rebuild(&header, &bytes[h..])
 }
 
 #[test]
@@ -201,6 +226,17 @@ fn wrong_version_fingerprint_and_huge_sizes_are_refused_without_allocating() {
     assert!(load(&big_count).is_err());
     let big_dims = with_meta(&bytes, "config", |c| c.replacen("\"n_kv_heads\":2", "\"n_kv_heads\":100000000", 1));
     assert!(matches!(load(&big_dims), Err(VqError::FileCorrupt(_))));
+    // A header that declares far more structure than its data (huge windows, so every
+    // stream would reserve gigabytes), with a valid checksum: refused before building.
+    let big_window = reseal(&with_meta(&bytes, "config", |c| c.replacen("\"recent\":3", "\"recent\":1000000000", 1)));
+    match load(&big_window) {
+        Err(VqError::FileCorrupt(why)) => assert!(why.contains("structure"), "{why}"),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    let mut cfg = CacheConfig::new(1, 1, D, FormatSpec::parse("fp16").unwrap(), FormatSpec::parse("fp16").unwrap());
+    cfg.recent = usize::MAX / 4;
+    assert!(matches!(PagedCache::new(cfg), Err(VqError::InvalidConfig(_))));
+
     // The last tensor of the table declares 1 TB (offsets consistent, so the table is
     // valid): the read stops at the end of the input, having allocated one chunk at most.
     let h = header_len(&bytes);
@@ -218,11 +254,7 @@ fn wrong_version_fingerprint_and_huge_sizes_are_refused_without_allocating() {
     let floats = 1u64 << 38;
     header[&last]["shape"] = serde_json::json!([floats]);
     header[&last]["data_offsets"] = serde_json::json!([start, start + 4 * floats]);
-    let mut hb = serde_json::to_vec(&header).unwrap();
-    hb.resize(hb.len().next_multiple_of(8), b' ');
-    let mut lying = (hb.len() as u64).to_le_bytes().to_vec();
-    lying.extend(hb);
-    lying.extend(&bytes[h..]);
+    let lying = rebuild(&header, &bytes[h..]);
     assert!(matches!(load(&lying), Err(VqError::FileTruncated { .. })));
 }
 

@@ -143,11 +143,13 @@ impl PagedCache {
         }
         let built = Self::build_formats(&cfg, |_, _, _| None)?;
         let row_mode = Self::row_mode_of(&cfg, &built);
-        let wrap = |fs: Vec<Arc<dyn crate::Format>>| -> Vec<StreamStore> {
+        let wrap = |fs: Vec<Arc<dyn crate::Format>>| -> Result<Vec<StreamStore>> {
             fs.into_iter().map(|f| StreamStore::new(f, cfg.recent, row_mode, cfg.sink)).collect()
         };
-        let layers =
-            built.into_iter().map(|(k, v)| LayerCache { keys: wrap(k), values: wrap(v), n_tokens: 0 }).collect();
+        let layers = built
+            .into_iter()
+            .map(|(k, v)| Ok(LayerCache { keys: wrap(k)?, values: wrap(v)?, n_tokens: 0 }))
+            .collect::<Result<_>>()?;
         Ok(Self { cfg, layers, row_mode })
     }
 

@@ -43,7 +43,11 @@ const CHUNK: usize = 1 << 16;
 /// Sanity bounds on declared dimensions (far above any real model).
 const MAX_LAYERS: usize = 1 << 12;
 const MAX_HEADS: usize = 1 << 10;
-const MAX_HEAD_DIM: usize = 1 << 12;
+const MAX_HEAD_DIM: usize = 1 << 10;
+/// Memory the header may make the loader build (format state, tail and sink buffers) beyond
+/// what the payload pays for: a few bytes of header must not declare gigabytes of structure.
+const STRUCTURE_ALLOWANCE: usize = 64 << 20;
+const STRUCTURE_PER_PAYLOAD_BYTE: usize = 32;
 const MAX_PAGE_TOKENS: usize = 1 << 12;
 
 /// What a save records besides the cache: the model fingerprint and caller strings
@@ -382,11 +386,13 @@ impl PagedCache {
                 }
             }
         }
+        let payload_len = offset;
         let got_crc = crc.finalize();
         if got_crc != want_crc {
             return Err(VqError::FileChecksum { expected: want_crc, found: got_crc });
         }
 
+        check_structure_cost(&cfg, &states, payload_len)?;
         let formats = PagedCache::build_formats(&cfg, |l, h, s| states.get(&(l, h, s)).cloned())?;
         // A state tensor must match what its format keeps (none for untrained formats).
         for (l, (kf, vf)) in formats.iter().enumerate() {
@@ -495,6 +501,29 @@ impl SavedConfig {
         }
         Ok(())
     }
+}
+
+/// Refuse a header whose layers × heads × (format state + reserved fp16 tail and sinks)
+/// exceed what its payload pays for (one (layer 0, head 0) pair is built to measure).
+fn check_structure_cost(
+    cfg: &CacheConfig,
+    states: &HashMap<(usize, usize, Stream), Arc<[f32]>>,
+    payload_len: usize,
+) -> Result<()> {
+    let one = CacheConfig { n_layers: 1, n_kv_heads: 1, calibration: None, ..cfg.clone() };
+    let probe = PagedCache::build_formats(&one, |_, _, s| states.get(&(0, 0, s)).cloned())?;
+    let (kf, vf) = &probe[0];
+    let reserved_tokens = cfg.recent.saturating_add(cfg.page_tokens).saturating_add(cfg.sink);
+    let per_head = (kf[0].state_bytes() + vf[0].state_bytes())
+        .saturating_add(reserved_tokens.saturating_mul(cfg.head_dim).saturating_mul(4));
+    let total = per_head.saturating_mul(cfg.n_layers).saturating_mul(cfg.n_kv_heads);
+    let budget = STRUCTURE_ALLOWANCE.saturating_add(payload_len.saturating_mul(STRUCTURE_PER_PAYLOAD_BYTE));
+    if total > budget {
+        return Err(VqError::FileCorrupt(format!(
+            "the header declares {total} B of structure for a {payload_len} B payload (limit {budget} B)"
+        )));
+    }
+    Ok(())
 }
 
 fn check_fingerprint(saved: &SavedConfig, info: &SaveInfo, check: &LoadCheck) -> Result<()> {

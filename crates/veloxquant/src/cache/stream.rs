@@ -31,12 +31,21 @@ pub struct StreamStore {
 }
 
 impl StreamStore {
-    pub fn new(format: Arc<dyn Format>, recent: usize, row_mode: bool, n_sink: usize) -> Self {
+    /// Reserves the fp16 tail (R + slack tokens) and sinks up front, so appends never
+    /// reallocate; a window too large to reserve is an `InvalidConfig` error, not an abort.
+    pub fn new(format: Arc<dyn Format>, recent: usize, row_mode: bool, n_sink: usize) -> Result<Self> {
         let slack = if row_mode { 1 } else { format.page_tokens() };
         let d = format.head_dim();
-        let tail = Vec::with_capacity((recent + slack) * d);
-        let sink = Vec::with_capacity(n_sink * d);
-        Self { format, pages: Vec::new(), open_rows: 0, tail, sink, n_sink, recent, row_mode }
+        let reserve = |tokens: Option<usize>| -> Result<Vec<f16>> {
+            let mut v = Vec::new();
+            tokens.and_then(|t| t.checked_mul(d)).and_then(|n| v.try_reserve_exact(n).ok()).ok_or_else(|| {
+                VqError::InvalidConfig(format!("cannot reserve an fp16 window of R = {recent}, S = {n_sink}"))
+            })?;
+            Ok(v)
+        };
+        let tail = reserve(recent.checked_add(slack))?;
+        let sink = reserve(Some(n_sink))?;
+        Ok(Self { format, pages: Vec::new(), open_rows: 0, tail, sink, n_sink, recent, row_mode })
     }
 
     /// The sink tokens held so far (≤ n_sink), exact f16.
@@ -113,7 +122,7 @@ impl StreamStore {
         n_sink: usize,
         parts: StreamParts,
     ) -> Result<Self> {
-        let mut me = Self::new(format, recent, row_mode, n_sink);
+        let mut me = Self::new(format, recent, row_mode, n_sink)?;
         let (d, t, pb) = (me.format.head_dim(), me.format.page_tokens(), me.format.page_bytes());
         let bad = |why: String| Err(VqError::FileCorrupt(why));
         if parts.pages.iter().any(|p| p.len() != pb) {
