@@ -16,26 +16,18 @@ use veloxquant::{FormatSpec, PagedCache};
 use veloxquant_llm::generate::continue_ids;
 use veloxquant_llm::{model_fingerprint, CompressedStore, Greedy, KvStore, Llama, Tokenizer};
 
-use crate::demo::DEMO_PROMPT;
-use crate::model::{Method, ModelArgs, DEFAULT_METHOD};
+use crate::demo::GenerateArgs;
+use crate::model::{Method, ModelArgs};
 use crate::util::AnyResult;
 
 #[derive(clap::Subcommand)]
 pub enum CacheCmd {
-    /// Prefill a prompt with a compressed cache and save the cache to FILE (optionally
-    /// generating after the save, from the in-memory cache).
+    /// Prefill a prompt with a compressed cache (`fp16` means fp16 pages), save the cache to
+    /// FILE, then generate `--max-tokens` from the in-memory cache (0: only save).
     Save {
         file: PathBuf,
         #[command(flatten)]
-        model: ModelArgs,
-        #[arg(long, default_value = DEMO_PROMPT)]
-        prompt: String,
-        /// `KSPEC[/VSPEC][@R][+S]` (`fp16` stores fp16 pages).
-        #[arg(long, default_value = DEFAULT_METHOD)]
-        method: String,
-        /// Tokens to generate after saving (0: only save).
-        #[arg(long, default_value_t = 0)]
-        max_tokens: usize,
+        gen: GenerateArgs,
     },
     /// Load a saved cache (checked against the model) and continue generating.
     Load {
@@ -51,7 +43,7 @@ pub enum CacheCmd {
 
 pub fn run(cmd: &CacheCmd) -> AnyResult {
     match cmd {
-        CacheCmd::Save { file, model, prompt, method, max_tokens } => save(file, model, prompt, method, *max_tokens),
+        CacheCmd::Save { file, gen } => save(file, &gen.model, &gen.prompt, &gen.method, gen.max_tokens),
         CacheCmd::Load { file, model, max_tokens } => load(file, model, *max_tokens),
         CacheCmd::Inspect { file } => inspect(file),
     }

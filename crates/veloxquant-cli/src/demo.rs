@@ -10,19 +10,19 @@ use veloxquant_llm::{passkey_accuracy, GenStats, Greedy, KvStore, Llama, Passkey
 use crate::model::{Method, ModelArgs, DEFAULT_METHOD};
 use crate::util::{print_table_to, AnyResult};
 
-pub const DEMO_PROMPT: &str = "The lighthouse keeper had lived alone on the island for twenty years. One stormy night,";
+const DEMO_PROMPT: &str = "The lighthouse keeper had lived alone on the island for twenty years. One stormy night,";
 
 #[derive(clap::Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub model: ModelArgs,
     #[arg(long, default_value = DEMO_PROMPT)]
-    prompt: String,
-    /// `fp16` or `KSPEC[/VSPEC][@R]`.
+    pub prompt: String,
+    /// `fp16` or `KSPEC[/VSPEC][@R][+S]`.
     #[arg(long, default_value = DEFAULT_METHOD)]
-    method: String,
+    pub method: String,
     #[arg(long, default_value_t = 64)]
-    max_tokens: usize,
+    pub max_tokens: usize,
 }
 
 struct Run {

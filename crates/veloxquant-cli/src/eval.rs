@@ -91,7 +91,7 @@ pub fn run(a: &EvalArgs) -> AnyResult {
     eprintln!("{} tokens; {n_windows} windows of {}; {} methods + fp16", tokens.len(), a.ctx, methods.len());
     let reference = |n: usize| Method::Fp16.store(&c, n, None);
     let mut ref_f = || -> veloxquant_llm::Result<Box<dyn KvStore>> { reference(a.ctx).map_err(backend) };
-    let mut factories: Vec<Box<dyn FnMut() -> veloxquant_llm::Result<Box<dyn KvStore>>>> = methods
+    let mut factories: Vec<Box<StoreFactory>> = methods
         .iter()
         .map(|m| {
             let (m, c, cal, n) = (m.clone(), c.clone(), cal.clone(), a.ctx);

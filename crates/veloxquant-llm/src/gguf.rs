@@ -3,7 +3,7 @@
 use crate::error::{LlmError, Result};
 use candle_core::quantized::gguf_file::{Content, Value};
 use std::fs::File;
-use std::io::{BufReader, Read, Seek};
+use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 /// A parsed GGUF header plus the reader (the open file) for reading tensors.
@@ -21,10 +21,7 @@ impl Gguf {
             _ => LlmError::io(path, e),
         })?;
         let mut reader = BufReader::new(file);
-        let content = Content::read(&mut reader).map_err(|e| LlmError::Truncated {
-            path: path.to_path_buf(),
-            detail: format!("GGUF header unreadable: {e}"),
-        })?;
+        let content = read_content(&mut reader, path)?;
         Ok(Self { path: path.to_path_buf(), content, reader })
     }
 }
@@ -33,10 +30,7 @@ impl<R: Read + Seek> Gguf<R> {
     /// Parses the header from any reader (memory, a fuzzer's input); `name` labels errors.
     /// candle's reader bounds every declared string and array by the bytes that remain.
     pub fn from_reader(mut reader: R, name: &str) -> Result<Self> {
-        let content = Content::read(&mut reader).map_err(|e| LlmError::Truncated {
-            path: PathBuf::from(name),
-            detail: format!("GGUF header unreadable: {e}"),
-        })?;
+        let content = read_content(&mut reader, Path::new(name))?;
         Ok(Self { path: PathBuf::from(name), content, reader })
     }
 }
@@ -107,6 +101,102 @@ impl<R> Gguf<R> {
         }
         Ok(())
     }
+}
+
+/// candle's header reader, after our own walk over the key/value section: candle 0.11
+/// divides by `general.alignment` unchecked, so a 0 there would panic (found by the
+/// gguf_metadata fuzz target; the input is kept in fuzz/regressions).
+fn read_content<R: Read + Seek>(reader: &mut R, path: &Path) -> Result<Content> {
+    let unreadable = |detail: String| LlmError::Truncated { path: path.to_path_buf(), detail };
+    let start = reader.stream_position().map_err(|e| LlmError::io(path, e))?;
+    check_alignment(reader).map_err(|e| unreadable(format!("GGUF metadata: {e}")))?;
+    reader.seek(SeekFrom::Start(start)).map_err(|e| LlmError::io(path, e))?;
+    Content::read(reader).map_err(|e| unreadable(format!("GGUF header unreadable: {e}")))
+}
+
+/// Walks the metadata (never allocating a declared size: values are skipped) and fails if
+/// `general.alignment` is an integer 0. Lengths are u32 in GGUF v1, u64 after.
+fn check_alignment<R: Read + Seek>(r: &mut R) -> std::io::Result<()> {
+    let _magic = read_u32(r)?;
+    let wide = read_u32(r)? >= 2;
+    let len = |r: &mut R| read_len(r, wide);
+    let _n_tensors = len(r)?;
+    let n_kv = len(r)?;
+    for _ in 0..n_kv {
+        let key_len = len(r)?;
+        if key_len > 1 << 16 {
+            return Err(invalid("metadata key longer than 64 KiB"));
+        }
+        let mut key = vec![0u8; key_len as usize];
+        r.read_exact(&mut key)?;
+        let ty = read_u32(r)?;
+        if key == b"general.alignment" && matches!(ty, 0..=5) {
+            let mut b = [0u8; 4];
+            let size = [1, 1, 2, 2, 4, 4][ty as usize];
+            r.read_exact(&mut b[..size])?;
+            if b == [0; 4] {
+                return Err(invalid("general.alignment is 0"));
+            }
+        } else {
+            skip_value(r, ty, wide, 0)?;
+        }
+    }
+    Ok(())
+}
+
+/// Skip one GGUF value of type `ty` (arrays nest at most 3 deep, as candle allows).
+fn skip_value<R: Read + Seek>(r: &mut R, ty: u32, wide: bool, depth: usize) -> std::io::Result<()> {
+    let len = |r: &mut R| read_len(r, wide);
+    let fixed = |t: u32| match t {
+        0 | 1 | 7 => Some(1u64),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    };
+    let skip = |r: &mut R, n: u64| -> std::io::Result<()> {
+        let n = i64::try_from(n).map_err(|_| invalid("value size overflows"))?;
+        r.seek(SeekFrom::Current(n)).map(|_| ())
+    };
+    match ty {
+        8 => {
+            let n = len(r)?;
+            skip(r, n)
+        }
+        9 => {
+            if depth >= 3 {
+                return Err(invalid("arrays nested too deep"));
+            }
+            let elem = read_u32(r)?;
+            let n = len(r)?;
+            match fixed(elem) {
+                Some(size) => skip(r, n.checked_mul(size).ok_or_else(|| invalid("array size overflows"))?),
+                // Each element reads bytes, so a lying count ends at the end of the input.
+                None => (0..n).try_for_each(|_| skip_value(r, elem, wide, depth + 1)),
+            }
+        }
+        t => match fixed(t) {
+            Some(size) => skip(r, size),
+            None => Err(invalid("unknown value type")),
+        },
+    }
+}
+
+fn invalid(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string())
+}
+
+fn read_u32<R: Read>(r: &mut R) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+/// A count or string length: u32 in GGUF v1, u64 from v2 on.
+fn read_len<R: Read>(r: &mut R, wide: bool) -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b[..if wide { 8 } else { 4 }])?;
+    Ok(u64::from_le_bytes(b))
 }
 
 fn missing(key: &str) -> LlmError {

