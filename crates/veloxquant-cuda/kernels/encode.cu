@@ -45,6 +45,59 @@ __device__ __forceinline__ float warp_sum_canonical(float acc) {
     return acc;
 }
 
+#if KIND == 3
+// Codes of one row held by a warp (lane l: elements l, l+32, …, already rotated) into `row`
+// (global or shared); returns the row's scale (every lane).
+__device__ __forceinline__ float codes_row_warp(const float* v, u8* row, const float* __restrict__ thresholds,
+                                                const float* __restrict__ centroids, int lane) {
+    float thr[NTHR];
+#pragma unroll
+    for (int j = 0; j < NTHR; j++) thr[j] = thresholds[j];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) ss = ss + v[k] * v[k];
+    float norm = sqrtf(warp_sum_canonical(ss));
+    float y[EPL];
+    u32 code[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        y[k] = norm > 0.0f ? v[k] / norm : 0.0f;
+        u32 c = 0;
+#pragma unroll
+        for (int j = 0; j < NTHR; j++) c += (thr[j] < y[k]) ? 1u : 0u;
+        code[k] = c;
+    }
+    // Chunk k (codes 32k..32k+31) is exactly words k*BITS .. k*BITS+BITS-1 of the row.
+    u32* words = (u32*)row;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        u32 word = 0;
+        int w = lane < BITS ? lane : 0;
+        int c0 = (32 * w) / BITS;
+#pragma unroll
+        for (int q = 0; q < 32 / BITS + 2; q++) {
+            int c = c0 + q;
+            u32 cv = __shfl_sync(FULL_MASK, code[k], c & 31);
+            int sh = c * BITS - 32 * w;
+            if (c < 32) {
+                if (sh >= 0 && sh < 32) word |= cv << sh;
+                else if (sh < 0 && sh > -BITS) word |= cv >> (-sh);
+            }
+        }
+        if (lane < BITS) words[k * BITS + lane] = word;
+    }
+    float scale = norm;
+#if EDEN
+    float ip = 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) ip = ip + y[k] * centroids[code[k]];
+    ip = warp_sum_canonical(ip);
+    if (ip > 0.0f) scale = norm / ip;
+#endif
+    return scale;
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(256) encode_rows(
     const void* __restrict__ x, int n_rows, const int* __restrict__ page_idx,
     const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
@@ -106,50 +159,7 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
         if (lane == 0) *(u16*)blk = f2h(d);  // blocks start at even offsets
     }
 #else
-    float thr[NTHR];
-#pragma unroll
-    for (int j = 0; j < NTHR; j++) thr[j] = thresholds[j];
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < EPL; k++) ss = ss + v[k] * v[k];
-    float norm = sqrtf(warp_sum_canonical(ss));
-    float y[EPL];
-    u32 code[EPL];
-#pragma unroll
-    for (int k = 0; k < EPL; k++) {
-        y[k] = norm > 0.0f ? v[k] / norm : 0.0f;
-        u32 c = 0;
-#pragma unroll
-        for (int j = 0; j < NTHR; j++) c += (thr[j] < y[k]) ? 1u : 0u;
-        code[k] = c;
-    }
-    // Chunk k (codes 32k..32k+31) is exactly words k*BITS .. k*BITS+BITS-1 of the row.
-    u32* words = (u32*)row;
-#pragma unroll
-    for (int k = 0; k < EPL; k++) {
-        u32 word = 0;
-        int w = lane < BITS ? lane : 0;
-        int c0 = (32 * w) / BITS;
-#pragma unroll
-        for (int q = 0; q < 32 / BITS + 2; q++) {
-            int c = c0 + q;
-            u32 cv = __shfl_sync(FULL_MASK, code[k], c & 31);
-            int sh = c * BITS - 32 * w;
-            if (c < 32) {
-                if (sh >= 0 && sh < 32) word |= cv << sh;
-                else if (sh < 0 && sh > -BITS) word |= cv >> (-sh);
-            }
-        }
-        if (lane < BITS) words[k * BITS + lane] = word;
-    }
-    float scale = norm;
-#if EDEN
-    float ip = 0.0f;
-#pragma unroll
-    for (int k = 0; k < EPL; k++) ip = ip + y[k] * centroids[code[k]];
-    ip = warp_sum_canonical(ip);
-    if (ip > 0.0f) scale = norm / ip;
-#endif
+    float scale = codes_row_warp(v, row, thresholds, centroids, lane);
     if (lane == 0) {
         ((u16*)(page + T * ROW_BYTES))[t] = f2h(scale);
         if (t == 0 && PAGE_BYTES > T * ROW_BYTES + 2 * T) {
@@ -158,6 +168,290 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
     }
 #endif
 }
+
+// ---------------------------------------------------------------------------------------
+// Thread-per-row encode (T == 32; KIND 1, 2, 3): one warp per page, lane t encodes row t of
+// the page wholly in its registers, so the canonical reductions, the Hadamard butterflies and
+// the packing need no shuffles. The page's 32 input rows are staged through shared memory
+// (coalesced 16 B loads, rows padded by 16 B so each lane's row read is conflict-free), and the
+// encoded page is assembled in the same buffer and written out with coalesced 16 B stores.
+// Arithmetic is the CPU's, operation for operation (--fmad=false); y = v/‖v‖ is computed
+// with the correctly rounded reciprocal and one Markstein correction (exact for normal
+// operands; rows with tiny or huge values take the plain division), and the Lloyd-Max cell
+// comes from a table of bins of width 1/QS over y holding at most one threshold each
+// (built and checked on the host: code = base + (thr < y)), replicated per lane group so the
+// lookups are free of bank conflicts. Extra defines: WARPS (warps per block), QK (bins).
+#if T == 32 && KIND != 0
+#define IN_B (IN_KIND == 0 ? 4 : 2)
+#define ROW_IN (D * IN_B)
+#define RS (ROW_IN + 16)
+#define CPR (ROW_IN / 16)
+#define STAGE (32 * RS)
+#define ROW_W (ROW_BYTES / 4)
+#if KIND == 3
+#define NB (2 * QK + 3)
+#define EW (EDEN ? 4 : 2)
+#define COPIES (32 / EW)
+#define TAB_BYTES (NB * 128)
+#else
+#define TAB_BYTES 0
+#endif
+// Dynamic shared memory: [table (KIND 3): NB bins × 32 words][WARPS stages of STAGE bytes].
+#define PUTB(W, p, b) W[(p) >> 2] |= ((u32)(b) & 0xFFu) << (((p) & 3) * 8)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
+    const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx,
+    const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
+    float rot_scale, const u32* __restrict__ table, const float* __restrict__ thresholds,
+    const float* __restrict__ centroids) {
+    extern __shared__ __align__(16) u8 dsm[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#if KIND == 3
+    u32* tab = (u32*)dsm;
+    for (int i = threadIdx.x; i < NB * COPIES; i += WARPS * 32) {
+        int b = i / COPIES;
+#pragma unroll
+        for (int w = 0; w < EW; w++) tab[i * EW + w] = table[b * 4 + w];
+    }
+    __syncthreads();
+    // Bin b of this lane's copy lives at tab + 32 b + (lane % COPIES)·EW; b comes from the bits
+    // of z = y·QS + 1.5·2^23 as bits(z) − (0x4B400000 − QK − 1), folded into one multiply-add.
+    const u32 tbase = smem_addr(tab) + (u32)((lane % COPIES) * EW * 4) - (u32)(0x4B400000 - QK - 1) * 128u;
+#endif
+    u8* st = dsm + TAB_BYTES + warp * STAGE;
+    for (int job = blockIdx.x * WARPS + warp; job < n_jobs; job += gridDim.x * WARPS) {
+        {
+            const vec4u* src = (const vec4u*)x + (size_t)job * 32 * CPR;
+            vec4u tmp[CPR];
+#pragma unroll
+            for (int i = 0; i < CPR; i++) tmp[i] = src[lane + 32 * i];
+#pragma unroll
+            for (int i = 0; i < CPR; i++) {
+                int c = lane + 32 * i;
+                *(vec4u*)(st + (c / CPR) * RS + (c % CPR) * 16) = tmp[i];
+            }
+        }
+        __syncwarp();
+        float v[D];
+#pragma unroll
+        for (int i = 0; i < CPR; i++) {
+            vec4u q = *(const vec4u*)(st + lane * RS + 16 * i);
+            u32 w4[4] = {q.x, q.y, q.z, q.w};
+#if IN_KIND == 0
+#pragma unroll
+            for (int k = 0; k < 4; k++) v[4 * i + k] = __uint_as_float(w4[k]);
+#elif IN_KIND == 1
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                v[8 * i + 2 * k] = h2f((u16)(w4[k] & 0xFFFFu));
+                v[8 * i + 2 * k + 1] = h2f((u16)(w4[k] >> 16));
+            }
+#else
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                v[8 * i + 2 * k] = __uint_as_float(w4[k] << 16);
+                v[8 * i + 2 * k + 1] = __uint_as_float(w4[k] & 0xFFFF0000u);
+            }
+#endif
+        }
+        __syncwarp();  // the stage now receives the encoded page
+#if ROT
+        {
+            const vec4u* sg = (const vec4u*)(signs + (size_t)head_idx[job] * D);
+#pragma unroll
+            for (int i = 0; i < D / 4; i++) {
+                vec4u s = sg[i];
+                v[4 * i] = v[4 * i] * __uint_as_float(s.x);
+                v[4 * i + 1] = v[4 * i + 1] * __uint_as_float(s.y);
+                v[4 * i + 2] = v[4 * i + 2] * __uint_as_float(s.z);
+                v[4 * i + 3] = v[4 * i + 3] * __uint_as_float(s.w);
+            }
+        }
+#pragma unroll
+        for (int sh = 0; (1 << sh) < D; sh++) {  // stages h = 1, 2, 4, … as the CPU's fwht
+#pragma unroll
+            for (int m = 0; m < D / 2; m++) {
+                const int j = ((m >> sh) << (sh + 1)) | (m & ((1 << sh) - 1));
+                float a = v[j], b = v[j + (1 << sh)];
+                v[j] = a + b;
+                v[j + (1 << sh)] = a - b;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < D; j++) v[j] = v[j] * rot_scale;
+#endif
+        u32 W[ROW_W];
+#pragma unroll
+        for (int w = 0; w < ROW_W; w++) W[w] = 0;
+#if KIND == 1
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) {
+            float amax = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(v[32 * k + i]));
+            float d = amax / 127.0f;
+            float id = d != 0.0f ? 1.0f / d : 0.0f;
+            u32 hb = f2h(d);
+            PUTB(W, 34 * k, hb);
+            PUTB(W, 34 * k + 1, hb >> 8);
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                float r = roundf(v[32 * k + i] * id);
+                r = fminf(fmaxf(r, -128.0f), 127.0f);
+                PUTB(W, 34 * k + 2 + i, (u32)(int)r);
+            }
+        }
+#elif KIND == 2
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) {
+            float amax = 0.0f, mx = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                float a = fabsf(v[32 * k + i]);
+                if (amax < a) {
+                    amax = a;
+                    mx = v[32 * k + i];
+                }
+            }
+            float d = mx / -8.0f;
+            float id = d != 0.0f ? 1.0f / d : 0.0f;
+            u32 hb = f2h(d);
+            PUTB(W, 18 * k, hb);
+            PUTB(W, 18 * k + 1, hb >> 8);
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                float f0 = v[32 * k + i] * id + 8.5f;
+                float f1 = v[32 * k + i + 16] * id + 8.5f;
+                int q0 = (int)truncf(fminf(fmaxf(f0, -128.0f), 127.0f));
+                int q1 = (int)truncf(fminf(fmaxf(f1, -128.0f), 127.0f));
+                q0 = q0 < 15 ? q0 : 15;
+                q1 = q1 < 15 ? q1 : 15;
+                PUTB(W, 18 * k + 2 + i, (u32)(q0 & 0xF) | ((u32)(q1 & 0xF) << 4));
+            }
+        }
+#else
+        float ss[32];
+#pragma unroll
+        for (int l = 0; l < 32; l++) ss[l] = 0.0f + v[l] * v[l];
+#pragma unroll
+        for (int k = 1; k < D / 32; k++) {
+#pragma unroll
+            for (int l = 0; l < 32; l++) ss[l] = ss[l] + v[32 * k + l] * v[32 * k + l];
+        }
+#pragma unroll
+        for (int lv = 4; lv >= 0; lv--) {  // the xor-butterfly over offsets 16, 8, 4, 2, 1
+#pragma unroll
+            for (int l = 0; l < 16; l++)
+                if (l < (1 << lv)) ss[l] = ss[l] + ss[l + (1 << lv)];
+        }
+        const float norm = sqrtf(ss[0]);
+        float mn = fabsf(v[0]);
+#pragma unroll
+        for (int j = 1; j < D; j++) mn = fminf(mn, fabsf(v[j]));
+        // Rows outside the Markstein range (zeros, tiny or huge values) are redone below.
+        const bool slow = !(norm >= 0x1p-40f && norm <= 0x1p40f && mn >= norm * 0x1p-60f);
+        {
+            // Slow rows get y = 0 here (r = 0, n = 1: finite, so the table index stays in range).
+            const float n = slow ? 1.0f : norm;
+            const float r = slow ? 0.0f : 1.0f / norm;  // correctly rounded
+#pragma unroll
+            for (int j = 0; j < D; j++) {
+                float y0 = v[j] * r;
+                float e = fmaf(-y0, n, v[j]);  // exact remainder
+                v[j] = fmaf(e, r, y0);         // = RN(v / norm) (Markstein)
+            }
+        }
+#if EDEN
+        float ipl[32];
+#endif
+#pragma unroll
+        for (int j = 0; j < D; j++) {
+            const float y = v[j];
+            const float z = y * (float)QS + 12582912.0f;  // two roundings (no fmad): round(y·QS)
+            const u32 a = (u32)__float_as_int(z) * 128u + tbase;
+#if EDEN
+            vec4u ent;
+            asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(ent.x), "=r"(ent.y), "=r"(ent.z), "=r"(ent.w) : "r"(a));
+#else
+            vec2u ent;
+            asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(ent.x), "=r"(ent.y) : "r"(a));
+#endif
+            const bool up = __uint_as_float(ent.x) < y;
+#if EDEN
+            const float p = y * __uint_as_float(up ? ent.w : ent.z);
+            if (j < 32) ipl[j] = 0.0f + p;
+            else ipl[j & 31] = ipl[j & 31] + p;
+#endif
+            const int w = (j * BITS) >> 5, sh = (j * BITS) & 31;
+            W[w] += ent.y << sh;  // cells never overlap: + is |
+            if (up) W[w] += 1u << sh;
+            if (sh + BITS > 32) W[w + 1] += (ent.y + (up ? 1u : 0u)) >> (32 - sh);
+        }
+        float scale = norm;
+#if EDEN
+#pragma unroll
+        for (int lv = 4; lv >= 0; lv--) {
+#pragma unroll
+            for (int l = 0; l < 16; l++)
+                if (l < (1 << lv)) ipl[l] = ipl[l] + ipl[l + (1 << lv)];
+        }
+        if (ipl[0] > 0.0f) scale = norm / ipl[0];
+#endif
+        ((u16*)(st + 32 * ROW_BYTES))[lane] = f2h(scale);
+        for (int o = 32 * ROW_BYTES + 64 + 4 * lane; o < PAGE_BYTES; o += 128) *(u32*)(st + o) = 0;
+#endif
+        // This row into the page image, then the page out with coalesced stores.
+        {
+            u8* row = st + lane * ROW_BYTES;
+#if ROW_BYTES % 16 == 0
+#pragma unroll
+            for (int w = 0; w < ROW_W; w += 4) *(vec4u*)(row + 4 * w) = vec4u{W[w], W[w + 1], W[w + 2], W[w + 3]};
+#elif ROW_BYTES % 8 == 0
+#pragma unroll
+            for (int w = 0; w < ROW_W; w += 2) *(vec2u*)(row + 4 * w) = vec2u{W[w], W[w + 1]};
+#else
+#pragma unroll
+            for (int w = 0; w < ROW_W; w++) *(u32*)(row + 4 * w) = W[w];
+#endif
+        }
+        __syncwarp();
+#if KIND == 3
+        // The rare rows the fast division does not cover: the whole warp re-encodes each one
+        // with the warp-per-row code (plain IEEE division) into the page image.
+        for (u32 todo = __ballot_sync(FULL_MASK, slow); todo; todo &= todo - 1) {
+            const int s = __ffs(todo) - 1;
+            float vw[EPL];
+#pragma unroll
+            for (int k = 0; k < EPL; k++) vw[k] = load_in(x, ((size_t)job * 32 + s) * D + lane + 32 * k);
+#if ROT
+            const float* sg = signs + (size_t)head_idx[job] * D;
+#pragma unroll
+            for (int k = 0; k < EPL; k++) vw[k] = vw[k] * sg[lane + 32 * k];
+            fwht_warp(vw, lane);
+#pragma unroll
+            for (int k = 0; k < EPL; k++) vw[k] = vw[k] * rot_scale;
+#endif
+            float sc = codes_row_warp(vw, st + s * ROW_BYTES, thresholds, centroids, lane);
+            if (lane == 0) ((u16*)(st + 32 * ROW_BYTES))[s] = f2h(sc);
+            __syncwarp();
+        }
+#endif
+        u8* page = pool + (size_t)page_idx[job] * PAGE_BYTES;
+#if PAGE_BYTES % 16 == 0
+        for (int c = lane; c < PAGE_BYTES / 16; c += 32) ((vec4u*)page)[c] = ((const vec4u*)st)[c];
+#else
+        for (int c = lane; c < PAGE_BYTES / 4; c += 32) ((u32*)page)[c] = ((const u32*)st)[c];
+#endif
+        __syncwarp();
+    }
+}
+#endif
 
 // Read bandwidth probe and a hashed N(0,1) generator (f16) for benchmarks.
 extern "C" __global__ void read_probe(const vec4u* __restrict__ p, unsigned long long n, u32* out) {

@@ -1,5 +1,8 @@
-//! Fused encode on the GPU: norm → rotation → quantize → pack → side info, one warp per
-//! token row, bit-identical to the CPU's `encode_page`.
+//! Fused encode on the GPU: norm → rotation → quantize → pack → side info, bit-identical to
+//! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0 and
+//! turboquant_mse codes use the thread-per-row kernel (`encode_pages_tpr`: one warp per
+//! page, one lane per row, all in registers); fp16 and other page sizes use one warp per row
+//! (`encode_rows`).
 
 use std::sync::Arc;
 
@@ -7,7 +10,10 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
-use crate::format::GpuFormat;
+use crate::format::{GpuFormat, KernelKind, BIN_QK, BIN_QS};
+
+/// Warps (pages) per block of the thread-per-row kernel.
+const TPR_WARPS: usize = 4;
 
 /// Element type of the encoder's input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,6 +30,8 @@ pub struct GpuEncoder {
     func: CudaFunction,
     thresholds: CudaSlice<f32>,
     centroids: CudaSlice<f32>,
+    /// Thread-per-row kernel, its cell table, dynamic shared bytes and grid cap.
+    tpr: Option<(CudaFunction, CudaSlice<u32>, u32, u32)>,
 }
 
 impl GpuEncoder {
@@ -38,9 +46,40 @@ impl GpuEncoder {
             ("IN_KIND", input as i64),
             ("ROW_BYTES", fmt.row_bytes as i64),
             ("PAGE_BYTES", fmt.page_bytes as i64),
+            ("WARPS", TPR_WARPS as i64),
+            ("MINB", 3),
+            ("QK", BIN_QK as i64),
+            ("QS", BIN_QS as i64),
         ];
         let func = dev.function(Family::Encode, &defines, "encode_rows")?;
         let s = &dev.stream;
+        let use_tpr = fmt.t == 32
+            && match fmt.kind {
+                KernelKind::F16 => false,
+                KernelKind::Q8_0 | KernelKind::Q4_0 => true,
+                KernelKind::Codes => fmt.bins.is_some(),
+            };
+        let tpr = if use_tpr {
+            let f = dev.function(Family::Encode, &defines, "encode_pages_tpr")?;
+            let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
+            let stage = 32 * (fmt.d * in_bytes + 16);
+            let table_bytes = if fmt.kind == KernelKind::Codes { (2 * BIN_QK as usize + 3) * 128 } else { 0 };
+            let smem = (table_bytes + TPR_WARPS * stage) as u32;
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(drv("set_attribute"))?;
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor((TPR_WARPS * 32) as u32, smem as usize, None)
+                .map_err(drv("occupancy"))?
+                .max(1);
+            let table = fmt.bins.clone().unwrap_or_else(|| vec![0u32; 4]);
+            let td = s.clone_htod(&table).map_err(drv("htod"))?;
+            Some((f, td, smem, per_sm * dev.sm_count as u32))
+        } else {
+            None
+        };
         Ok(Self {
             dev: dev.clone(),
             fmt: fmt.clone(),
@@ -48,7 +87,13 @@ impl GpuEncoder {
             func,
             thresholds: s.clone_htod(&fmt.thresholds).map_err(drv("htod"))?,
             centroids: s.clone_htod(&fmt.centroids).map_err(drv("htod"))?,
+            tpr,
         })
+    }
+
+    /// Whether launches use the thread-per-row kernel.
+    pub fn thread_per_row(&self) -> bool {
+        self.tpr.is_some()
     }
 
     /// Launch: `x` holds `page_idx.len()` jobs of T rows each (in the input kind); job j is
@@ -66,6 +111,26 @@ impl GpuEncoder {
     ) -> Result<()> {
         let n_rows = (n_jobs * self.fmt.t) as i32;
         if n_rows == 0 {
+            return Ok(());
+        }
+        if let Some((f, table, smem, max_grid)) = &self.tpr {
+            let n = n_jobs as i32;
+            let grid = (n_jobs.div_ceil(TPR_WARPS) as u32).min(*max_grid);
+            let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: ((TPR_WARPS * 32) as u32, 1, 1), shared_mem_bytes: *smem };
+            let mut b = self.dev.stream.launch_builder(f);
+            b.arg(x)
+                .arg(&n)
+                .arg(page_idx)
+                .arg(head_idx)
+                .arg(pool)
+                .arg(signs)
+                .arg(&rot_scale)
+                .arg(table)
+                .arg(&self.thresholds)
+                .arg(&self.centroids);
+            // SAFETY: argument list matches encode_pages_tpr in kernels/encode.cu; buffers are
+            // sized by the callers as for encode_rows; the table has 2·QK+3 bins of 4 words.
+            unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
             return Ok(());
         }
         let cfg =
