@@ -88,6 +88,19 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
         let (signs, sc) = gf.signs_or_ones();
         let sd = s.clone_htod(&signs).expect("htod");
         let us = time_us(dev, 3, 20, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd, sc))?;
+        // The warp-per-row kernel (bit-identical to the CPU): its time, and whether the pages
+        // match byte for byte on these 2M f16 vectors.
+        let (mut us_warp, mut mismatched_pages) = (us, 0usize);
+        if enc.thread_per_row() {
+            let mut legacy = GpuEncoder::new(dev, &gf, InputKind::F16)?;
+            legacy.force_warp_per_row();
+            let mut pool2 = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
+            us_warp = time_us(dev, 3, 20, |_| legacy.launch(&x, jobs, &pid, &hid, &mut pool2, &sd, sc))?;
+            let a = s.clone_dtoh(&pool).expect("dtoh");
+            let b = s.clone_dtoh(&pool2).expect("dtoh");
+            mismatched_pages =
+                a.chunks_exact(gf.page_bytes).zip(b.chunks_exact(gf.page_bytes)).filter(|(p, q)| p != q).count();
+        }
         let in_bytes = (n_vec * D * 2) as f64;
         let out_bytes = (jobs * gf.page_bytes) as f64;
         let moved = (in_bytes + out_bytes) / us / 1e6;
@@ -95,9 +108,11 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
             "format": f, "vectors": n_vec, "d": D, "input": "f16", "us": us,
             "input_gbps": in_bytes / us / 1e3, "moved_tbps": moved,
             "bw_fraction": moved / copy_tbps, "read_bw_fraction_input": (in_bytes / us / 1e6) / read_tbps,
+            "thread_per_row": enc.thread_per_row(), "us_warp_per_row": us_warp,
+            "pages_differing_from_warp_per_row": mismatched_pages,
         }));
         eprintln!(
-            "encode {f:>22}: {us:8.1} µs  {:7.1} GB/s input  {:.2} of copy bw",
+            "encode {f:>22}: {us:8.1} µs  {:7.1} GB/s input  {:.2} of copy bw  (warp-per-row {us_warp:.1} µs, {mismatched_pages} pages differ)",
             in_bytes / us / 1e3,
             moved / copy_tbps
         );
@@ -182,7 +197,8 @@ fn run(args: &[String]) -> Result<()> {
     eprintln!("device: {dev:?}, {} SMs", dev.sm_count);
     let (read_tbps, copy_tbps) = bandwidth(&dev)?;
     eprintln!("read probe {read_tbps:.2} TB/s, device copy {copy_tbps:.2} TB/s (read+write)");
-    let decode = decode_rows(&dev, iters, read_tbps, opts)?;
+    let decode =
+        if args.iter().any(|a| a == "--no-decode") { vec![] } else { decode_rows(&dev, iters, read_tbps, opts)? };
     let encode =
         if args.iter().any(|a| a == "--no-encode") { vec![] } else { encode_rows(&dev, read_tbps, copy_tbps)? };
     let v = json!({
@@ -266,15 +282,21 @@ fn report(args: &[String]) {
     }
     let enc = ours.first().map(|o| o["encode"].clone()).unwrap_or(Value::Null);
     if let Some(list) = enc.as_array() {
-        println!("\n| encode format (2M vectors, d=128, f16 in) | µs | GB/s input | of copy bw (in+out) |");
-        println!("|---|---|---|---|");
+        println!(
+            "\n| encode format (2M vectors, d=128, f16 in) | kernel | µs | GB/s input | of copy bw (in+out) | warp-per-row µs | pages ≠ warp-per-row |"
+        );
+        println!("|---|---|---|---|---|---|---|");
         for e in list {
+            let tpr = e["thread_per_row"].as_bool().unwrap_or(false);
             println!(
-                "| {} | {:.1} | {:.0} | {:.0} % |",
+                "| {} | {} | {:.1} | {:.0} | {:.0} % | {:.1} | {} |",
                 e["format"].as_str().unwrap_or(""),
+                if tpr { "thread/row" } else { "warp/row" },
                 e["us"].as_f64().unwrap_or(0.0),
                 e["input_gbps"].as_f64().unwrap_or(0.0),
-                100.0 * e["bw_fraction"].as_f64().unwrap_or(0.0)
+                100.0 * e["bw_fraction"].as_f64().unwrap_or(0.0),
+                e["us_warp_per_row"].as_f64().unwrap_or(0.0),
+                e["pages_differing_from_warp_per_row"].as_u64().unwrap_or(0)
             );
         }
     }

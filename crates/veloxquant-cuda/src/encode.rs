@@ -47,7 +47,8 @@ impl GpuEncoder {
             ("ROW_BYTES", fmt.row_bytes as i64),
             ("PAGE_BYTES", fmt.page_bytes as i64),
             ("WARPS", TPR_WARPS as i64),
-            ("MINB", 3),
+            // Blocks per SM the register allocation must allow (3: ≤ 168 registers, 12 warps).
+            ("MINB", std::env::var("VELOXQUANT_ENCODE_MINB").ok().and_then(|v| v.parse().ok()).unwrap_or(3)),
             ("QK", BIN_QK as i64),
             ("QS", BIN_QS as i64),
         ];
@@ -91,6 +92,11 @@ impl GpuEncoder {
         })
     }
 
+    /// Use the warp-per-row kernel even where the thread-per-row one applies (benchmarks).
+    pub fn force_warp_per_row(&mut self) {
+        self.tpr = None;
+    }
+
     /// Whether launches use the thread-per-row kernel.
     pub fn thread_per_row(&self) -> bool {
         self.tpr.is_some()
@@ -116,7 +122,11 @@ impl GpuEncoder {
         if let Some((f, table, smem, max_grid)) = &self.tpr {
             let n = n_jobs as i32;
             let grid = (n_jobs.div_ceil(TPR_WARPS) as u32).min(*max_grid);
-            let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: ((TPR_WARPS * 32) as u32, 1, 1), shared_mem_bytes: *smem };
+            let cfg = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: ((TPR_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: *smem,
+            };
             let mut b = self.dev.stream.launch_builder(f);
             b.arg(x)
                 .arg(&n)
