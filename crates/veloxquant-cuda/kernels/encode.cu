@@ -205,6 +205,20 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return a;
 }
 
+// The 32 input rows of page `job` into `buf` (rows padded to RS bytes) by cp.async, one group.
+__device__ __forceinline__ void stage_rows_async(const void* x, int job, u8* buf, int lane) {
+    const u8* src = (const u8*)x + (size_t)job * 32 * ROW_IN;
+    const u32 sb = smem_addr(buf);
+#pragma unroll
+    for (int i = 0; i < CPR; i++) {
+        const int c = lane + 32 * i;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sb + (c / CPR) * RS + (c % CPR) * 16),
+                     "l"(src + 16 * c)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
     const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx,
     const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
@@ -224,6 +238,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
     // of z = y·QS + 1.5·2^23 as bits(z) − (0x4B400000 − QK − 1), folded into one multiply-add.
     const u32 tbase = smem_addr(tab) + (u32)((lane % COPIES) * EW * 4) - (u32)(0x4B400000 - QK - 1) * 128u;
 #endif
+#if PF
+    // Two stages per warp: the next page's rows arrive by cp.async while this one is encoded.
+    u8* const st0 = dsm + TAB_BYTES + warp * 2 * STAGE;
+    const int stride = gridDim.x * WARPS;
+    int job = blockIdx.x * WARPS + warp;
+    if (job < n_jobs) stage_rows_async(x, job, st0, lane);
+    for (int it = 0; job < n_jobs; job += stride, it++) {
+        u8* const st = st0 + (it & 1) * STAGE;
+        if (job + stride < n_jobs) {
+            stage_rows_async(x, job + stride, st0 + ((it + 1) & 1) * STAGE, lane);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+#else
     u8* st = dsm + TAB_BYTES + warp * STAGE;
     for (int job = blockIdx.x * WARPS + warp; job < n_jobs; job += gridDim.x * WARPS) {
         {
@@ -237,6 +266,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
                 *(vec4u*)(st + (c / CPR) * RS + (c % CPR) * 16) = tmp[i];
             }
         }
+#endif
         __syncwarp();
         float v[D];
 #pragma unroll
@@ -373,7 +403,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 #pragma unroll
         for (int j = 0; j < D; j++) {
             const float y = v[j];
-            const float z = y * (float)QS + 12582912.0f;  // two roundings (no fmad): round(y·QS)
+            // y·QS is exact, so the one rounding of the fma is round(y·QS) + 1.5·2^23.
+            const float z = fmaf(y, (float)QS, 12582912.0f);
             const u32 a = (u32)__float_as_int(z) * 128u + tbase;
 #if EDEN
             vec4u ent;

@@ -120,6 +120,28 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
     Ok(rows)
 }
 
+/// `encode FORMAT [REPS]`: REPS launches of the encoder on 2M f16 vectors (for profilers).
+fn encode_only(args: &[String]) -> Result<()> {
+    let f = args.get(2).map(String::as_str).unwrap_or("turboquant_mse:4");
+    let reps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(3);
+    let dev = GpuDevice::new(0)?;
+    let (n_vec, t) = (1usize << 21, 32);
+    let jobs = n_vec / t;
+    let s = dev.stream.clone();
+    let mut x = s.alloc_zeros::<u16>(n_vec * D).expect("alloc");
+    fill_normal_f16(&dev, &mut x, n_vec * D, 3)?;
+    let pid = s.clone_htod(&(0..jobs as i32).collect::<Vec<_>>()).expect("htod");
+    let hid = s.clone_htod(&vec![0i32; jobs]).expect("htod");
+    let gf = GpuFormat::new(&FormatSpec::parse(f)?, D, t, 11)?;
+    let enc = GpuEncoder::new(&dev, &gf, InputKind::F16)?;
+    let mut pool = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
+    let (signs, sc) = gf.signs_or_ones();
+    let sd = s.clone_htod(&signs).expect("htod");
+    let us = time_us(&dev, 1, reps, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd, sc))?;
+    eprintln!("encode {f}: {us:.1} µs (median of {reps})");
+    Ok(())
+}
+
 fn decode_rows(dev: &Arc<GpuDevice>, iters: usize, read_tbps: f64, opts: DecodeOptions) -> Result<Vec<Value>> {
     let mut rows = Vec::new();
     for &(b, hq, hkv, sl) in &SHAPES {
@@ -330,8 +352,17 @@ pub fn main_with_args(args: &[String]) -> i32 {
             report(args);
             0
         }
+        Some("encode") => match encode_only(args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
         _ => {
-            eprintln!("usage: bench cuda run --out FILE [--iters N] | report --ours A[,B] --peer P[,Q] --out FILE");
+            eprintln!(
+                "usage: bench cuda run --out FILE [--iters N] | report --ours A[,B] --peer P[,Q] --out FILE | encode FORMAT [REPS]"
+            );
             2
         }
     }

@@ -15,6 +15,11 @@ use crate::format::{GpuFormat, KernelKind, BIN_QK, BIN_QS};
 /// Warps (pages) per block of the thread-per-row kernel.
 const TPR_WARPS: usize = 4;
 
+/// A tuning override from the environment (benchmarks), else `default`.
+fn env_knob(name: &str, default: i64) -> i64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 /// Element type of the encoder's input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InputKind {
@@ -47,8 +52,10 @@ impl GpuEncoder {
             ("ROW_BYTES", fmt.row_bytes as i64),
             ("PAGE_BYTES", fmt.page_bytes as i64),
             ("WARPS", TPR_WARPS as i64),
-            // Blocks per SM the register allocation must allow (3: ≤ 168 registers, 12 warps).
-            ("MINB", std::env::var("VELOXQUANT_ENCODE_MINB").ok().and_then(|v| v.parse().ok()).unwrap_or(3)),
+            // Blocks per SM the register allocation must allow (2: up to 255 registers, 8 warps).
+            ("MINB", env_knob("VELOXQUANT_ENCODE_MINB", 2)),
+            // Prefetch the next page's rows by cp.async into a second stage (sm_80+).
+            ("PF", if dev.compute_capability.0 >= 8 { env_knob("VELOXQUANT_ENCODE_PF", 1) } else { 0 }),
             ("QK", BIN_QK as i64),
             ("QS", BIN_QS as i64),
         ];
@@ -65,7 +72,8 @@ impl GpuEncoder {
             let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
             let stage = 32 * (fmt.d * in_bytes + 16);
             let table_bytes = if fmt.kind == KernelKind::Codes { (2 * BIN_QK as usize + 3) * 128 } else { 0 };
-            let smem = (table_bytes + TPR_WARPS * stage) as u32;
+            let stages = if defines.iter().any(|&(k, v)| k == "PF" && v != 0) { 2 } else { 1 };
+            let smem = (table_bytes + TPR_WARPS * stages * stage) as u32;
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
