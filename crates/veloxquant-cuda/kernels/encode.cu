@@ -205,8 +205,16 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
     return a;
 }
 
-// The 32 input rows of page `job` into `buf` (rows padded to RS bytes) by cp.async, one group.
-__device__ __forceinline__ void stage_rows_async(const void* x, int job, u8* buf, int lane) {
+#if ROT
+#define SG_BYTES (D * 4)
+#else
+#define SG_BYTES 0
+#endif
+// One prefetch buffer: the 32 rows (padded to RS bytes), then the page's rotation signs.
+#define BUF (STAGE + SG_BYTES)
+
+// The 32 input rows of page `job` and its head's signs `sg` into `buf` by cp.async, one group.
+__device__ __forceinline__ void stage_rows_async(const void* x, int job, const float* sg, u8* buf, int lane) {
     const u8* src = (const u8*)x + (size_t)job * 32 * ROW_IN;
     const u32 sb = smem_addr(buf);
 #pragma unroll
@@ -216,6 +224,11 @@ __device__ __forceinline__ void stage_rows_async(const void* x, int job, u8* buf
                      "l"(src + 16 * c)
                      : "memory");
     }
+#if ROT
+    for (int c = lane; c < D / 4; c += 32)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(sb + STAGE + 16 * c), "l"(sg + 4 * c)
+                     : "memory");
+#endif
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
@@ -240,21 +253,26 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 #endif
 #if PF
     // Two stages per warp: the next page's rows arrive by cp.async while this one is encoded.
-    u8* const st0 = dsm + TAB_BYTES + warp * 2 * STAGE;
+    // The head index of the page after next is read one iteration ahead, so no load waits.
+    u8* const st0 = dsm + TAB_BYTES + warp * 2 * BUF;
     const int stride = gridDim.x * WARPS;
     int job = blockIdx.x * WARPS + warp;
-    if (job < n_jobs) stage_rows_async(x, job, st0, lane);
+    if (job < n_jobs) stage_rows_async(x, job, signs + (size_t)(ROT ? head_idx[job] : 0) * D, st0, lane);
+    int h_next = (ROT && job + stride < n_jobs) ? head_idx[job + stride] : 0;
     for (int it = 0; job < n_jobs; job += stride, it++) {
-        u8* const st = st0 + (it & 1) * STAGE;
+        u8* const st = st0 + (it & 1) * BUF;
+        const int pg = page_idx[job];
         if (job + stride < n_jobs) {
-            stage_rows_async(x, job + stride, st0 + ((it + 1) & 1) * STAGE, lane);
+            stage_rows_async(x, job + stride, signs + (size_t)h_next * D, st0 + ((it + 1) & 1) * BUF, lane);
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
         }
+        h_next = (ROT && job + 2 * stride < n_jobs) ? head_idx[job + 2 * stride] : 0;
 #else
     u8* st = dsm + TAB_BYTES + warp * STAGE;
     for (int job = blockIdx.x * WARPS + warp; job < n_jobs; job += gridDim.x * WARPS) {
+        const int pg = page_idx[job];
         {
             const vec4u* src = (const vec4u*)x + (size_t)job * 32 * CPR;
             vec4u tmp[CPR];
@@ -293,7 +311,11 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
         __syncwarp();  // the stage now receives the encoded page
 #if ROT
         {
+#if PF
+            const vec4u* sg = (const vec4u*)(st + STAGE);
+#else
             const vec4u* sg = (const vec4u*)(signs + (size_t)head_idx[job] * D);
+#endif
 #pragma unroll
             for (int i = 0; i < D / 4; i++) {
                 vec4u s = sg[i];
@@ -381,9 +403,18 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
                 if (l < (1 << lv)) ss[l] = ss[l] + ss[l + (1 << lv)];
         }
         const float norm = sqrtf(ss[0]);
-        float mn = fabsf(v[0]);
+        float mnp[16];  // min |v| in 16 independent chains, then a tree
 #pragma unroll
-        for (int j = 1; j < D; j++) mn = fminf(mn, fabsf(v[j]));
+        for (int j = 0; j < 16; j++) mnp[j] = fabsf(v[j]);
+#pragma unroll
+        for (int j = 16; j < D; j++) mnp[j & 15] = fminf(mnp[j & 15], fabsf(v[j]));
+#pragma unroll
+        for (int lv = 3; lv >= 0; lv--) {
+#pragma unroll
+            for (int l = 0; l < 8; l++)
+                if (l < (1 << lv)) mnp[l] = fminf(mnp[l], mnp[l + (1 << lv)]);
+        }
+        const float mn = mnp[0];
         // Rows outside the Markstein range (zeros, tiny or huge values) are redone below.
         const bool slow = !(norm >= 0x1p-40f && norm <= 0x1p40f && mn >= norm * 0x1p-60f);
         {
@@ -473,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
             __syncwarp();
         }
 #endif
-        u8* page = pool + (size_t)page_idx[job] * PAGE_BYTES;
+        u8* page = pool + (size_t)pg * PAGE_BYTES;
 #if PAGE_BYTES % 16 == 0
         for (int c = lane; c < PAGE_BYTES / 16; c += 32) ((vec4u*)page)[c] = ((const vec4u*)st)[c];
 #else

@@ -73,7 +73,9 @@ impl GpuEncoder {
             let stage = 32 * (fmt.d * in_bytes + 16);
             let table_bytes = if fmt.kind == KernelKind::Codes { (2 * BIN_QK as usize + 3) * 128 } else { 0 };
             let stages = if defines.iter().any(|&(k, v)| k == "PF" && v != 0) { 2 } else { 1 };
-            let smem = (table_bytes + TPR_WARPS * stages * stage) as u32;
+            // With the prefetch, each stage also holds the page's rotation signs.
+            let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.d } else { 0 };
+            let smem = (table_bytes + TPR_WARPS * stages * (stage + signs_bytes)) as u32;
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
