@@ -259,7 +259,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
     int job = blockIdx.x * WARPS + warp;
     if (job < n_jobs) stage_rows_async(x, job, signs + (size_t)(ROT ? head_idx[job] : 0) * D, st0, lane);
     int h_next = (ROT && job + stride < n_jobs) ? head_idx[job + stride] : 0;
-    for (int it = 0; job < n_jobs; job += stride, it++) {
+    // Block-uniform trip count, so LOCKSTEP can keep a block's warps on the same code (the
+    // loop body is tens of KiB of straight-line code: warps sharing an SM sub-partition then
+    // share its instruction cache lines).
+    for (int it = 0; (int)blockIdx.x * WARPS + it * stride < n_jobs; job += stride, it++) {
+#if LOCKSTEP
+        __syncthreads();
+#endif
+        if (job >= n_jobs) continue;
         u8* const st = st0 + (it & 1) * BUF;
         const int pg = page_idx[job];
         if (job + stride < n_jobs) {

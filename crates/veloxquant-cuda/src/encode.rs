@@ -13,7 +13,9 @@ use crate::error::{drv, CudaError, Result};
 use crate::format::{GpuFormat, KernelKind, BIN_QK, BIN_QS};
 
 /// Warps (pages) per block of the thread-per-row kernel.
-const TPR_WARPS: usize = 4;
+fn tpr_warps() -> usize {
+    env_knob("VELOXQUANT_ENCODE_WARPS", 4).clamp(1, 16) as usize
+}
 
 /// A tuning override from the environment (benchmarks), else `default`.
 fn env_knob(name: &str, default: i64) -> i64 {
@@ -35,12 +37,13 @@ pub struct GpuEncoder {
     func: CudaFunction,
     thresholds: CudaSlice<f32>,
     centroids: CudaSlice<f32>,
-    /// Thread-per-row kernel, its cell table, dynamic shared bytes and grid cap.
-    tpr: Option<(CudaFunction, CudaSlice<u32>, u32, u32)>,
+    /// Thread-per-row kernel, its cell table, dynamic shared bytes, grid cap, warps per block.
+    tpr: Option<(CudaFunction, CudaSlice<u32>, u32, u32, usize)>,
 }
 
 impl GpuEncoder {
     pub fn new(dev: &Arc<GpuDevice>, fmt: &GpuFormat, input: InputKind) -> Result<Self> {
+        let self_warps = tpr_warps();
         let defines = [
             ("D", fmt.d as i64),
             ("T", fmt.t as i64),
@@ -51,7 +54,9 @@ impl GpuEncoder {
             ("IN_KIND", input as i64),
             ("ROW_BYTES", fmt.row_bytes as i64),
             ("PAGE_BYTES", fmt.page_bytes as i64),
-            ("WARPS", TPR_WARPS as i64),
+            ("WARPS", self_warps as i64),
+            // Keep a block's warps in step (one barrier per page) to share instruction fetch.
+            ("LOCKSTEP", env_knob("VELOXQUANT_ENCODE_LOCKSTEP", 0)),
             // Blocks per SM the register allocation must allow (2: up to 255 registers, 8 warps).
             ("MINB", env_knob("VELOXQUANT_ENCODE_MINB", 2)),
             // Prefetch the next page's rows by cp.async into a second stage (sm_80+).
@@ -75,19 +80,19 @@ impl GpuEncoder {
             let stages = if defines.iter().any(|&(k, v)| k == "PF" && v != 0) { 2 } else { 1 };
             // With the prefetch, each stage also holds the page's rotation signs.
             let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.d } else { 0 };
-            let smem = (table_bytes + TPR_WARPS * stages * (stage + signs_bytes)) as u32;
+            let smem = (table_bytes + self_warps * stages * (stage + signs_bytes)) as u32;
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
             )
             .map_err(drv("set_attribute"))?;
             let per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor((TPR_WARPS * 32) as u32, smem as usize, None)
+                .occupancy_max_active_blocks_per_multiprocessor((self_warps * 32) as u32, smem as usize, None)
                 .map_err(drv("occupancy"))?
                 .max(1);
             let table = fmt.bins.clone().unwrap_or_else(|| vec![0u32; 4]);
             let td = s.clone_htod(&table).map_err(drv("htod"))?;
-            Some((f, td, smem, per_sm * dev.sm_count as u32))
+            Some((f, td, smem, per_sm * dev.sm_count as u32, self_warps))
         } else {
             None
         };
@@ -129,12 +134,13 @@ impl GpuEncoder {
         if n_rows == 0 {
             return Ok(());
         }
-        if let Some((f, table, smem, max_grid)) = &self.tpr {
+        if let Some((f, table, smem, max_grid, self_warps)) = &self.tpr {
+            let self_warps = *self_warps;
             let n = n_jobs as i32;
-            let grid = (n_jobs.div_ceil(TPR_WARPS) as u32).min(*max_grid);
+            let grid = (n_jobs.div_ceil(self_warps) as u32).min(*max_grid);
             let cfg = LaunchConfig {
                 grid_dim: (grid, 1, 1),
-                block_dim: ((TPR_WARPS * 32) as u32, 1, 1),
+                block_dim: ((self_warps * 32) as u32, 1, 1),
                 shared_mem_bytes: *smem,
             };
             let mut b = self.dev.stream.launch_builder(f);
