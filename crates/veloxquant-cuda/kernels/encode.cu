@@ -236,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
     const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx,
     const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
     float rot_scale, const u32* __restrict__ table, const float* __restrict__ thresholds,
-    const float* __restrict__ centroids) {
+    const float* __restrict__ centroids, u32 tab_bias) {
     extern __shared__ __align__(16) u8 dsm[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #if KIND == 3
@@ -249,7 +249,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
     __syncthreads();
     // Bin b of this lane's copy lives at tab + 32 b + (lane % COPIES)·EW; b comes from the bits
     // of z = y·QS + 1.5·2^23 as bits(z) − (0x4B400000 − QK − 1), folded into one multiply-add.
-    const u32 tbase = smem_addr(tab) + (u32)((lane % COPIES) * EW * 4) - (u32)(0x4B400000 - QK - 1) * 128u;
+    // tab_bias = −(0x4B400000 − QK − 1)·128 mod 2^32 comes from the host so that ptxas keeps the
+    // whole base in one register (it would split a literal into an extra add per lookup).
+    const u32 tbase = smem_addr(tab) + (u32)((lane % COPIES) * EW * 4) + tab_bias;
 #endif
 #if PF
     // Two stages per warp: the next page's rows arrive by cp.async while this one is encoded.
@@ -517,6 +519,274 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 #else
         for (int c = lane; c < PAGE_BYTES / 4; c += 32) ((u32*)page)[c] = ((const u32*)st)[c];
 #endif
+        __syncwarp();
+    }
+}
+#endif
+
+#if T == 32 && KIND == 3 && PF
+// ---------------------------------------------------------------------------------------
+// Two threads per row (turboquant_mse codes): a warp encodes 16 rows (half a page; unit u is
+// rows 16(u&1)… of page u>>1). Lane (r, s) = (lane & 15, lane >> 4) holds the elements e of
+// row r with bit 4 of e equal to s: e = 32·e_hi + 16·s + e_lo, local index 16·e_hi + e_lo.
+// So each lane holds whole canonical lane chains (l = e mod 32 = 16 s + e_lo): the norm's and
+// the EDEN dot's per-lane sums are local and only the butterfly level 16 crosses threads;
+// of the Hadamard stages only h = 16 crosses (one shuffle per element). Half the registers
+// and half the straight-line code of the thread-per-row kernel, so twice the warps.
+#define DH (D / 2)
+#define NG (D / 32)            // groups of 16 consecutive elements per lane
+#define GW ((16 * BITS + 31) / 32)
+#define STAGE2 (16 * RS)
+#define BUF2 (STAGE2 + SG_BYTES)
+
+__device__ __forceinline__ void stage_half_async(const void* x, int unit, const float* sg, u8* buf, int lane) {
+    const u8* src = (const u8*)x + (size_t)unit * 16 * ROW_IN;
+    const u32 sb = smem_addr(buf);
+#pragma unroll
+    for (int i = 0; i < CPR / 2; i++) {
+        const int c = lane + 32 * i;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sb + (c / CPR) * RS + (c % CPR) * 16),
+                     "l"(src + 16 * c)
+                     : "memory");
+    }
+#if ROT
+    for (int c = lane; c < D / 4; c += 32)
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(sb + STAGE2 + 16 * c), "l"(sg + 4 * c)
+                     : "memory");
+#endif
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS2 * 32, MINB2) encode_pages_tpr2(
+    const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx,
+    const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
+    float rot_scale, const u32* __restrict__ table, const float* __restrict__ thresholds,
+    const float* __restrict__ centroids, u32 tab_bias) {
+    extern __shared__ __align__(16) u8 dsm[];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r = lane & 15, s = lane >> 4;
+    u32* tab = (u32*)dsm;
+    for (int i = threadIdx.x; i < NB * COPIES; i += WARPS2 * 32) {
+        int b = i / COPIES;
+#pragma unroll
+        for (int w = 0; w < EW; w++) tab[i * EW + w] = table[b * 4 + w];
+    }
+    __syncthreads();
+    const u32 tbase = smem_addr(tab) + (u32)((lane % COPIES) * EW * 4) + tab_bias;
+    u8* const st0 = dsm + TAB_BYTES + warp * 2 * BUF2;
+    const int n_units = 2 * n_jobs;
+    const int stride = gridDim.x * WARPS2;
+    int u = blockIdx.x * WARPS2 + warp;
+    if (u < n_units) stage_half_async(x, u, signs + (size_t)(ROT ? head_idx[u >> 1] : 0) * D, st0, lane);
+    int h_next = (ROT && u + stride < n_units) ? head_idx[(u + stride) >> 1] : 0;
+    for (int it = 0; u < n_units; u += stride, it++) {
+        u8* const st = st0 + (it & 1) * BUF2;
+        const int job = u >> 1, half = u & 1;
+        const int pg = page_idx[job];
+        if (u + stride < n_units) {
+            stage_half_async(x, u + stride, signs + (size_t)h_next * D, st0 + ((it + 1) & 1) * BUF2, lane);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        h_next = (ROT && u + 2 * stride < n_units) ? head_idx[(u + 2 * stride) >> 1] : 0;
+        __syncwarp();
+        float v[DH];
+#pragma unroll
+        for (int g = 0; g < NG; g++) {
+            // elements 32 g + 16 s … + 15 of row r: 16 × IN_B bytes
+#pragma unroll
+            for (int i = 0; i < IN_B; i++) {
+                vec4u q = *(const vec4u*)(st + r * RS + (32 * g + 16 * s) * IN_B + 16 * i);
+                u32 w4[4] = {q.x, q.y, q.z, q.w};
+#if IN_KIND == 0
+#pragma unroll
+                for (int k = 0; k < 4; k++) v[16 * g + 4 * i + k] = __uint_as_float(w4[k]);
+#elif IN_KIND == 1
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    v[16 * g + 8 * i + 2 * k] = h2f((u16)(w4[k] & 0xFFFFu));
+                    v[16 * g + 8 * i + 2 * k + 1] = h2f((u16)(w4[k] >> 16));
+                }
+#else
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    v[16 * g + 8 * i + 2 * k] = __uint_as_float(w4[k] << 16);
+                    v[16 * g + 8 * i + 2 * k + 1] = __uint_as_float(w4[k] & 0xFFFF0000u);
+                }
+#endif
+            }
+        }
+#if ROT
+#pragma unroll
+        for (int g = 0; g < NG; g++) {
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                vec4u sg = *(const vec4u*)(st + STAGE2 + (32 * g + 16 * s) * 4 + 16 * i);
+                v[16 * g + 4 * i] = v[16 * g + 4 * i] * __uint_as_float(sg.x);
+                v[16 * g + 4 * i + 1] = v[16 * g + 4 * i + 1] * __uint_as_float(sg.y);
+                v[16 * g + 4 * i + 2] = v[16 * g + 4 * i + 2] * __uint_as_float(sg.z);
+                v[16 * g + 4 * i + 3] = v[16 * g + 4 * i + 3] * __uint_as_float(sg.w);
+            }
+        }
+#endif
+        __syncwarp();  // the stage now receives the encoded rows
+#if ROT
+        // Hadamard stages h = 1, 2, 4, 8 (local), 16 (across the pair), 32, 64 (local 16, 32).
+#pragma unroll
+        for (int sh = 0; sh < 4; sh++) {
+#pragma unroll
+            for (int m = 0; m < DH / 2; m++) {
+                const int j = ((m >> sh) << (sh + 1)) | (m & ((1 << sh) - 1));
+                float a = v[j], b = v[j + (1 << sh)];
+                v[j] = a + b;
+                v[j + (1 << sh)] = a - b;
+            }
+        }
+#pragma unroll
+        {
+            const float sgn = s ? -1.0f : 1.0f;  // ±v exact: the fma rounds a + b or a − b once
+#pragma unroll
+            for (int j = 0; j < DH; j++) {
+                const float o = __shfl_xor_sync(FULL_MASK, v[j], 16);
+                v[j] = fmaf(sgn, v[j], o);
+            }
+        }
+#pragma unroll
+        for (int sh = 4; (1 << sh) < DH; sh++) {
+#pragma unroll
+            for (int m = 0; m < DH / 2; m++) {
+                const int j = ((m >> sh) << (sh + 1)) | (m & ((1 << sh) - 1));
+                float a = v[j], b = v[j + (1 << sh)];
+                v[j] = a + b;
+                v[j + (1 << sh)] = a - b;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < DH; j++) v[j] = v[j] * rot_scale;
+#endif
+        // ‖v‖: chains l = 16 s + e_lo over e_hi, then the butterfly (16 across, 8…1 local).
+        float ss[16];
+#pragma unroll
+        for (int e = 0; e < 16; e++) ss[e] = 0.0f + v[e] * v[e];
+#pragma unroll
+        for (int g = 1; g < NG; g++) {
+#pragma unroll
+            for (int e = 0; e < 16; e++) ss[e] = ss[e] + v[16 * g + e] * v[16 * g + e];
+        }
+#pragma unroll
+        for (int e = 0; e < 16; e++) ss[e] = ss[e] + __shfl_xor_sync(FULL_MASK, ss[e], 16);
+#pragma unroll
+        for (int lv = 3; lv >= 0; lv--) {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (e < (1 << lv)) ss[e] = ss[e] + ss[e + (1 << lv)];
+        }
+        const float norm = sqrtf(ss[0]);
+        float mnp[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) mnp[j] = fabsf(v[j]);
+#pragma unroll
+        for (int j = 8; j < DH; j++) mnp[j & 7] = fminf(mnp[j & 7], fabsf(v[j]));
+#pragma unroll
+        for (int lv = 2; lv >= 0; lv--) {
+#pragma unroll
+            for (int l = 0; l < 4; l++)
+                if (l < (1 << lv)) mnp[l] = fminf(mnp[l], mnp[l + (1 << lv)]);
+        }
+        const float mn = fminf(mnp[0], __shfl_xor_sync(FULL_MASK, mnp[0], 16));
+        const bool slow = !(norm >= 0x1p-40f && norm <= 0x1p40f && mn >= norm * 0x1p-60f);
+        {
+            const float n = slow ? 1.0f : norm;
+            const float rc = slow ? 0.0f : 1.0f / norm;
+#pragma unroll
+            for (int j = 0; j < DH; j++) {
+                float y0 = v[j] * rc;
+                float e = fmaf(-y0, n, v[j]);
+                v[j] = fmaf(e, rc, y0);
+            }
+        }
+        u32 G[NG][GW];
+#pragma unroll
+        for (int g = 0; g < NG; g++) {
+#pragma unroll
+            for (int w = 0; w < GW; w++) G[g][w] = 0;
+        }
+#if EDEN
+        float ipl[16];
+#endif
+#pragma unroll
+        for (int j = 0; j < DH; j++) {
+            const float y = v[j];
+            const float z = fmaf(y, (float)QS, 12582912.0f);
+            const u32 a = (u32)__float_as_int(z) * 128u + tbase;
+#if EDEN
+            vec4u ent;
+            asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(ent.x), "=r"(ent.y), "=r"(ent.z), "=r"(ent.w) : "r"(a));
+#else
+            vec2u ent;
+            asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(ent.x), "=r"(ent.y) : "r"(a));
+#endif
+            const bool up = __uint_as_float(ent.x) < y;
+#if EDEN
+            const float p = y * __uint_as_float(up ? ent.w : ent.z);
+            if (j < 16) ipl[j] = 0.0f + p;
+            else ipl[j & 15] = ipl[j & 15] + p;
+#endif
+            const int g = j >> 4, bp = (j & 15) * BITS, w = bp >> 5, sh = bp & 31;
+            G[g][w] += ent.y << sh;
+            if (up) G[g][w] += 1u << sh;
+            if (sh + BITS > 32) G[g][w + 1] += (ent.y + (up ? 1u : 0u)) >> (32 - sh);
+        }
+        float scale = norm;
+#if EDEN
+#pragma unroll
+        for (int e = 0; e < 16; e++) ipl[e] = ipl[e] + __shfl_xor_sync(FULL_MASK, ipl[e], 16);
+#pragma unroll
+        for (int lv = 3; lv >= 0; lv--) {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+                if (e < (1 << lv)) ipl[e] = ipl[e] + ipl[e + (1 << lv)];
+        }
+        if (ipl[0] > 0.0f) scale = norm / ipl[0];
+#endif
+        // Group g of this lane is codes 16 (2 g + s) … of the row: 2·BITS bytes at 2·BITS·(2 g + s).
+        u8* const row = st + r * ROW_BYTES;
+#pragma unroll
+        for (int g = 0; g < NG; g++) {
+            u8* const dst = row + 2 * BITS * (2 * g + s);
+#if (2 * BITS) % 8 == 0
+            *(vec2u*)dst = vec2u{G[g][0], G[g][1]};
+#elif (2 * BITS) % 4 == 0
+            *(u32*)dst = G[g][0];
+#else
+#pragma unroll
+            for (int p = 0; p < BITS; p++) ((u16*)dst)[p] = (u16)(G[g][p >> 1] >> (16 * (p & 1)));
+#endif
+        }
+        if (s == 0) ((u16*)(st + 16 * ROW_BYTES))[r] = f2h(scale);
+        __syncwarp();
+        for (u32 todo = __ballot_sync(FULL_MASK, slow && s == 0); todo; todo &= todo - 1) {
+            const int rr = __ffs(todo) - 1;
+            float vw[EPL];
+#pragma unroll
+            for (int k = 0; k < EPL; k++) vw[k] = load_in(x, ((size_t)u * 16 + rr) * D + lane + 32 * k);
+#if ROT
+            const float* sgw = signs + (size_t)head_idx[job] * D;
+#pragma unroll
+            for (int k = 0; k < EPL; k++) vw[k] = vw[k] * sgw[lane + 32 * k];
+            fwht_warp(vw, lane);
+#pragma unroll
+            for (int k = 0; k < EPL; k++) vw[k] = vw[k] * rot_scale;
+#endif
+            float sc = codes_row_warp(vw, st + rr * ROW_BYTES, thresholds, centroids, lane);
+            if (lane == 0) ((u16*)(st + 16 * ROW_BYTES))[rr] = f2h(sc);
+            __syncwarp();
+        }
+        u8* const page = pool + (size_t)pg * PAGE_BYTES;
+        for (int c = lane; c < ROW_BYTES; c += 32)  // 16 rows = ROW_BYTES chunks of 16 B
+            ((vec4u*)(page + 16 * half * ROW_BYTES))[c] = ((const vec4u*)st)[c];
+        if (lane < 2) ((vec4u*)(page + 32 * ROW_BYTES + 32 * half))[lane] = ((const vec4u*)(st + 16 * ROW_BYTES))[lane];
         __syncwarp();
     }
 }

@@ -108,13 +108,14 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
             "format": f, "vectors": n_vec, "d": D, "input": "f16", "us": us,
             "input_gbps": in_bytes / us / 1e3, "moved_tbps": moved,
             "bw_fraction": moved / copy_tbps, "read_bw_fraction_input": (in_bytes / us / 1e6) / read_tbps,
-            "thread_per_row": enc.thread_per_row(), "us_warp_per_row": us_warp,
+            "thread_per_row": enc.thread_per_row(), "kernel": enc.kernel(), "us_warp_per_row": us_warp,
             "pages_differing_from_warp_per_row": mismatched_pages,
         }));
         eprintln!(
-            "encode {f:>22}: {us:8.1} µs  {:7.1} GB/s input  {:.2} of copy bw  (warp-per-row {us_warp:.1} µs, {mismatched_pages} pages differ)",
+            "encode {f:>22}: {us:8.1} µs  {:7.1} GB/s input  {:.2} of copy bw  [{}] (warp-per-row {us_warp:.1} µs, {mismatched_pages} pages differ)",
             in_bytes / us / 1e3,
-            moved / copy_tbps
+            moved / copy_tbps,
+            enc.kernel()
         );
     }
     Ok(rows)
@@ -138,7 +139,7 @@ fn encode_only(args: &[String]) -> Result<()> {
     let (signs, sc) = gf.signs_or_ones();
     let sd = s.clone_htod(&signs).expect("htod");
     let us = time_us(&dev, 1, reps, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd, sc))?;
-    eprintln!("encode {f}: {us:.1} µs (median of {reps})");
+    eprintln!("encode {f}: {us:.1} µs (median of {reps}) [{}]", enc.kernel());
     Ok(())
 }
 
@@ -309,11 +310,11 @@ fn report(args: &[String]) {
         );
         println!("|---|---|---|---|---|---|---|");
         for e in list {
-            let tpr = e["thread_per_row"].as_bool().unwrap_or(false);
+            let kernel = e["kernel"].as_str().unwrap_or("warp/row");
             println!(
                 "| {} | {} | {:.1} | {:.0} | {:.0} % | {:.1} | {} |",
                 e["format"].as_str().unwrap_or(""),
-                if tpr { "thread/row" } else { "warp/row" },
+                kernel,
                 e["us"].as_f64().unwrap_or(0.0),
                 e["input_gbps"].as_f64().unwrap_or(0.0),
                 100.0 * e["bw_fraction"].as_f64().unwrap_or(0.0),

@@ -37,13 +37,18 @@ pub struct GpuEncoder {
     func: CudaFunction,
     thresholds: CudaSlice<f32>,
     centroids: CudaSlice<f32>,
-    /// Thread-per-row kernel, its cell table, dynamic shared bytes, grid cap, warps per block.
-    tpr: Option<(CudaFunction, CudaSlice<u32>, u32, u32, usize)>,
+    /// Thread-per-row kernel, its cell table, dynamic shared bytes, grid cap, warps per block
+    /// and warp work units per page (1, or 2 for the two-threads-per-row kernel).
+    tpr: Option<(CudaFunction, CudaSlice<u32>, u32, u32, usize, usize)>,
 }
 
 impl GpuEncoder {
     pub fn new(dev: &Arc<GpuDevice>, fmt: &GpuFormat, input: InputKind) -> Result<Self> {
         let self_warps = tpr_warps();
+        let pf = if dev.compute_capability.0 >= 8 { env_knob("VELOXQUANT_ENCODE_PF", 1) } else { 0 };
+        // turboquant_mse codes: two threads per row (half the registers, twice the warps).
+        let two_per_row = fmt.kind == KernelKind::Codes && pf != 0 && env_knob("VELOXQUANT_ENCODE_TPR2", 1) != 0;
+        let warps2 = env_knob("VELOXQUANT_ENCODE_WARPS2", 8).clamp(1, 16) as usize;
         let defines = [
             ("D", fmt.d as i64),
             ("T", fmt.t as i64),
@@ -60,7 +65,9 @@ impl GpuEncoder {
             // Blocks per SM the register allocation must allow (2: up to 255 registers, 8 warps).
             ("MINB", env_knob("VELOXQUANT_ENCODE_MINB", 2)),
             // Prefetch the next page's rows by cp.async into a second stage (sm_80+).
-            ("PF", if dev.compute_capability.0 >= 8 { env_knob("VELOXQUANT_ENCODE_PF", 1) } else { 0 }),
+            ("PF", pf),
+            ("WARPS2", warps2 as i64),
+            ("MINB2", env_knob("VELOXQUANT_ENCODE_MINB2", 2)),
             ("QK", BIN_QK as i64),
             ("QS", BIN_QS as i64),
         ];
@@ -73,26 +80,31 @@ impl GpuEncoder {
                 KernelKind::Codes => fmt.bins.is_some(),
             };
         let tpr = if use_tpr {
-            let f = dev.function(Family::Encode, &defines, "encode_pages_tpr")?;
+            let (name, warps, rows, upj) = if two_per_row {
+                ("encode_pages_tpr2", warps2, 16, 2)
+            } else {
+                ("encode_pages_tpr", self_warps, 32, 1)
+            };
+            let f = dev.function(Family::Encode, &defines, name)?;
             let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
-            let stage = 32 * (fmt.d * in_bytes + 16);
+            let stage = rows * (fmt.d * in_bytes + 16);
             let table_bytes = if fmt.kind == KernelKind::Codes { (2 * BIN_QK as usize + 3) * 128 } else { 0 };
-            let stages = if defines.iter().any(|&(k, v)| k == "PF" && v != 0) { 2 } else { 1 };
+            let stages = if pf != 0 { 2 } else { 1 };
             // With the prefetch, each stage also holds the page's rotation signs.
             let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.d } else { 0 };
-            let smem = (table_bytes + self_warps * stages * (stage + signs_bytes)) as u32;
+            let smem = (table_bytes + warps * stages * (stage + signs_bytes)) as u32;
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                 smem as i32,
             )
             .map_err(drv("set_attribute"))?;
             let per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor((self_warps * 32) as u32, smem as usize, None)
+                .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem as usize, None)
                 .map_err(drv("occupancy"))?
                 .max(1);
             let table = fmt.bins.clone().unwrap_or_else(|| vec![0u32; 4]);
             let td = s.clone_htod(&table).map_err(drv("htod"))?;
-            Some((f, td, smem, per_sm * dev.sm_count as u32, self_warps))
+            Some((f, td, smem, per_sm * dev.sm_count as u32, warps, upj))
         } else {
             None
         };
@@ -110,6 +122,15 @@ impl GpuEncoder {
     /// Use the warp-per-row kernel even where the thread-per-row one applies (benchmarks).
     pub fn force_warp_per_row(&mut self) {
         self.tpr = None;
+    }
+
+    /// The kernel launches use: "warp/row", "thread/row" or "2 threads/row".
+    pub fn kernel(&self) -> &'static str {
+        match &self.tpr {
+            None => "warp/row",
+            Some((.., 1)) => "thread/row",
+            Some(_) => "2 threads/row",
+        }
     }
 
     /// Whether launches use the thread-per-row kernel.
@@ -134,10 +155,12 @@ impl GpuEncoder {
         if n_rows == 0 {
             return Ok(());
         }
-        if let Some((f, table, smem, max_grid, self_warps)) = &self.tpr {
-            let self_warps = *self_warps;
+        if let Some((f, table, smem, max_grid, warps, upj)) = &self.tpr {
+            let self_warps = *warps;
             let n = n_jobs as i32;
-            let grid = (n_jobs.div_ceil(self_warps) as u32).min(*max_grid);
+            // −(bits(1.5·2^23) − QK − 1)·128: the cell table's bias (see kernels/encode.cu).
+            let tab_bias = 0u32.wrapping_sub((0x4B40_0000u32 - BIN_QK as u32 - 1).wrapping_mul(128));
+            let grid = ((n_jobs * upj).div_ceil(self_warps) as u32).min(*max_grid);
             let cfg = LaunchConfig {
                 grid_dim: (grid, 1, 1),
                 block_dim: ((self_warps * 32) as u32, 1, 1),
@@ -153,8 +176,9 @@ impl GpuEncoder {
                 .arg(&rot_scale)
                 .arg(table)
                 .arg(&self.thresholds)
-                .arg(&self.centroids);
-            // SAFETY: argument list matches encode_pages_tpr in kernels/encode.cu; buffers are
+                .arg(&self.centroids)
+                .arg(&tab_bias);
+            // SAFETY: argument list matches encode_pages_tpr(2) in kernels/encode.cu; buffers are
             // sized by the callers as for encode_rows; the table has 2·QK+3 bins of 4 words.
             unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
             return Ok(());
