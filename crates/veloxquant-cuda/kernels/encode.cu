@@ -236,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
     const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx,
     const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
     float rot_scale, const u32* __restrict__ table, const float* __restrict__ thresholds,
-    const float* __restrict__ centroids, u32 tab_bias) {
+    const float* __restrict__ centroids, u32 tab_bias, u32 tab_mul) {
     extern __shared__ __align__(16) u8 dsm[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 #if KIND == 3
@@ -445,7 +445,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
             const float y = v[j];
             // y·QS is exact, so the one rounding of the fma is round(y·QS) + 1.5·2^23.
             const float z = fmaf(y, (float)QS, 12582912.0f);
-            const u32 a = (u32)__float_as_int(z) * 128u + tbase;
+            const u32 a = (u32)__float_as_int(z) * tab_mul + tbase;  // IMAD: keeps the ALU pipe free
 #if EDEN
             vec4u ent;
             asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(ent.x), "=r"(ent.y), "=r"(ent.z), "=r"(ent.w) : "r"(a));
@@ -453,16 +453,20 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
             vec2u ent;
             asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(ent.x), "=r"(ent.y) : "r"(a));
 #endif
-            const bool up = __uint_as_float(ent.x) < y;
+            // thr < y ⟺ RN(thr − y) < 0 (no ftz: distinct floats never differ by zero), so the
+            // cell is base + the sign bit: an FADD and one LEA.HI instead of compare + select.
+            const u32 code = ent.y + (__float_as_uint(__uint_as_float(ent.x) - y) >> 31);
+#if EDEN
+            const bool up = code != ent.y;
+#endif
 #if EDEN
             const float p = y * __uint_as_float(up ? ent.w : ent.z);
             if (j < 32) ipl[j] = 0.0f + p;
             else ipl[j & 31] = ipl[j & 31] + p;
 #endif
             const int w = (j * BITS) >> 5, sh = (j * BITS) & 31;
-            W[w] += ent.y << sh;  // cells never overlap: + is |
-            if (up) W[w] += 1u << sh;
-            if (sh + BITS > 32) W[w + 1] += (ent.y + (up ? 1u : 0u)) >> (32 - sh);
+            W[w] += code << sh;  // cells never overlap: + is |
+            if (sh + BITS > 32) W[w + 1] += code >> (32 - sh);
         }
         float scale = norm;
 #if EDEN
@@ -561,7 +565,7 @@ extern "C" __global__ void __launch_bounds__(WARPS2 * 32, MINB2) encode_pages_tp
     const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx,
     const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
     float rot_scale, const u32* __restrict__ table, const float* __restrict__ thresholds,
-    const float* __restrict__ centroids, u32 tab_bias) {
+    const float* __restrict__ centroids, u32 tab_bias, u32 tab_mul) {
     extern __shared__ __align__(16) u8 dsm[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = lane & 15, s = lane >> 4;
@@ -719,7 +723,7 @@ extern "C" __global__ void __launch_bounds__(WARPS2 * 32, MINB2) encode_pages_tp
         for (int j = 0; j < DH; j++) {
             const float y = v[j];
             const float z = fmaf(y, (float)QS, 12582912.0f);
-            const u32 a = (u32)__float_as_int(z) * 128u + tbase;
+            const u32 a = (u32)__float_as_int(z) * tab_mul + tbase;  // IMAD: keeps the ALU pipe free
 #if EDEN
             vec4u ent;
             asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(ent.x), "=r"(ent.y), "=r"(ent.z), "=r"(ent.w) : "r"(a));
@@ -727,16 +731,20 @@ extern "C" __global__ void __launch_bounds__(WARPS2 * 32, MINB2) encode_pages_tp
             vec2u ent;
             asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(ent.x), "=r"(ent.y) : "r"(a));
 #endif
-            const bool up = __uint_as_float(ent.x) < y;
+            // thr < y ⟺ RN(thr − y) < 0 (no ftz: distinct floats never differ by zero), so the
+            // cell is base + the sign bit: an FADD and one LEA.HI instead of compare + select.
+            const u32 code = ent.y + (__float_as_uint(__uint_as_float(ent.x) - y) >> 31);
+#if EDEN
+            const bool up = code != ent.y;
+#endif
 #if EDEN
             const float p = y * __uint_as_float(up ? ent.w : ent.z);
             if (j < 16) ipl[j] = 0.0f + p;
             else ipl[j & 15] = ipl[j & 15] + p;
 #endif
             const int g = j >> 4, bp = (j & 15) * BITS, w = bp >> 5, sh = bp & 31;
-            G[g][w] += ent.y << sh;
-            if (up) G[g][w] += 1u << sh;
-            if (sh + BITS > 32) G[g][w + 1] += (ent.y + (up ? 1u : 0u)) >> (32 - sh);
+            G[g][w] += code << sh;
+            if (sh + BITS > 32) G[g][w + 1] += code >> (32 - sh);
         }
         float scale = norm;
 #if EDEN

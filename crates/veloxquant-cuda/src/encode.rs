@@ -160,6 +160,8 @@ impl GpuEncoder {
             let n = n_jobs as i32;
             // −(bits(1.5·2^23) − QK − 1)·128: the cell table's bias (see kernels/encode.cu).
             let tab_bias = 0u32.wrapping_sub((0x4B40_0000u32 - BIN_QK as u32 - 1).wrapping_mul(128));
+            // Bytes per bin (32 words), as a run-time value so the kernel multiplies on the FMA pipe.
+            let tab_mul = 128u32;
             let grid = ((n_jobs * upj).div_ceil(self_warps) as u32).min(*max_grid);
             let cfg = LaunchConfig {
                 grid_dim: (grid, 1, 1),
@@ -177,7 +179,8 @@ impl GpuEncoder {
                 .arg(table)
                 .arg(&self.thresholds)
                 .arg(&self.centroids)
-                .arg(&tab_bias);
+                .arg(&tab_bias)
+                .arg(&tab_mul);
             // SAFETY: argument list matches encode_pages_tpr(2) in kernels/encode.cu; buffers are
             // sized by the callers as for encode_rows; the table has 2·QK+3 bins of 4 words.
             unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
