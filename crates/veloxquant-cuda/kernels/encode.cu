@@ -1,8 +1,13 @@
-// Fused encode: one warp per token row (grid: ceil(rows/8) blocks of 256 threads).
-// Lane l holds elements l, l+32, … (the canonical reduction order of reduce.rs), so norms,
-// the Hadamard butterflies and the EDEN dot round exactly as on the CPU (--fmad=false).
+// Fused encode, three kernels, all bit-identical to the CPU (--fmad=false):
+// - encode_rows: one warp per token row (grid: ceil(rows/8) blocks of 256 threads). Lane l
+//   holds elements l, l+32, … (the canonical reduction order of reduce.rs). Used for fp16,
+//   for pages of T != 32 tokens, and for the rare rows the fast kernels hand back.
+// - encode_pages_tpr: one warp per 32-token page, one lane per row (q8_0, q4_0; codes when
+//   encode_pages_tpr2 is off).
+// - encode_pages_tpr2: two lanes per row (turboquant_mse codes).
 // Defines: D, T, KIND (0 fp16, 1 q8_0, 2 q4_0, 3 codes), BITS, ROT, EDEN, IN_KIND
-// (0 f32, 1 f16, 2 bf16), ROW_BYTES, PAGE_BYTES.
+// (0 f32, 1 f16, 2 bf16), ROW_BYTES, PAGE_BYTES; for the page kernels WARPS/MINB (tpr),
+// WARPS2/MINB2 (tpr2), PF (cp.async prefetch), LOCKSTEP, QK/QS (cell table).
 #define EPL (D / 32)
 #define NTHR ((1 << BITS) - 1)
 
