@@ -206,9 +206,30 @@ impl GpuEncoder {
 
     /// Host convenience (tests): encode `n_pages` pages of f32 input, pages returned in order.
     pub fn encode_pages_f32(&self, x: &[f32]) -> Result<Vec<u8>> {
-        let per = self.fmt.t * self.fmt.d;
-        if self.input != InputKind::F32 || !x.len().is_multiple_of(per) {
+        if self.input != InputKind::F32 {
+            let per = self.fmt.t * self.fmt.d;
             return Err(CudaError::ShapeMismatch { op: "encode_pages_f32", expected: per, got: x.len() });
+        }
+        self.encode_pages_host(x, "encode_pages_f32")
+    }
+
+    /// Host convenience (tests): as [`Self::encode_pages_f32`] for f16 input (bits).
+    pub fn encode_pages_f16(&self, x: &[u16]) -> Result<Vec<u8>> {
+        if self.input != InputKind::F16 {
+            let per = self.fmt.t * self.fmt.d;
+            return Err(CudaError::ShapeMismatch { op: "encode_pages_f16", expected: per, got: x.len() });
+        }
+        self.encode_pages_host(x, "encode_pages_f16")
+    }
+
+    fn encode_pages_host<X: cudarc::driver::DeviceRepr + Default + Clone + Unpin>(
+        &self,
+        x: &[X],
+        op: &'static str,
+    ) -> Result<Vec<u8>> {
+        let per = self.fmt.t * self.fmt.d;
+        if !x.len().is_multiple_of(per) {
+            return Err(CudaError::ShapeMismatch { op, expected: per, got: x.len() });
         }
         let n = x.len() / per;
         let s = &self.dev.stream;
