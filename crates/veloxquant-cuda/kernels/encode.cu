@@ -222,13 +222,14 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 __device__ __forceinline__ void stage_rows_async(const void* x, int job, const float* sg, u8* buf, int lane) {
     const u8* src = (const u8*)x + (size_t)job * 32 * ROW_IN;
     const u32 sb = smem_addr(buf);
+    // Chunk c = lane + 32 i: row c / CPR = lane / CPR + i·(32 / CPR) (CPR divides 32), column
+    // lane % CPR: one base address per lane, immediate offsets per i.
+    const u32 sl = sb + (lane / CPR) * RS + (lane % CPR) * 16;
+    const u8* sp = src + 16 * lane;
 #pragma unroll
-    for (int i = 0; i < CPR; i++) {
-        const int c = lane + 32 * i;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sb + (c / CPR) * RS + (c % CPR) * 16),
-                     "l"(src + 16 * c)
+    for (int i = 0; i < CPR; i++)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sl + i * (32 / CPR) * RS), "l"(sp + 512 * i)
                      : "memory");
-    }
 #if ROT
     for (int c = lane; c < D / 4; c += 32)
         asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(sb + STAGE + 16 * c), "l"(sg + 4 * c)
@@ -555,13 +556,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 __device__ __forceinline__ void stage_half_async(const void* x, int unit, const float* sg, u8* buf, int lane) {
     const u8* src = (const u8*)x + (size_t)unit * 16 * ROW_IN;
     const u32 sb = smem_addr(buf);
+    // Chunk c = lane + 32 i: row c / CPR = lane / CPR + i·(32 / CPR) (CPR divides 32), column
+    // lane % CPR: one base address per lane, immediate offsets per i.
+    const u32 sl = sb + (lane / CPR) * RS + (lane % CPR) * 16;
+    const u8* sp = src + 16 * lane;
 #pragma unroll
-    for (int i = 0; i < CPR / 2; i++) {
-        const int c = lane + 32 * i;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sb + (c / CPR) * RS + (c % CPR) * 16),
-                     "l"(src + 16 * c)
+    for (int i = 0; i < CPR / 2; i++)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sl + i * (32 / CPR) * RS), "l"(sp + 512 * i)
                      : "memory");
-    }
 #if ROT
     for (int c = lane; c < D / 4; c += 32)
         asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(sb + STAGE2 + 16 * c), "l"(sg + 4 * c)
