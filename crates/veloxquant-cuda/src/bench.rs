@@ -88,6 +88,19 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
         let (signs, sc) = gf.signs_or_ones();
         let sd = s.clone_htod(&signs).expect("htod");
         let us = time_us(dev, 3, 20, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd, sc))?;
+        // The warp-per-row kernel (bit-identical to the CPU): its time, and whether the pages
+        // match byte for byte on these 2M f16 vectors.
+        let (mut us_warp, mut mismatched_pages) = (us, 0usize);
+        if enc.thread_per_row() {
+            let mut legacy = GpuEncoder::new(dev, &gf, InputKind::F16)?;
+            legacy.force_warp_per_row();
+            let mut pool2 = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
+            us_warp = time_us(dev, 3, 20, |_| legacy.launch(&x, jobs, &pid, &hid, &mut pool2, &sd, sc))?;
+            let a = s.clone_dtoh(&pool).expect("dtoh");
+            let b = s.clone_dtoh(&pool2).expect("dtoh");
+            mismatched_pages =
+                a.chunks_exact(gf.page_bytes).zip(b.chunks_exact(gf.page_bytes)).filter(|(p, q)| p != q).count();
+        }
         let in_bytes = (n_vec * D * 2) as f64;
         let out_bytes = (jobs * gf.page_bytes) as f64;
         let moved = (in_bytes + out_bytes) / us / 1e6;
@@ -95,14 +108,39 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
             "format": f, "vectors": n_vec, "d": D, "input": "f16", "us": us,
             "input_gbps": in_bytes / us / 1e3, "moved_tbps": moved,
             "bw_fraction": moved / copy_tbps, "read_bw_fraction_input": (in_bytes / us / 1e6) / read_tbps,
+            "thread_per_row": enc.thread_per_row(), "kernel": enc.kernel(), "us_warp_per_row": us_warp,
+            "pages_differing_from_warp_per_row": mismatched_pages,
         }));
         eprintln!(
-            "encode {f:>22}: {us:8.1} µs  {:7.1} GB/s input  {:.2} of copy bw",
+            "encode {f:>22}: {us:8.1} µs  {:7.1} GB/s input  {:.2} of copy bw  [{}] (warp-per-row {us_warp:.1} µs, {mismatched_pages} pages differ)",
             in_bytes / us / 1e3,
-            moved / copy_tbps
+            moved / copy_tbps,
+            enc.kernel()
         );
     }
     Ok(rows)
+}
+
+/// `encode FORMAT [REPS]`: REPS launches of the encoder on 2M f16 vectors (for profilers).
+fn encode_only(args: &[String]) -> Result<()> {
+    let f = args.get(2).map(String::as_str).unwrap_or("turboquant_mse:4");
+    let reps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(3);
+    let dev = GpuDevice::new(0)?;
+    let (n_vec, t) = (1usize << 21, 32);
+    let jobs = n_vec / t;
+    let s = dev.stream.clone();
+    let mut x = s.alloc_zeros::<u16>(n_vec * D).expect("alloc");
+    fill_normal_f16(&dev, &mut x, n_vec * D, 3)?;
+    let pid = s.clone_htod(&(0..jobs as i32).collect::<Vec<_>>()).expect("htod");
+    let hid = s.clone_htod(&vec![0i32; jobs]).expect("htod");
+    let gf = GpuFormat::new(&FormatSpec::parse(f)?, D, t, 11)?;
+    let enc = GpuEncoder::new(&dev, &gf, InputKind::F16)?;
+    let mut pool = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
+    let (signs, sc) = gf.signs_or_ones();
+    let sd = s.clone_htod(&signs).expect("htod");
+    let us = time_us(&dev, 1, reps, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd, sc))?;
+    eprintln!("encode {f}: {us:.1} µs (median of {reps}) [{}]", enc.kernel());
+    Ok(())
 }
 
 fn decode_rows(dev: &Arc<GpuDevice>, iters: usize, read_tbps: f64, opts: DecodeOptions) -> Result<Vec<Value>> {
@@ -182,7 +220,8 @@ fn run(args: &[String]) -> Result<()> {
     eprintln!("device: {dev:?}, {} SMs", dev.sm_count);
     let (read_tbps, copy_tbps) = bandwidth(&dev)?;
     eprintln!("read probe {read_tbps:.2} TB/s, device copy {copy_tbps:.2} TB/s (read+write)");
-    let decode = decode_rows(&dev, iters, read_tbps, opts)?;
+    let decode =
+        if args.iter().any(|a| a == "--no-decode") { vec![] } else { decode_rows(&dev, iters, read_tbps, opts)? };
     let encode =
         if args.iter().any(|a| a == "--no-encode") { vec![] } else { encode_rows(&dev, read_tbps, copy_tbps)? };
     let v = json!({
@@ -266,15 +305,21 @@ fn report(args: &[String]) {
     }
     let enc = ours.first().map(|o| o["encode"].clone()).unwrap_or(Value::Null);
     if let Some(list) = enc.as_array() {
-        println!("\n| encode format (2M vectors, d=128, f16 in) | µs | GB/s input | of copy bw (in+out) |");
-        println!("|---|---|---|---|");
+        println!(
+            "\n| encode format (2M vectors, d=128, f16 in) | kernel | µs | GB/s input | of copy bw (in+out) | warp-per-row µs | pages ≠ warp-per-row |"
+        );
+        println!("|---|---|---|---|---|---|---|");
         for e in list {
+            let kernel = e["kernel"].as_str().unwrap_or("warp/row");
             println!(
-                "| {} | {:.1} | {:.0} | {:.0} % |",
+                "| {} | {} | {:.1} | {:.0} | {:.0} % | {:.1} | {} |",
                 e["format"].as_str().unwrap_or(""),
+                kernel,
                 e["us"].as_f64().unwrap_or(0.0),
                 e["input_gbps"].as_f64().unwrap_or(0.0),
-                100.0 * e["bw_fraction"].as_f64().unwrap_or(0.0)
+                100.0 * e["bw_fraction"].as_f64().unwrap_or(0.0),
+                e["us_warp_per_row"].as_f64().unwrap_or(0.0),
+                e["pages_differing_from_warp_per_row"].as_u64().unwrap_or(0)
             );
         }
     }
@@ -308,8 +353,17 @@ pub fn main_with_args(args: &[String]) -> i32 {
             report(args);
             0
         }
+        Some("encode") => match encode_only(args) {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("error: {e}");
+                1
+            }
+        },
         _ => {
-            eprintln!("usage: bench cuda run --out FILE [--iters N] | report --ours A[,B] --peer P[,Q] --out FILE");
+            eprintln!(
+                "usage: bench cuda run --out FILE [--iters N] | report --ours A[,B] --peer P[,Q] --out FILE | encode FORMAT [REPS]"
+            );
             2
         }
     }

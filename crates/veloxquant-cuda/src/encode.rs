@@ -1,5 +1,8 @@
-//! Fused encode on the GPU: norm → rotation → quantize → pack → side info, one warp per
-//! token row, bit-identical to the CPU's `encode_page`.
+//! Fused encode on the GPU: norm → rotation → quantize → pack → side info, bit-identical to
+//! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0 and
+//! turboquant_mse codes use the thread-per-row kernel (`encode_pages_tpr`: one warp per
+//! page, one lane per row, all in registers); fp16 and other page sizes use one warp per row
+//! (`encode_rows`).
 
 use std::sync::Arc;
 
@@ -7,7 +10,17 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
-use crate::format::GpuFormat;
+use crate::format::{GpuFormat, KernelKind, BIN_QK, BIN_QS};
+
+/// Warps (pages) per block of the thread-per-row kernel.
+fn tpr_warps() -> usize {
+    env_knob("VELOXQUANT_ENCODE_WARPS", 4).clamp(1, 16) as usize
+}
+
+/// A tuning override from the environment (benchmarks), else `default`.
+fn env_knob(name: &str, default: i64) -> i64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
 
 /// Element type of the encoder's input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,10 +37,18 @@ pub struct GpuEncoder {
     func: CudaFunction,
     thresholds: CudaSlice<f32>,
     centroids: CudaSlice<f32>,
+    /// Thread-per-row kernel, its cell table, dynamic shared bytes, grid cap, warps per block
+    /// and warp work units per page (1, or 2 for the two-threads-per-row kernel).
+    tpr: Option<(CudaFunction, CudaSlice<u32>, u32, u32, usize, usize)>,
 }
 
 impl GpuEncoder {
     pub fn new(dev: &Arc<GpuDevice>, fmt: &GpuFormat, input: InputKind) -> Result<Self> {
+        let self_warps = tpr_warps();
+        let pf = if dev.compute_capability.0 >= 8 { env_knob("VELOXQUANT_ENCODE_PF", 1) } else { 0 };
+        // turboquant_mse codes: two threads per row (half the registers, twice the warps).
+        let two_per_row = fmt.kind == KernelKind::Codes && pf != 0 && env_knob("VELOXQUANT_ENCODE_TPR2", 1) != 0;
+        let warps2 = env_knob("VELOXQUANT_ENCODE_WARPS2", 8).clamp(1, 16) as usize;
         let defines = [
             ("D", fmt.d as i64),
             ("T", fmt.t as i64),
@@ -38,9 +59,55 @@ impl GpuEncoder {
             ("IN_KIND", input as i64),
             ("ROW_BYTES", fmt.row_bytes as i64),
             ("PAGE_BYTES", fmt.page_bytes as i64),
+            ("WARPS", self_warps as i64),
+            // Keep a block's warps in step (one barrier per page) to share instruction fetch.
+            ("LOCKSTEP", env_knob("VELOXQUANT_ENCODE_LOCKSTEP", 0)),
+            // Blocks per SM the register allocation must allow (2: up to 255 registers, 8 warps).
+            ("MINB", env_knob("VELOXQUANT_ENCODE_MINB", 2)),
+            // Prefetch the next page's rows by cp.async into a second stage (sm_80+).
+            ("PF", pf),
+            ("WARPS2", warps2 as i64),
+            ("MINB2", env_knob("VELOXQUANT_ENCODE_MINB2", 2)),
+            ("QK", BIN_QK as i64),
+            ("QS", BIN_QS as i64),
         ];
         let func = dev.function(Family::Encode, &defines, "encode_rows")?;
         let s = &dev.stream;
+        let use_tpr = fmt.t == 32
+            && match fmt.kind {
+                KernelKind::F16 => false,
+                KernelKind::Q8_0 | KernelKind::Q4_0 => true,
+                KernelKind::Codes => fmt.bins.is_some(),
+            };
+        let tpr = if use_tpr {
+            let (name, warps, rows, upj) = if two_per_row {
+                ("encode_pages_tpr2", warps2, 16, 2)
+            } else {
+                ("encode_pages_tpr", self_warps, 32, 1)
+            };
+            let f = dev.function(Family::Encode, &defines, name)?;
+            let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
+            let stage = rows * (fmt.d * in_bytes + 16);
+            let table_bytes = if fmt.kind == KernelKind::Codes { (2 * BIN_QK as usize + 3) * 128 } else { 0 };
+            let stages = if pf != 0 { 2 } else { 1 };
+            // With the prefetch, each stage also holds the page's rotation signs.
+            let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.d } else { 0 };
+            let smem = (table_bytes + warps * stages * (stage + signs_bytes)) as u32;
+            f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .map_err(drv("set_attribute"))?;
+            let per_sm = f
+                .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem as usize, None)
+                .map_err(drv("occupancy"))?
+                .max(1);
+            let table = fmt.bins.clone().unwrap_or_else(|| vec![0u32; 4]);
+            let td = s.clone_htod(&table).map_err(drv("htod"))?;
+            Some((f, td, smem, per_sm * dev.sm_count as u32, warps, upj))
+        } else {
+            None
+        };
         Ok(Self {
             dev: dev.clone(),
             fmt: fmt.clone(),
@@ -48,7 +115,27 @@ impl GpuEncoder {
             func,
             thresholds: s.clone_htod(&fmt.thresholds).map_err(drv("htod"))?,
             centroids: s.clone_htod(&fmt.centroids).map_err(drv("htod"))?,
+            tpr,
         })
+    }
+
+    /// Use the warp-per-row kernel even where the thread-per-row one applies (benchmarks).
+    pub fn force_warp_per_row(&mut self) {
+        self.tpr = None;
+    }
+
+    /// The kernel launches use: "warp/row", "thread/row" or "2 threads/row".
+    pub fn kernel(&self) -> &'static str {
+        match &self.tpr {
+            None => "warp/row",
+            Some((.., 1)) => "thread/row",
+            Some(_) => "2 threads/row",
+        }
+    }
+
+    /// Whether launches use the thread-per-row kernel.
+    pub fn thread_per_row(&self) -> bool {
+        self.tpr.is_some()
     }
 
     /// Launch: `x` holds `page_idx.len()` jobs of T rows each (in the input kind); job j is
@@ -66,6 +153,37 @@ impl GpuEncoder {
     ) -> Result<()> {
         let n_rows = (n_jobs * self.fmt.t) as i32;
         if n_rows == 0 {
+            return Ok(());
+        }
+        if let Some((f, table, smem, max_grid, warps, upj)) = &self.tpr {
+            let self_warps = *warps;
+            let n = n_jobs as i32;
+            // −(bits(1.5·2^23) − QK − 1)·128: the cell table's bias (see kernels/encode.cu).
+            let tab_bias = 0u32.wrapping_sub((0x4B40_0000u32 - BIN_QK as u32 - 1).wrapping_mul(128));
+            // Bytes per bin (32 words), as a run-time value so the kernel multiplies on the FMA pipe.
+            let tab_mul = 128u32;
+            let grid = ((n_jobs * upj).div_ceil(self_warps) as u32).min(*max_grid);
+            let cfg = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: ((self_warps * 32) as u32, 1, 1),
+                shared_mem_bytes: *smem,
+            };
+            let mut b = self.dev.stream.launch_builder(f);
+            b.arg(x)
+                .arg(&n)
+                .arg(page_idx)
+                .arg(head_idx)
+                .arg(pool)
+                .arg(signs)
+                .arg(&rot_scale)
+                .arg(table)
+                .arg(&self.thresholds)
+                .arg(&self.centroids)
+                .arg(&tab_bias)
+                .arg(&tab_mul);
+            // SAFETY: argument list matches encode_pages_tpr(2) in kernels/encode.cu; buffers are
+            // sized by the callers as for encode_rows; the table has 2·QK+3 bins of 4 words.
+            unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
             return Ok(());
         }
         let cfg =
@@ -88,9 +206,30 @@ impl GpuEncoder {
 
     /// Host convenience (tests): encode `n_pages` pages of f32 input, pages returned in order.
     pub fn encode_pages_f32(&self, x: &[f32]) -> Result<Vec<u8>> {
-        let per = self.fmt.t * self.fmt.d;
-        if self.input != InputKind::F32 || !x.len().is_multiple_of(per) {
+        if self.input != InputKind::F32 {
+            let per = self.fmt.t * self.fmt.d;
             return Err(CudaError::ShapeMismatch { op: "encode_pages_f32", expected: per, got: x.len() });
+        }
+        self.encode_pages_host(x, "encode_pages_f32")
+    }
+
+    /// Host convenience (tests): as [`Self::encode_pages_f32`] for f16 input (bits).
+    pub fn encode_pages_f16(&self, x: &[u16]) -> Result<Vec<u8>> {
+        if self.input != InputKind::F16 {
+            let per = self.fmt.t * self.fmt.d;
+            return Err(CudaError::ShapeMismatch { op: "encode_pages_f16", expected: per, got: x.len() });
+        }
+        self.encode_pages_host(x, "encode_pages_f16")
+    }
+
+    fn encode_pages_host<X: cudarc::driver::DeviceRepr + Default + Clone + Unpin>(
+        &self,
+        x: &[X],
+        op: &'static str,
+    ) -> Result<Vec<u8>> {
+        let per = self.fmt.t * self.fmt.d;
+        if !x.len().is_multiple_of(per) {
+            return Err(CudaError::ShapeMismatch { op, expected: per, got: x.len() });
         }
         let n = x.len() / per;
         let s = &self.dev.stream;

@@ -34,6 +34,50 @@ pub struct GpuFormat {
     pub centroids: Vec<f32>,
     /// Centroids as f16 bits, padded to 16 (decode table).
     pub table_f16: [u16; 16],
+    /// Lloyd-Max cell lookup for the thread-per-row encoder (codes only; `None` when some bin
+    /// of width 1/`BIN_QS` would hold two thresholds): see [`bin_table`].
+    pub bins: Option<Vec<u32>>,
+}
+
+/// Bins per unit of y in the encoder's cell table, and the bins either side of zero.
+pub const BIN_QS: u32 = 128;
+pub const BIN_QK: i32 = 129;
+
+/// The encoder's cell table over y = r/‖r‖ ∈ [−1, 1]: bin i (i = round(y·BIN_QS) + BIN_QK + 1,
+/// exactly as the kernel computes it) holds 4 words [thr, base, centroid(base),
+/// centroid(base + 1)] such that the CPU's code, the count of thresholds strictly below y,
+/// is `base + (thr < y)` for every y in the bin (thr = +inf when the bin holds none).
+/// `None` if a bin holds two thresholds.
+pub fn bin_table(thresholds: &[f32], centroids: &[f32]) -> Option<Vec<u32>> {
+    let nb = (2 * BIN_QK + 3) as usize;
+    let qs = BIN_QS as f64;
+    let mut out = Vec::with_capacity(nb * 4);
+    for i in 0..nb {
+        let b = i as i32 - BIN_QK - 1;
+        // All y that round to b (ties either way, so both ends are included); the end bins
+        // are open.
+        let lo = if i == 0 { f64::NEG_INFINITY } else { (b as f64 - 0.5) / qs };
+        let hi = if i == nb - 1 { f64::INFINITY } else { (b as f64 + 0.5) / qs };
+        let inside: Vec<f32> = thresholds.iter().copied().filter(|&t| (t as f64) >= lo && (t as f64) <= hi).collect();
+        if inside.len() > 1 {
+            return None;
+        }
+        let base = thresholds.iter().filter(|&&t| (t as f64) < lo).count();
+        let thr = inside.first().copied().unwrap_or(f32::INFINITY);
+        let c_lo = centroids[base.min(centroids.len() - 1)];
+        let c_hi = centroids[(base + 1).min(centroids.len() - 1)];
+        out.extend_from_slice(&[thr.to_bits(), base as u32, c_lo.to_bits(), c_hi.to_bits()]);
+    }
+    Some(out)
+}
+
+/// The kernel's lookup, on the CPU (tests): the code of y and its centroid.
+pub fn bin_lookup(table: &[u32], y: f32) -> (u32, f32) {
+    let z = y * BIN_QS as f32 + 12_582_912.0f32;
+    let i = (z.to_bits() as i32 - (0x4B40_0000 - BIN_QK - 1)) as usize;
+    let e = &table[4 * i..4 * i + 4];
+    let up = f32::from_bits(e[0]) < y;
+    (e[1] + up as u32, f32::from_bits(if up { e[3] } else { e[2] }))
 }
 
 impl GpuFormat {
@@ -72,6 +116,7 @@ impl GpuFormat {
         for (o, c) in table_f16.iter_mut().zip(&centroids) {
             *o = f16::from_f32(*c).to_bits();
         }
+        let bins = if kind == KernelKind::Codes { bin_table(&thresholds, &centroids) } else { None };
         Ok(Self {
             spec: spec.clone(),
             kind,
@@ -85,6 +130,7 @@ impl GpuFormat {
             thresholds,
             centroids,
             table_f16,
+            bins,
         })
     }
 

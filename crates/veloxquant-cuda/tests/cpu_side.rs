@@ -34,3 +34,70 @@ fn missing_cuda_is_an_error_not_a_panic() {
         Err(e) => eprintln!("no GPU (expected on CI): {e}; libraries: {present:?}"),
     }
 }
+
+/// The thread-per-row encoder's cell table gives the CPU's code (and centroid) for every y:
+/// random y, every threshold and its float neighbours, every bin edge and its neighbours.
+#[test]
+fn bin_table_matches_cpu_quantize() {
+    use veloxquant::codebook::ScaledCodebook;
+    use veloxquant_cuda::format::{bin_lookup, bin_table, BIN_QK, BIN_QS};
+    let mut rng = veloxquant::rng::SplitMix64::new(5);
+    for bits in 1..=4u32 {
+        for d in [64usize, 128] {
+            let cb = ScaledCodebook::new(bits, d);
+            let table = bin_table(&cb.thresholds, &cb.centroids).expect("one threshold per bin");
+            let mut ys: Vec<f32> = Vec::new();
+            let near = |x: f32, ys: &mut Vec<f32>| {
+                for k in -3i32..=3 {
+                    ys.push(f32::from_bits((x.to_bits() as i32 + k) as u32));
+                    ys.push(-f32::from_bits((x.to_bits() as i32 + k) as u32));
+                }
+            };
+            for &t in &cb.thresholds {
+                near(t, &mut ys);
+            }
+            for b in -(BIN_QK + 1)..=(BIN_QK + 1) {
+                near((b as f32 + 0.5) / BIN_QS as f32, &mut ys);
+            }
+            for _ in 0..200_000 {
+                ys.push((rng.next_gaussian() as f32) / (d as f32).sqrt());
+                ys.push((rng.next_f64() as f32) * 2.0 - 1.0);
+            }
+            ys.extend_from_slice(&[0.0, -0.0, 1.0, -1.0, 1.0e-30, -1.0e-30, 1.0000001, -1.0000001]);
+            for y in ys.into_iter().filter(|y| y.abs() <= 1.001) {
+                let (code, c) = bin_lookup(&table, y);
+                assert_eq!(code as u8, cb.quantize(y), "bits {bits} d {d} y {y:e}");
+                assert_eq!(c, cb.centroids[code as usize]);
+            }
+        }
+    }
+}
+
+/// y = RN(v/n) through the correctly rounded reciprocal and one Markstein step, as the
+/// encoder computes it, over the range it is used in (n ∈ [2^-40, 2^40], |v| ≥ n·2^-60).
+#[test]
+fn markstein_division_is_correctly_rounded() {
+    let mut rng = veloxquant::rng::SplitMix64::new(11);
+    let mut checked = 0u64;
+    for i in 0..3_000_000u64 {
+        let n = f32::from_bits(rng.next_u64() as u32 & 0x007F_FFFF | 0x3F80_0000)
+            * 2f32.powi((rng.next_u64() % 81) as i32 - 40);
+        let mant = f32::from_bits(rng.next_u64() as u32 & 0x007F_FFFF | 0x3F80_0000);
+        let e = -((rng.next_u64() % 61) as i32) - if i % 3 == 0 { 0 } else { 1 };
+        let mut v = n * mant * 2f32.powi(e);
+        if v.abs() > n {
+            v = n * 0.5;
+        }
+        if v.abs() < n * 2f32.powi(-60) {
+            continue;
+        }
+        let v = if i % 2 == 0 { v } else { -v };
+        let r = 1.0f32 / n;
+        let y0 = v * r;
+        let rem = (-y0).mul_add(n, v);
+        let y = rem.mul_add(r, y0);
+        assert_eq!(y.to_bits(), (v / n).to_bits(), "v {v:e} n {n:e}");
+        checked += 1;
+    }
+    assert!(checked > 1_000_000);
+}

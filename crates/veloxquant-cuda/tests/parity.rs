@@ -67,6 +67,49 @@ fn awkward_rows(rng: &mut SplitMix64, n_rows: usize, d: usize) -> Vec<f32> {
     x
 }
 
+/// f16 input (what the cache feeds the encoder), with the same awkward rows rounded to f16:
+/// exact zeros after the rotation, f16 subnormals, ties; bit-identical to the CPU on the
+/// f32 values of those f16s.
+#[test]
+fn encode_f16_input_bit_identical_to_cpu() {
+    let Some(dev) = device() else { return };
+    let t = 32;
+    let mut checked = 0;
+    let mut failures = Vec::new();
+    for spec in all_specs() {
+        for d in [64usize, 128] {
+            let seed = 0x4321 + d as u64;
+            let gf = match GpuFormat::new(&spec, d, t, seed) {
+                Ok(f) => f,
+                Err(veloxquant_cuda::CudaError::UnsupportedFormat { .. }) => continue,
+                Err(e) => panic!("{spec} d={d}: {e}"),
+            };
+            let cpu = spec.build(&FormatCtx::new(d, t, Stream::Values, seed)).unwrap();
+            let enc = GpuEncoder::new(&dev, &gf, InputKind::F16).unwrap();
+            let mut rng = SplitMix64::new(seed ^ 99);
+            let n_pages = 8;
+            let x16: Vec<u16> =
+                awkward_rows(&mut rng, n_pages * t, d).iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            let x: Vec<f32> = x16.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+            let got = enc.encode_pages_f16(&x16).unwrap();
+            let pb = cpu.page_bytes();
+            let mut want = vec![0u8; pb];
+            let bad = (0..n_pages).find(|&p| {
+                cpu.encode_page(&x[p * t * d..(p + 1) * t * d], &mut want).unwrap();
+                got[p * pb..(p + 1) * pb] != want[..]
+            });
+            if let Some(p) = bad {
+                eprintln!("MISMATCH (f16 input) {spec} d={d} page {p} [{}]", enc.kernel());
+                failures.push(format!("{spec} d={d}"));
+                continue;
+            }
+            checked += 1;
+        }
+    }
+    eprintln!("encode parity (f16 input): {checked} (format, d) cases bit-identical; failures: {failures:?}");
+    assert!(failures.is_empty(), "encode mismatches (f16 input): {failures:?}");
+}
+
 #[test]
 fn encode_bit_identical_to_cpu() {
     let Some(dev) = device() else { return };
