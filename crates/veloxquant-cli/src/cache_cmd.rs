@@ -88,13 +88,15 @@ fn save(file: &PathBuf, args: &ModelArgs, prompt: &str, method: &str, max_tokens
         ]
         .into(),
     };
+    let t0 = std::time::Instant::now();
     let mut w = BufWriter::new(File::create(file).map_err(|e| format!("{}: {e}", file.display()))?);
     let bytes = store.cache().save(&mut w, &info)?;
     drop(w);
     println!(
-        "saved {} tokens ({method}) to {}: {bytes} B on disk, {} B resident",
+        "saved {} tokens ({method}) to {} in {:.1} ms: {bytes} B on disk, {} B resident",
         context.len(),
         file.display(),
+        t0.elapsed().as_secs_f64() * 1e3,
         store.resident_bytes()
     );
     if max_tokens > 0 {
@@ -113,14 +115,16 @@ fn load(file: &PathBuf, args: &ModelArgs, max_tokens: usize) -> AnyResult {
         head_dim: Some(c.head_dim),
         model: Some(model_fingerprint(&path)?),
     };
+    let t0 = std::time::Instant::now();
     let (cache, info) = open(file, &check)?;
+    let load_ms = t0.elapsed().as_secs_f64() * 1e3;
     let meta = |k: &str| info.user.get(k).ok_or_else(|| format!("{}: no {k:?} in the file's metadata", file.display()));
     let next: u32 = meta("next_token")?.parse().map_err(|e| format!("next_token: {e}"))?;
     let n_ctx = meta("context_ids")?.split(',').filter(|s| !s.is_empty()).count();
     if cache.n_tokens(0)? != n_ctx {
         return Err(format!("the cache holds {} tokens, its metadata names {n_ctx}", cache.n_tokens(0)?).into());
     }
-    println!("loaded {n_ctx} tokens ({}) from {}", meta("method")?, file.display());
+    println!("loaded {n_ctx} tokens ({}) from {} in {load_ms:.1} ms (checked)", meta("method")?, file.display());
     let mut store = CompressedStore::from_cache(cache);
     continue_and_print(&model, &tok, next, max_tokens, &mut store)
 }
