@@ -155,8 +155,9 @@ impl StreamStore {
     /// then sinks. Kept tokens keep their stored form — fp16 stays fp16, codes stay the bytes
     /// decode produced — so attention over them is unchanged; afterwards the tail may hold
     /// fewer than R tokens until appends refill it. In row mode a partly trimmed page stays
-    /// as the open page. In page mode (codes depend on the whole page, e.g. KIVI's
-    /// per-channel scales) a partly trimmed page cannot be kept: its surviving rows return
+    /// as the open page. In page mode (formats encoded a page at a time; for KIVI the codes
+    /// depend on the whole page's per-channel scales) a partly trimmed page is not kept, since
+    /// it could not be completed by appends: its surviving rows return
     /// to the fp16 tail as the format decodes them, the one lossy step (the exact values
     /// are gone; keeping them would cost an fp16 copy of every page).
     pub(crate) fn trim(&mut self, n: usize) -> Result<()> {
