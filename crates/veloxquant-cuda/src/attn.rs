@@ -8,10 +8,54 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use crate::cache::GpuPagedCache;
 use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
-use crate::format::GpuFormat;
+use crate::format::{GpuFormat, KernelKind};
 
 /// Warps per decode block (each owns pages of the block's split in turn).
 pub const NWARPS: usize = 4;
+
+fn env_knob(name: &str, default: i64) -> i64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Whether the decode kernel's FAST path (2/4-bit codes dequantized in registers) applies.
+fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
+    kf.kind == KernelKind::Codes
+        && vf.kind == KernelKind::Codes
+        && matches!(kf.bits, 2 | 4)
+        && matches!(vf.bits, 2 | 4)
+        && (kf.bits == 2 || vf.bits == 2 || kf.table_f16 == vf.table_f16)
+}
+
+/// The pipelined FAST path: pages streamed through a per-warp ring of `stages` slots in
+/// dynamic shared memory by cp.async. Tuning overrides (benchmarks only):
+/// `VELOXQUANT_DECODE_PIPE` (0 = the register-prefetch kernel), `_STAGES`, `_WARPS`, `_LAZY`.
+#[derive(Clone, Copy, Debug)]
+struct Pipe {
+    on: bool,
+    stages: usize,
+    warps: usize,
+    lazy: bool,
+}
+
+impl Pipe {
+    fn new(kf: &GpuFormat, vf: &GpuFormat) -> Self {
+        let on = fast_path(kf, vf) && env_knob("VELOXQUANT_DECODE_PIPE", 1) != 0;
+        Self {
+            on,
+            stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
+            warps: if on { env_knob("VELOXQUANT_DECODE_WARPS", NWARPS as i64).clamp(1, 16) as usize } else { NWARPS },
+            lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
+        }
+    }
+    /// Dynamic shared memory of one block.
+    fn smem(&self, kf: &GpuFormat, vf: &GpuFormat) -> usize {
+        if !self.on {
+            return 0;
+        }
+        let slot = kf.page_bytes.div_ceil(128) * 128 + vf.page_bytes.div_ceil(128) * 128;
+        self.warps * self.stages * slot
+    }
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeOptions {
@@ -35,6 +79,8 @@ pub struct DecodePlan {
     pub pages_per_split: usize,
     pub q: CudaSlice<f32>,
     pub out: CudaSlice<f32>,
+    pub nwarps: usize,
+    smem: u32,
     qprep: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
@@ -72,13 +118,32 @@ impl DecodePlan {
         let g = n_q_heads / cfg.n_kv_heads;
         let d = cfg.head_dim;
         let (kf, vf) = (&cache.k.fmt, &cache.v.fmt);
-        let mut defs: Vec<(String, i64)> =
-            vec![("D".into(), d as i64), ("T".into(), 32), ("G".into(), g as i64), ("NWARPS".into(), NWARPS as i64)];
+        let pipe = Pipe::new(kf, vf);
+        let mut defs: Vec<(String, i64)> = vec![
+            ("D".into(), d as i64),
+            ("T".into(), 32),
+            ("G".into(), g as i64),
+            ("NWARPS".into(), pipe.warps as i64),
+        ];
         defs.extend(kind_defines('K', kf));
         defs.extend(kind_defines('V', vf));
         defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
+        if pipe.on {
+            defs.push(("PIPE".into(), 1));
+            defs.push(("STAGES".into(), pipe.stages as i64));
+            defs.push(("LAZYF".into(), pipe.lazy as i64));
+        }
         let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
+        let smem = pipe.smem(kf, vf);
+        if smem > 0 {
+            f_decode
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(drv("set_attribute"))?;
+        }
         let adefs = [
             ("D", d as i64),
             ("G", g as i64),
@@ -93,7 +158,7 @@ impl DecodePlan {
         // Whole waves: as many blocks as fit at once (the kernel's occupancy, capped by
         // blocks_per_sm), rounded down to a multiple of the (sequence, KV head) rows.
         let resident = f_decode
-            .occupancy_max_active_blocks_per_multiprocessor((NWARPS * 32) as u32, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor((pipe.warps * 32) as u32, smem, None)
             .map(|n| n as usize)
             .unwrap_or(opts.blocks_per_sm)
             .clamp(1, opts.blocks_per_sm.max(1));
@@ -109,6 +174,8 @@ impl DecodePlan {
             group: g,
             n_splits,
             pages_per_split: pps,
+            nwarps: pipe.warps,
+            smem: smem as u32,
             q: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             out: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
@@ -136,8 +203,8 @@ impl DecodePlan {
         let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
         let cfg_dec = LaunchConfig {
             grid_dim: (self.n_splits as u32, hk as u32, b),
-            block_dim: ((NWARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
+            block_dim: ((self.nwarps * 32) as u32, 1, 1),
+            shared_mem_bytes: self.smem,
         };
         let mut l = s.launch_builder(&self.f_decode);
         l.arg(&self.qprep)
