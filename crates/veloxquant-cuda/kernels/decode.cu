@@ -338,6 +338,10 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
 #endif
 }
 
+#if PIPE && defined(PMINB)
+#undef MINB
+#define MINB PMINB
+#endif
 #if MINB > 0
 #define DECODE_BOUNDS __launch_bounds__(NWARPS * 32, MINB)
 #else

@@ -28,13 +28,15 @@ fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
 
 /// The pipelined FAST path: pages streamed through a per-warp ring of `stages` slots in
 /// dynamic shared memory by cp.async. Tuning overrides (benchmarks only):
-/// `VELOXQUANT_DECODE_PIPE` (0 = the register-prefetch kernel), `_STAGES`, `_WARPS`, `_LAZY`.
+/// `VELOXQUANT_DECODE_PIPE` (0 = the register-prefetch kernel), `_STAGES`, `_WARPS`, `_LAZY`,
+/// `_MINB` (blocks/SM the registers are held to).
 #[derive(Clone, Copy, Debug)]
 struct Pipe {
     on: bool,
     stages: usize,
     warps: usize,
     lazy: bool,
+    minb: i64,
 }
 
 impl Pipe {
@@ -45,6 +47,7 @@ impl Pipe {
             stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
             warps: if on { env_knob("VELOXQUANT_DECODE_WARPS", NWARPS as i64).clamp(1, 16) as usize } else { NWARPS },
             lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
+            minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
         }
     }
     /// Dynamic shared memory of one block.
@@ -132,6 +135,9 @@ impl DecodePlan {
             defs.push(("PIPE".into(), 1));
             defs.push(("STAGES".into(), pipe.stages as i64));
             defs.push(("LAZYF".into(), pipe.lazy as i64));
+            if pipe.minb > 0 {
+                defs.push(("PMINB".into(), pipe.minb));
+            }
         }
         let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
