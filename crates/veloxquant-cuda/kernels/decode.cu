@@ -16,7 +16,8 @@
 // byte (two codes) in a 256-entry f16x2 table replicated per lane in shared memory (entry e at
 // word 32e + lane, so a warp's lookups never conflict); 2-bit: the 4 centroids as f16 in two
 // registers, two codes -> f16x2 by one prmt. The next page's bytes are loaded into registers
-// before the current page is scored (one page of K and V in flight per warp).
+// before the current page is scored (one page of K and V in flight per warp); with PIPE (the
+// default for FAST, see below) the pages stream through a per-warp cp.async ring instead.
 #if KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB == 2 || VB == 4) && (KB == 2 || VB == 2 || KVSAME)
 #define FAST 1
 #else
