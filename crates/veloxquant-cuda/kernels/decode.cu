@@ -48,6 +48,13 @@
 #ifndef LAZYF
 #define LAZYF 0
 #endif
+#ifndef FUSEQ
+#define FUSEQ 0
+#endif
+#if !PIPE
+#undef FUSEQ
+#define FUSEQ 0
+#endif
 #define KSL ((K_PAGE_BYTES + 127) / 128 * 128)
 #define VSL ((V_PAGE_BYTES + 127) / 128 * 128)
 #define SLOT (KSL + VSL)
@@ -352,7 +359,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const float* __restrict__ qprep, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
     const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
     int pages_per_split, int n_splits, int n_kv, const u16* __restrict__ ktab_g,
-    const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
     __shared__ float pbuf[NWARPS][32][9];
     __shared__ float mml[NWARPS][8][2];
@@ -362,6 +370,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     __shared__ __align__(16) u32 big[NWARPS * 8 * D];
 #endif
     float (*macc)[8][D] = (float (*)[8][D])big;
+#if PIPE
+    extern __shared__ __align__(128) u8 dsm[];
+#endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     if (tid < 16) { ktab[tid] = ktab_g[tid]; vtab[tid] = vtab_g[tid]; }
@@ -388,7 +399,40 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
     // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
     u32 qh[KS][2], ql[KS][2];
+#if FUSEQ
+    // prep_query fused: the group's G query rows, scaled by log2(e)/√d, sign-flipped and
+    // Hadamard-rotated in shared memory (the ring's space, not yet in use) by the same
+    // operations in the same order as prep_query.
+    {
+        float* const qs = (float*)dsm;
+        const float sc = LOG2E / sqrtf((float)D);
+        for (int i = tid; i < G * D; i += NWARPS * 32) {
+            float x = q[((size_t)(b * n_kv + h) * G) * D + i] * sc;
+#if KROT
+            x *= ksigns[h * D + i % D];
+#endif
+            qs[i] = x;
+        }
+        __syncthreads();
+#if KROT
+        for (int hs = 1; hs < D; hs <<= 1) {
+            for (int i = tid; i < G * D / 2; i += NWARPS * 32) {
+                const int hh = i / (D / 2), j = i % (D / 2);
+                const int lo = hh * D + (j / hs) * 2 * hs + (j % hs);
+                const float a = qs[lo], o = qs[lo + hs];
+                qs[lo] = a + o;
+                qs[lo + hs] = a - o;
+            }
+            __syncthreads();
+        }
+        for (int i = tid; i < G * D; i += NWARPS * 32) qs[i] *= krot_scale;
+        __syncthreads();
+#endif
+    }
+    const float* qb = (const float*)dsm;
+#else
     const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
+#endif
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
 #pragma unroll
@@ -418,10 +462,12 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
     const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
 
+#if FUSEQ
+    __syncthreads();  // every warp has its query operand before the ring is filled
+#endif
 #if PIPE
     // This warp's pages are first + NWARPS*j, j < nmine; lane i holds the physical index of page
     // j = i (mod 32) of the chunk being fetched. Pages 0 .. STAGES-2 are put in flight here.
-    extern __shared__ __align__(128) u8 dsm[];
     u8* const ring = dsm + warp * (STAGES * SLOT);
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
     const int first = p0 + warp;

@@ -1,5 +1,6 @@
 //! Decode attention on the GPU: a plan (split sizes, buffers, compiled kernels) made once
-//! per batch shape, then `run` per step: prep_query → decode_pages → combine.
+//! per batch shape, then `run` per step: prep_query → decode_pages → combine (prep_query fused
+//! into decode_pages on the pipelined 2/4-bit codes path).
 
 use std::sync::Arc;
 
@@ -29,7 +30,7 @@ fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
 /// The pipelined FAST path: pages streamed through a per-warp ring of `stages` slots in
 /// dynamic shared memory by cp.async. Tuning overrides (benchmarks only):
 /// `VELOXQUANT_DECODE_PIPE` (0 = the register-prefetch kernel), `_STAGES`, `_WARPS`, `_LAZY`,
-/// `_MINB` (blocks/SM the registers are held to).
+/// `_MINB` (blocks/SM the registers are held to), `_FUSEQ` (0 = separate prep_query launch).
 #[derive(Clone, Copy, Debug)]
 struct Pipe {
     on: bool,
@@ -37,6 +38,8 @@ struct Pipe {
     warps: usize,
     lazy: bool,
     minb: i64,
+    /// prep_query fused into the decode kernel (one launch fewer).
+    fuse_q: bool,
 }
 
 impl Pipe {
@@ -48,6 +51,7 @@ impl Pipe {
             warps: if on { env_knob("VELOXQUANT_DECODE_WARPS", NWARPS as i64).clamp(1, 16) as usize } else { NWARPS },
             lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
             minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
+            fuse_q: on && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
         }
     }
     /// Dynamic shared memory of one block.
@@ -84,6 +88,7 @@ pub struct DecodePlan {
     pub out: CudaSlice<f32>,
     pub nwarps: usize,
     smem: u32,
+    fuse_q: bool,
     qprep: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
@@ -135,6 +140,10 @@ impl DecodePlan {
             defs.push(("PIPE".into(), 1));
             defs.push(("STAGES".into(), pipe.stages as i64));
             defs.push(("LAZYF".into(), pipe.lazy as i64));
+            if pipe.fuse_q {
+                defs.push(("FUSEQ".into(), 1));
+                defs.push(("KROT".into(), kf.rotation.is_some() as i64));
+            }
             if pipe.minb > 0 {
                 defs.push(("PMINB".into(), pipe.minb));
             }
@@ -182,6 +191,7 @@ impl DecodePlan {
             pages_per_split: pps,
             nwarps: pipe.warps,
             smem: smem as u32,
+            fuse_q: pipe.fuse_q,
             q: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             out: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
@@ -200,10 +210,12 @@ impl DecodePlan {
         let (b, d, hk) = (cfg.n_seqs as u32, cfg.head_dim as u32, cfg.n_kv_heads as i32);
         let s = self.dev.stream.clone();
         let per_q = LaunchConfig { grid_dim: (self.n_q_heads as u32, b, 1), block_dim: (d, 1, 1), shared_mem_bytes: 0 };
-        let mut l = s.launch_builder(&self.f_prep);
-        l.arg(&self.q).arg(&mut self.qprep).arg(&cache.k.signs).arg(&cache.k.rot_scale);
-        // SAFETY: matches prep_query(q, qprep, ksigns, krot_scale); sizes from the plan.
-        unsafe { l.launch(per_q) }.map_err(drv("prep_query"))?;
+        if !self.fuse_q {
+            let mut l = s.launch_builder(&self.f_prep);
+            l.arg(&self.q).arg(&mut self.qprep).arg(&cache.k.signs).arg(&cache.k.rot_scale);
+            // SAFETY: matches prep_query(q, qprep, ksigns, krot_scale); sizes from the plan.
+            unsafe { l.launch(per_q) }.map_err(drv("prep_query"))?;
+        }
 
         let max_pages = cfg.max_pages_per_seq as i32;
         let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
@@ -225,13 +237,16 @@ impl DecodePlan {
             .arg(&cache.k.table)
             .arg(&cache.v.table)
             .arg(&mut self.part_acc)
-            .arg(&mut self.part_ml);
+            .arg(&mut self.part_ml)
+            .arg(&self.q)
+            .arg(&cache.k.signs)
+            .arg(&cache.k.rot_scale);
         // SAFETY: matches decode_pages in kernels/decode.cu; the page table holds valid
         // physical pages for the first n_pages[b] entries of every row.
         unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
 
         let tail_cap = cache.tail_cap() as i32;
-        let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32) * 4, ..per_q };
+        let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32 + self.n_splits as u32) * 4, ..per_q };
         let mut l = s.launch_builder(&self.f_combine);
         l.arg(&self.part_acc)
             .arg(&self.part_ml)
@@ -245,7 +260,8 @@ impl DecodePlan {
             .arg(&cache.v.signs)
             .arg(&cache.v.rot_scale)
             .arg(&mut self.out);
-        // SAFETY: matches combine in kernels/attn.cu; dynamic smem holds tail_cap scores.
+        // SAFETY: matches combine in kernels/attn.cu; dynamic smem holds tail_cap scores and
+        // n_splits weights.
         unsafe { l.launch(cfg_comb) }.map_err(drv("combine"))?;
         Ok(())
     }
