@@ -16,7 +16,8 @@
 // byte (two codes) in a 256-entry f16x2 table replicated per lane in shared memory (entry e at
 // word 32e + lane, so a warp's lookups never conflict); 2-bit: the 4 centroids as f16 in two
 // registers, two codes -> f16x2 by one prmt. The next page's bytes are loaded into registers
-// before the current page is scored (one page of K and V in flight per warp).
+// before the current page is scored (one page of K and V in flight per warp); with PIPE (the
+// default for FAST, see below) the pages stream through a per-warp cp.async ring instead.
 #if KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB == 2 || VB == 4) && (KB == 2 || VB == 2 || KVSAME)
 #define FAST 1
 #else
@@ -30,6 +31,33 @@
 #define KRW ((KRB + 3) / 4)
 #define VRB (VC * VB / 8)          // V bytes per thread per row (FAST)
 #define VRW ((VRB + 3) / 4)
+// PIPE (FAST only): each warp streams its pages through a ring of STAGES page slots in dynamic
+// shared memory by cp.async, issued STAGES-1 pages ahead, instead of one page held in
+// registers (whose V arrived just before it was needed). Rows are stored with a 16-byte-chunk
+// XOR swizzle per 128-byte line (swz) so the lanes' row reads are bank-conflict free.
+#ifndef PIPE
+#define PIPE 0
+#endif
+#if !FAST
+#undef PIPE
+#define PIPE 0
+#endif
+#ifndef STAGES
+#define STAGES 2
+#endif
+#ifndef LAZYF
+#define LAZYF 0
+#endif
+#ifndef FUSEQ
+#define FUSEQ 0
+#endif
+#if !PIPE
+#undef FUSEQ
+#define FUSEQ 0
+#endif
+#define KSL ((K_PAGE_BYTES + 127) / 128 * 128)
+#define VSL ((V_PAGE_BYTES + 127) / 128 * 128)
+#define SLOT (KSL + VSL)
 
 // Blocks per SM the register allocation is held to: 4 (<= 128 registers, 16 warps/SM) for
 // q4_0 and codes, where it costs no spills; fp16 and q8_0 keep their natural allocation.
@@ -45,7 +73,7 @@
 #else
 #define MINB 0
 #endif
-#define LAZY (!FAST && KK != 1 && VK != 1)
+#define LAZY ((!FAST && KK != 1 && VK != 1) || (PIPE && LAZYF))
 
 __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -233,6 +261,33 @@ __device__ __forceinline__ u32 lut_at(u32 lutb, u32 w, int k) {
     return r;
 }
 
+#if PIPE
+// Byte offset of a page byte in its shared slot: 16-byte chunk index XOR 2·(line & m), m such
+// that the lanes' K (16 B) and V (8 B / 4 B) row reads of one instruction hit distinct banks.
+// The norms (at T·ROWB, a multiple of 128·(m+1)) are never moved.
+template <int ROWB>
+__device__ __forceinline__ int swz(int off) {
+    const int m = ROWB == 64 ? 3 : ROWB == 32 ? 1 : 0;
+    return off ^ (((off >> 7) & m) << 5);
+}
+__device__ __forceinline__ void cp16(u32 dst, const u8* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+// One page of K and V into the slot at shared address sk (one commit group, by the caller).
+__device__ __forceinline__ void stage_page(const u8* kp, const u8* vp, u32 sk, int lane) {
+#pragma unroll
+    for (int i = 0; i < (K_PAGE_BYTES / 16 + 31) / 32; i++) {
+        const int c = lane + 32 * i;
+        if (c < K_PAGE_BYTES / 16) cp16(sk + swz<K_ROW_BYTES>(16 * c), kp + 16 * c);
+    }
+#pragma unroll
+    for (int i = 0; i < (V_PAGE_BYTES / 16 + 31) / 32; i++) {
+        const int c = lane + 32 * i;
+        if (c < V_PAGE_BYTES / 16) cp16(sk + KSL + swz<V_ROW_BYTES>(16 * c), vp + 16 * c);
+    }
+}
+#endif
+
 // Raw bytes of one page for this thread: K rows g + 8i (i < 4), V rows tA, tA+1, tA+8, tA+9
 // for kk = 0, 1 (tA = 16kk + 2t), and their norms.
 struct PageRaw {
@@ -291,6 +346,10 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
 #endif
 }
 
+#if PIPE && defined(PMINB)
+#undef MINB
+#define MINB PMINB
+#endif
 #if MINB > 0
 #define DECODE_BOUNDS __launch_bounds__(NWARPS * 32, MINB)
 #else
@@ -300,7 +359,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const float* __restrict__ qprep, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
     const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
     int pages_per_split, int n_splits, int n_kv, const u16* __restrict__ ktab_g,
-    const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml) {
+    const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
     __shared__ float pbuf[NWARPS][32][9];
     __shared__ float mml[NWARPS][8][2];
@@ -310,6 +370,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     __shared__ __align__(16) u32 big[NWARPS * 8 * D];
 #endif
     float (*macc)[8][D] = (float (*)[8][D])big;
+#if PIPE
+    extern __shared__ __align__(128) u8 dsm[];
+#endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     if (tid < 16) { ktab[tid] = ktab_g[tid]; vtab[tid] = vtab_g[tid]; }
@@ -336,7 +399,40 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
     // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
     u32 qh[KS][2], ql[KS][2];
+#if FUSEQ
+    // prep_query fused: the group's G query rows, scaled by log2(e)/√d, sign-flipped and
+    // Hadamard-rotated in shared memory (the ring's space, not yet in use) by the same
+    // operations in the same order as prep_query.
+    {
+        float* const qs = (float*)dsm;
+        const float sc = LOG2E / sqrtf((float)D);
+        for (int i = tid; i < G * D; i += NWARPS * 32) {
+            float x = q[((size_t)(b * n_kv + h) * G) * D + i] * sc;
+#if KROT
+            x *= ksigns[h * D + i % D];
+#endif
+            qs[i] = x;
+        }
+        __syncthreads();
+#if KROT
+        for (int hs = 1; hs < D; hs <<= 1) {
+            for (int i = tid; i < G * D / 2; i += NWARPS * 32) {
+                const int hh = i / (D / 2), j = i % (D / 2);
+                const int lo = hh * D + (j / hs) * 2 * hs + (j % hs);
+                const float a = qs[lo], o = qs[lo + hs];
+                qs[lo] = a + o;
+                qs[lo + hs] = a - o;
+            }
+            __syncthreads();
+        }
+        for (int i = tid; i < G * D; i += NWARPS * 32) qs[i] *= krot_scale;
+        __syncthreads();
+#endif
+    }
+    const float* qb = (const float*)dsm;
+#else
     const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
+#endif
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
 #pragma unroll
@@ -366,6 +462,79 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
     const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
 
+#if FUSEQ
+    __syncthreads();  // every warp has its query operand before the ring is filled
+#endif
+#if PIPE
+    // This warp's pages are first + NWARPS*j, j < nmine; lane i holds the physical index of page
+    // j = i (mod 32) of the chunk being fetched. Pages 0 .. STAGES-2 are put in flight here.
+    u8* const ring = dsm + warp * (STAGES * SLOT);
+    const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
+    const int first = p0 + warp;
+    const int nmine = first < p1 ? (p1 - first + NWARPS - 1) / NWARPS : 0;
+    int ptv = lane < nmine ? pt[first + NWARPS * lane] : 0;
+#pragma unroll
+    for (int f = 0; f < STAGES - 1; f++) {
+        if (f < nmine) {
+            const int ph = __shfl_sync(FULL_MASK, ptv, f);
+            stage_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES, ring_s + f * SLOT, lane);
+        }
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+    int slot = 0, fslot = STAGES - 1;
+    for (int j = 0; j < nmine; j++) {
+        float s[2][4];
+        {
+            const int f = j + STAGES - 1;
+            if ((f & 31) == 0) ptv = f + lane < nmine ? pt[first + NWARPS * (f + lane)] : 0;
+            __syncwarp();  // every lane is done with slot fslot (page j - 1)
+            if (f < nmine) {
+                const int ph = __shfl_sync(FULL_MASK, ptv, f & 31);
+                stage_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES,
+                           ring_s + fslot * SLOT, lane);
+            }
+            asm volatile("cp.async.commit_group;" ::: "memory");
+            asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
+            __syncwarp();
+        }
+        const u8* const kst = ring + slot * SLOT;
+        const u8* const vst = kst + KSL;
+        const u16* const knp = (const u16*)(kst + T * K_ROW_BYTES);
+        const u16* const vnp = (const u16*)(vst + T * V_ROW_BYTES);
+        slot = slot + 1 == STAGES ? 0 : slot + 1;
+        fslot = fslot + 1 == STAGES ? 0 : fslot + 1;
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            u32 ka[KS * 2], kb[KS * 2];
+            u32 kra[KRW], krb[KRW];
+            ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
+            ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
+#if KB == 4
+#pragma unroll
+            for (int by = 0; by < KRB; by++) {
+                ka[by] = lut_at(lutb, kra[by / 4], by % 4);
+                kb[by] = lut_at(lutb, krb[by / 4], by % 4);
+            }
+#else
+#pragma unroll
+            for (int wi = 0; wi < KRW; wi++) {
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    const u32 sa = ((kra[wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
+                    const u32 sb = ((krb[wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
+                    ka[8 * wi + 2 * k] = prmt(kt0, kt1, sa);
+                    ka[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sa >> 16);
+                    kb[8 * wi + 2 * k] = prmt(kt0, kt1, sb);
+                    kb[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sb >> 16);
+                }
+            }
+#endif
+            float c[4];
+            score_tile(ka, kb, qh, ql, t, c);
+            const float n0 = h2f(knp[16 * mt + g]), n1 = h2f(knp[16 * mt + g + 8]);
+            s[mt][0] = c[0] * n0; s[mt][1] = c[1] * n0; s[mt][2] = c[2] * n1; s[mt][3] = c[3] * n1;
+        }
+#else
 #if FAST
     // This warp's pages are p0 + warp + NWARPS*j; lane i holds the physical index of page j = i
     // (mod 32) of the current chunk, so the data loads never wait on a page-table load.
@@ -440,6 +609,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             s[mt][0] = c[0]; s[mt][1] = c[1]; s[mt][2] = c[2]; s[mt][3] = c[3];
         }
 #endif
+#endif  // PIPE
         // update state: online softmax per head column
         float x0 = fmaxf(fmaxf(s[0][0], s[0][2]), fmaxf(s[1][0], s[1][2]));
         float x1 = fmaxf(fmaxf(s[0][1], s[0][3]), fmaxf(s[1][1], s[1][3]));
@@ -495,14 +665,25 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             float wA = pbuf[warp][tA][g], wB = pbuf[warp][tA + 1][g];
             float wC = pbuf[warp][tA + 8][g], wD = pbuf[warp][tA + 9][g];
 #if FAST
-            wA *= h2f((u16)cur.vn[2 * kk]); wB *= h2f((u16)(cur.vn[2 * kk] >> 16));
-            wC *= h2f((u16)cur.vn[2 * kk + 1]); wD *= h2f((u16)(cur.vn[2 * kk + 1] >> 16));
+#if PIPE
+            u32 vr[4][VRW];
+            ldraw<VRB>(vst + swz<V_ROW_BYTES>(tA * V_ROW_BYTES + g * VRB), vr[0]);
+            ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 1) * V_ROW_BYTES + g * VRB), vr[1]);
+            ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 8) * V_ROW_BYTES + g * VRB), vr[2]);
+            ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 9) * V_ROW_BYTES + g * VRB), vr[3]);
+            const u32 vnA = *(const u32*)(vnp + tA), vnC = *(const u32*)(vnp + tA + 8);
+#else
+            u32 (*vr)[VRW] = &cur.v[4 * kk];
+            const u32 vnA = cur.vn[2 * kk], vnC = cur.vn[2 * kk + 1];
+#endif
+            wA *= h2f((u16)vnA); wB *= h2f((u16)(vnA >> 16));
+            wC *= h2f((u16)vnC); wD *= h2f((u16)(vnC >> 16));
             const u32 b0 = pack_h2(wA, wB), b1 = pack_h2(wC, wD);
 #if VB == 4
 #pragma unroll
             for (int wi = 0; wi < VRW; wi++) {
-                const u32 vA = cur.v[4 * kk][wi], vB = cur.v[4 * kk + 1][wi];
-                const u32 vC = cur.v[4 * kk + 2][wi], vD = cur.v[4 * kk + 3][wi];
+                const u32 vA = vr[0][wi], vB = vr[1][wi];
+                const u32 vC = vr[2][wi], vD = vr[3][wi];
                 const u32 loAB = (vA & 0x0F0F0F0Fu) | ((vB << 4) & 0xF0F0F0F0u);
                 const u32 hiAB = ((vA >> 4) & 0x0F0F0F0Fu) | (vB & 0xF0F0F0F0u);
                 const u32 loCD = (vC & 0x0F0F0F0Fu) | ((vD << 4) & 0xF0F0F0F0u);
@@ -516,8 +697,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                 }
             }
 #else
-            const u32 vA = cur.v[4 * kk][0], vB = cur.v[4 * kk + 1][0];
-            const u32 vC = cur.v[4 * kk + 2][0], vD = cur.v[4 * kk + 3][0];
+            const u32 vA = vr[0][0], vB = vr[1][0];
+            const u32 vC = vr[2][0], vD = vr[3][0];
 #pragma unroll
             for (int k = 0; k < 4; k++) {
                 const u32 xa = (vA >> (2 * k)) & 0x03030303u, xb = (vB >> (2 * k)) & 0x03030303u;
@@ -553,7 +734,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             }
 #endif
         }
-#if FAST
+#if FAST && !PIPE
         if (more) load_v(vpool + (size_t)nphys * V_PAGE_BYTES, g, t, cur);
 #endif
     }

@@ -1,5 +1,6 @@
 //! Decode attention on the GPU: a plan (split sizes, buffers, compiled kernels) made once
-//! per batch shape, then `run` per step: prep_query → decode_pages → combine.
+//! per batch shape, then `run` per step: prep_query → decode_pages → combine (prep_query fused
+//! into decode_pages on the pipelined 2/4-bit codes path).
 
 use std::sync::Arc;
 
@@ -8,10 +9,60 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use crate::cache::GpuPagedCache;
 use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
-use crate::format::GpuFormat;
+use crate::format::{GpuFormat, KernelKind};
 
 /// Warps per decode block (each owns pages of the block's split in turn).
 pub const NWARPS: usize = 4;
+
+fn env_knob(name: &str, default: i64) -> i64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Whether the decode kernel's FAST path (2/4-bit codes dequantized in registers) applies.
+fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
+    kf.kind == KernelKind::Codes
+        && vf.kind == KernelKind::Codes
+        && matches!(kf.bits, 2 | 4)
+        && matches!(vf.bits, 2 | 4)
+        && (kf.bits == 2 || vf.bits == 2 || kf.table_f16 == vf.table_f16)
+}
+
+/// The pipelined FAST path: pages streamed through a per-warp ring of `stages` slots in
+/// dynamic shared memory by cp.async. Tuning overrides (benchmarks only):
+/// `VELOXQUANT_DECODE_PIPE` (0 = the register-prefetch kernel), `_STAGES`, `_WARPS`, `_LAZY`,
+/// `_MINB` (blocks/SM the registers are held to), `_FUSEQ` (0 = separate prep_query launch).
+#[derive(Clone, Copy, Debug)]
+struct Pipe {
+    on: bool,
+    stages: usize,
+    warps: usize,
+    lazy: bool,
+    minb: i64,
+    /// prep_query fused into the decode kernel (one launch fewer).
+    fuse_q: bool,
+}
+
+impl Pipe {
+    fn new(kf: &GpuFormat, vf: &GpuFormat) -> Self {
+        let on = fast_path(kf, vf) && env_knob("VELOXQUANT_DECODE_PIPE", 1) != 0;
+        Self {
+            on,
+            stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
+            warps: if on { env_knob("VELOXQUANT_DECODE_WARPS", NWARPS as i64).clamp(1, 16) as usize } else { NWARPS },
+            lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
+            minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
+            fuse_q: on && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
+        }
+    }
+    /// Dynamic shared memory of one block.
+    fn smem(&self, kf: &GpuFormat, vf: &GpuFormat) -> usize {
+        if !self.on {
+            return 0;
+        }
+        let slot = kf.page_bytes.div_ceil(128) * 128 + vf.page_bytes.div_ceil(128) * 128;
+        self.warps * self.stages * slot
+    }
+}
 
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeOptions {
@@ -35,6 +86,9 @@ pub struct DecodePlan {
     pub pages_per_split: usize,
     pub q: CudaSlice<f32>,
     pub out: CudaSlice<f32>,
+    pub nwarps: usize,
+    smem: u32,
+    fuse_q: bool,
     qprep: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
@@ -72,13 +126,39 @@ impl DecodePlan {
         let g = n_q_heads / cfg.n_kv_heads;
         let d = cfg.head_dim;
         let (kf, vf) = (&cache.k.fmt, &cache.v.fmt);
-        let mut defs: Vec<(String, i64)> =
-            vec![("D".into(), d as i64), ("T".into(), 32), ("G".into(), g as i64), ("NWARPS".into(), NWARPS as i64)];
+        let pipe = Pipe::new(kf, vf);
+        let mut defs: Vec<(String, i64)> = vec![
+            ("D".into(), d as i64),
+            ("T".into(), 32),
+            ("G".into(), g as i64),
+            ("NWARPS".into(), pipe.warps as i64),
+        ];
         defs.extend(kind_defines('K', kf));
         defs.extend(kind_defines('V', vf));
         defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
+        if pipe.on {
+            defs.push(("PIPE".into(), 1));
+            defs.push(("STAGES".into(), pipe.stages as i64));
+            defs.push(("LAZYF".into(), pipe.lazy as i64));
+            if pipe.fuse_q {
+                defs.push(("FUSEQ".into(), 1));
+                defs.push(("KROT".into(), kf.rotation.is_some() as i64));
+            }
+            if pipe.minb > 0 {
+                defs.push(("PMINB".into(), pipe.minb));
+            }
+        }
         let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
+        let smem = pipe.smem(kf, vf);
+        if smem > 0 {
+            f_decode
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(drv("set_attribute"))?;
+        }
         let adefs = [
             ("D", d as i64),
             ("G", g as i64),
@@ -93,7 +173,7 @@ impl DecodePlan {
         // Whole waves: as many blocks as fit at once (the kernel's occupancy, capped by
         // blocks_per_sm), rounded down to a multiple of the (sequence, KV head) rows.
         let resident = f_decode
-            .occupancy_max_active_blocks_per_multiprocessor((NWARPS * 32) as u32, 0, None)
+            .occupancy_max_active_blocks_per_multiprocessor((pipe.warps * 32) as u32, smem, None)
             .map(|n| n as usize)
             .unwrap_or(opts.blocks_per_sm)
             .clamp(1, opts.blocks_per_sm.max(1));
@@ -109,6 +189,9 @@ impl DecodePlan {
             group: g,
             n_splits,
             pages_per_split: pps,
+            nwarps: pipe.warps,
+            smem: smem as u32,
+            fuse_q: pipe.fuse_q,
             q: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             out: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
@@ -127,17 +210,19 @@ impl DecodePlan {
         let (b, d, hk) = (cfg.n_seqs as u32, cfg.head_dim as u32, cfg.n_kv_heads as i32);
         let s = self.dev.stream.clone();
         let per_q = LaunchConfig { grid_dim: (self.n_q_heads as u32, b, 1), block_dim: (d, 1, 1), shared_mem_bytes: 0 };
-        let mut l = s.launch_builder(&self.f_prep);
-        l.arg(&self.q).arg(&mut self.qprep).arg(&cache.k.signs).arg(&cache.k.rot_scale);
-        // SAFETY: matches prep_query(q, qprep, ksigns, krot_scale); sizes from the plan.
-        unsafe { l.launch(per_q) }.map_err(drv("prep_query"))?;
+        if !self.fuse_q {
+            let mut l = s.launch_builder(&self.f_prep);
+            l.arg(&self.q).arg(&mut self.qprep).arg(&cache.k.signs).arg(&cache.k.rot_scale);
+            // SAFETY: matches prep_query(q, qprep, ksigns, krot_scale); sizes from the plan.
+            unsafe { l.launch(per_q) }.map_err(drv("prep_query"))?;
+        }
 
         let max_pages = cfg.max_pages_per_seq as i32;
         let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
         let cfg_dec = LaunchConfig {
             grid_dim: (self.n_splits as u32, hk as u32, b),
-            block_dim: ((NWARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
+            block_dim: ((self.nwarps * 32) as u32, 1, 1),
+            shared_mem_bytes: self.smem,
         };
         let mut l = s.launch_builder(&self.f_decode);
         l.arg(&self.qprep)
@@ -152,13 +237,16 @@ impl DecodePlan {
             .arg(&cache.k.table)
             .arg(&cache.v.table)
             .arg(&mut self.part_acc)
-            .arg(&mut self.part_ml);
+            .arg(&mut self.part_ml)
+            .arg(&self.q)
+            .arg(&cache.k.signs)
+            .arg(&cache.k.rot_scale);
         // SAFETY: matches decode_pages in kernels/decode.cu; the page table holds valid
         // physical pages for the first n_pages[b] entries of every row.
         unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
 
         let tail_cap = cache.tail_cap() as i32;
-        let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32) * 4, ..per_q };
+        let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32 + self.n_splits as u32) * 4, ..per_q };
         let mut l = s.launch_builder(&self.f_combine);
         l.arg(&self.part_acc)
             .arg(&self.part_ml)
@@ -172,7 +260,8 @@ impl DecodePlan {
             .arg(&cache.v.signs)
             .arg(&cache.v.rot_scale)
             .arg(&mut self.out);
-        // SAFETY: matches combine in kernels/attn.cu; dynamic smem holds tail_cap scores.
+        // SAFETY: matches combine in kernels/attn.cu; dynamic smem holds tail_cap scores and
+        // n_splits weights.
         unsafe { l.launch(cfg_comb) }.map_err(drv("combine"))?;
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! GPU decode-attention and encode benchmarks, behind `veloxquant bench cuda` (CLI feature
 //! `cuda`) and the standalone `veloxquant-cuda-bench`:
 //!
-//!   veloxquant bench cuda run --out ours.json [--iters 100]
+//!   veloxquant bench cuda run --out ours.json [--iters 100] [--formats f1,f2] [--no-encode]
 //!   veloxquant bench cuda report --ours a.json,b.json --peer p.json,q.json --out final.json
 //!       [--md final.md] [--commit C] [--date D]
 //!
@@ -143,10 +143,19 @@ fn encode_only(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn decode_rows(dev: &Arc<GpuDevice>, iters: usize, read_tbps: f64, opts: DecodeOptions) -> Result<Vec<Value>> {
+fn decode_rows(
+    dev: &Arc<GpuDevice>,
+    iters: usize,
+    read_tbps: f64,
+    opts: DecodeOptions,
+    only: Option<&str>,
+) -> Result<Vec<Value>> {
     let mut rows = Vec::new();
     for &(b, hq, hkv, sl) in &SHAPES {
         for f in FORMATS {
+            if only.is_some_and(|o| !o.split(',').any(|x| x == f)) {
+                continue;
+            }
             let spec = FormatSpec::parse(f)?;
             let cfg = GpuCacheConfig {
                 n_seqs: b,
@@ -220,8 +229,12 @@ fn run(args: &[String]) -> Result<()> {
     eprintln!("device: {dev:?}, {} SMs", dev.sm_count);
     let (read_tbps, copy_tbps) = bandwidth(&dev)?;
     eprintln!("read probe {read_tbps:.2} TB/s, device copy {copy_tbps:.2} TB/s (read+write)");
-    let decode =
-        if args.iter().any(|a| a == "--no-decode") { vec![] } else { decode_rows(&dev, iters, read_tbps, opts)? };
+    let only = arg(args, "--formats");
+    let decode = if args.iter().any(|a| a == "--no-decode") {
+        vec![]
+    } else {
+        decode_rows(&dev, iters, read_tbps, opts, only.as_deref())?
+    };
     let encode =
         if args.iter().any(|a| a == "--no-encode") { vec![] } else { encode_rows(&dev, read_tbps, copy_tbps)? };
     let v = json!({

@@ -246,6 +246,9 @@ fn decode_matches_cpu_reference() {
         ("turboquant_mse:3:eden", "turboquant_mse:2"),
         ("turboquant_mse:2", "turboquant_mse:1"),
         ("turboquant_mse:4:eden", "q8_0"),
+        ("turboquant_mse:2", "turboquant_mse:2"),
+        ("turboquant_mse:4", "turboquant_mse:2"),
+        ("turboquant_mse:2", "turboquant_mse:4:eden"),
     ];
     let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097]];
     let mut n = 0;
