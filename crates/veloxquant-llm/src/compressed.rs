@@ -30,6 +30,8 @@ fn backend(e: VqError) -> LlmError {
 struct Pending {
     layer: usize,
     start: usize,
+    /// Tokens held as codes before the chunk (more than the canonical split after a trim).
+    coded_before: usize,
     keys: Vec<Vec<f32>>,
     values: Vec<Vec<f32>>,
 }
@@ -44,6 +46,18 @@ impl CompressedStore {
         Ok(Self { cache: PagedCache::new(cfg).map_err(backend)?, pending: None })
     }
 
+    /// Drop the `n` newest tokens (speculative-decoding rollback); later prefill chunks and
+    /// decode steps see exactly what token-by-token decode from the trimmed state would.
+    pub fn trim(&mut self, n: usize) -> Result<()> {
+        self.pending = None;
+        self.cache.trim(n).map_err(backend)
+    }
+
+    /// A second sequence sharing this one's pages (e.g. several continuations of a prompt).
+    pub fn fork(&self) -> Self {
+        Self { cache: self.cache.fork(), pending: None }
+    }
+
     /// A store over an existing cache (e.g. one loaded from a file): decoding continues
     /// from its tokens.
     pub fn from_cache(cache: PagedCache) -> Self {
@@ -52,6 +66,22 @@ impl CompressedStore {
 
     pub fn cache(&self) -> &PagedCache {
         &self.cache
+    }
+}
+
+/// Tokens held as codes once `n` tokens are appended, starting from `coded_before` (the
+/// cache's split when the chunk began): the window rule of `StreamStore::append` — row mode
+/// encodes every token older than R, page mode whole pages once R + T tokens are exact. With
+/// the canonical split (no trim) this is `PagedCache::paged_tokens(n)`.
+fn coded_after(n: usize, sink: usize, recent: usize, t: usize, row_mode: bool, coded_before: usize) -> usize {
+    let old = n.saturating_sub(sink);
+    let exact = old.saturating_sub(coded_before);
+    if row_mode {
+        coded_before.max(old.saturating_sub(recent))
+    } else if exact >= recent + t {
+        coded_before + (exact - recent) / t * t
+    } else {
+        coded_before
     }
 }
 
@@ -73,6 +103,7 @@ impl KvStore for CompressedStore {
         let snap = |s: &StreamStore| f16_rows(s.tail()).collect::<Vec<f32>>();
         let (k_tail, v_tail): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
             (lc.keys.iter().map(snap).collect(), lc.values.iter().map(snap).collect());
+        let coded_before = lc.keys[0].paged_tokens();
         self.cache.append(layer, k, v, n_tokens).map_err(backend)?;
         if n_tokens == 1 {
             self.pending = None;
@@ -89,7 +120,7 @@ impl KvStore for CompressedStore {
         };
         let keys = (0..h).map(|i| build(&k_tail[i], lc.keys[i].sink(), &k[i * per..(i + 1) * per])).collect();
         let values = (0..h).map(|i| build(&v_tail[i], lc.values[i].sink(), &v[i * per..(i + 1) * per])).collect();
-        self.pending = Some(Pending { layer, start, keys, values });
+        self.pending = Some(Pending { layer, start, coded_before, keys, values });
         Ok(())
     }
 
@@ -116,12 +147,10 @@ impl KvStore for CompressedStore {
         let k_dec: Vec<Vec<f32>> = lc.keys.iter().map(place).collect();
         let v_dec: Vec<Vec<f32>> = lc.values.iter().map(place).collect();
         // What query position pos sees, as decode would have stored it with pos + 1 tokens:
-        // keys [S, S + paged_tokens(pos + 1)) through the codes, the rest exact.
-        let cache = &self.cache;
-        let range = move |pos: usize| {
-            let coded = if pos + 1 > n_sink { cache.paged_tokens(pos + 1) } else { 0 };
-            n_sink..n_sink + coded
-        };
+        // keys [S, S + coded) through the codes, the rest exact.
+        let cfg = self.cache.config();
+        let (recent, t, row_mode, coded_before) = (cfg.recent, cfg.page_tokens, self.cache.row_mode(), p.coded_before);
+        let range = move |pos: usize| n_sink..n_sink + coded_after(pos + 1, n_sink, recent, t, row_mode, coded_before);
         let (kd, vd, ke, ve) = (refs(&k_dec), refs(&v_dec), refs(&p.keys), refs(&p.values));
         let coded = CodedSource { keys: &kd, values: &vd, range: &range };
         let out = causal_attention_mixed(q, n_q, &ke, &ve, Some(&coded), len, d)?;

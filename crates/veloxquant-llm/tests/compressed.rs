@@ -21,6 +21,64 @@ fn with_sink(mut c: CacheConfig, sink: usize) -> CacheConfig {
     c
 }
 
+/// Feed `n` tokens one at a time to `step` and return the worst relative difference of its
+/// decode attention from `all` (the same tokens' attention from one prefill chunk).
+fn step_by_step_error(
+    step: &mut CompressedStore,
+    all: &[f32],
+    (keys, vals, q): (&[f32], &[f32], &[f32]),
+    (kv, heads, d, n): (usize, usize, usize, usize),
+) -> f64 {
+    let mut worst = 0f64;
+    for t in 0..n {
+        let pick = |x: &[f32], h: usize| x[(h * n + t) * d..(h * n + t + 1) * d].to_vec();
+        let kt: Vec<f32> = (0..kv).flat_map(|h| pick(keys, h)).collect();
+        let vt: Vec<f32> = (0..kv).flat_map(|h| pick(vals, h)).collect();
+        step.append(0, &kt, &vt, 1).unwrap();
+        let qt: Vec<f32> = (0..heads).flat_map(|h| pick(q, h)).collect();
+        let got = step.attend(0, &qt, 1).unwrap();
+        let want = &all[t * heads * d..(t + 1) * heads * d];
+        let scale = want.iter().fold(0f32, |a, b| a.max(b.abs())) as f64;
+        let err = got.iter().zip(want).fold(0f64, |a, (x, y)| a.max((x - y).abs() as f64));
+        worst = worst.max(err / scale);
+    }
+    worst
+}
+
+/// Speculative decoding: draft tokens appended, rejected (trim), then a prefill chunk of the
+/// accepted continuation attends exactly as decoding it token by token from the same
+/// trimmed state — also when the draft pushed tokens out of the window into codes.
+#[test]
+fn prefill_after_trim_equals_decode_after_trim() {
+    let (kv, heads, d, n) = (2, 6, 64, 40);
+    for (k, v, recent, rows, sink) in [
+        ("turboquant_mse:4:eden", "turboquant_mse:3", 5, true, 2),
+        ("turboquant_mse:2", "turboquant_mse:2", 5, false, 0),
+        ("kivi:2", "kivi:2", 16, true, 3),
+    ] {
+        let mut rng = SplitMix64::new(12);
+        let mut base = CompressedStore::new(with_sink(cfg(1, kv, d, k, v, recent, rows), sink)).unwrap();
+        base.append(0, &rng.gaussian_vec(kv * 70 * d), &rng.gaussian_vec(kv * 70 * d), 70).unwrap();
+        for _ in 0..9 {
+            base.append(0, &rng.gaussian_vec(kv * d), &rng.gaussian_vec(kv * d), 1).unwrap();
+        }
+        base.trim(9).unwrap();
+        let cache = base.cache();
+        let coded = cache.layer(0).unwrap().keys[0].paged_tokens();
+        if cache.row_mode() {
+            assert!(coded > cache.paged_tokens(70), "{k}: the draft moved tokens into codes");
+        }
+        let (keys, vals, q) =
+            (rng.gaussian_vec(kv * n * d), rng.gaussian_vec(kv * n * d), rng.gaussian_vec(heads * n * d));
+        let mut chunk = base.fork();
+        chunk.append(0, &keys, &vals, n).unwrap();
+        let all = chunk.attend(0, &q, n).unwrap();
+        let mut step = base.fork();
+        let worst = step_by_step_error(&mut step, &all, (&keys, &vals, &q), (kv, heads, d, n));
+        assert!(worst <= 1e-4, "K {k} V {v} R={recent} S={sink}: {worst}");
+    }
+}
+
 #[test]
 fn prefill_attention_equals_decode_attention() {
     let (kv, heads, d, n) = (3, 9, 64, 150);
@@ -40,19 +98,7 @@ fn prefill_attention_equals_decode_attention() {
         chunk.append(0, &keys, &vals, n).unwrap();
         let all = chunk.attend(0, &q, n).unwrap();
         let mut step = CompressedStore::new(with_sink(cfg(1, kv, d, k, v, recent, rows), sink)).unwrap();
-        let mut worst = 0f64;
-        for t in 0..n {
-            let pick = |x: &[f32], h: usize, per: usize| x[(h * per + t) * d..(h * per + t + 1) * d].to_vec();
-            let kt: Vec<f32> = (0..kv).flat_map(|h| pick(&keys, h, n)).collect();
-            let vt: Vec<f32> = (0..kv).flat_map(|h| pick(&vals, h, n)).collect();
-            step.append(0, &kt, &vt, 1).unwrap();
-            let qt: Vec<f32> = (0..heads).flat_map(|h| pick(&q, h, n)).collect();
-            let got = step.attend(0, &qt, 1).unwrap();
-            let want = &all[t * heads * d..(t + 1) * heads * d];
-            let scale = want.iter().fold(0f32, |a, b| a.max(b.abs())) as f64;
-            let err = got.iter().zip(want).fold(0f64, |a, (x, y)| a.max((x - y).abs() as f64));
-            worst = worst.max(err / scale);
-        }
+        let worst = step_by_step_error(&mut step, &all, (&keys, &vals, &q), (kv, heads, d, n));
         println!("K {k} V {v} R={recent} S={sink}: prefill vs decode worst rel err {worst:.2e}");
         assert!(worst <= 1e-4, "K {k} V {v} R={recent} S={sink}: {worst}");
         assert_eq!(chunk.resident_bytes(), step.resident_bytes());
