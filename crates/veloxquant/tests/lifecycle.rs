@@ -559,3 +559,25 @@ fn reseal_or_raw(bytes: &[u8]) -> Vec<u8> {
         bytes.to_vec()
     }
 }
+
+/// Save into one end of a socket and load from the other, with more data after the file:
+/// no seeking, the loader reads exactly the file's bytes and leaves the rest unread.
+#[cfg(unix)]
+#[test]
+fn save_and_load_stream_through_a_socket() {
+    use std::io::{Read, Write};
+    let (cache, _) = sample_file();
+    let (mut tx, mut rx) = std::os::unix::net::UnixStream::pair().unwrap();
+    let sender = cache.fork();
+    let writer = std::thread::spawn(move || {
+        sender.save(&mut tx, &SaveInfo::default()).unwrap();
+        tx.write_all(b"next message").unwrap();
+    });
+    let (back, _) = PagedCache::load(&mut rx, &LoadCheck::default()).unwrap();
+    writer.join().unwrap();
+    let mut rest = String::new();
+    rx.read_to_string(&mut rest).unwrap();
+    assert_eq!(rest, "next message");
+    let q = SplitMix64::new(4).gaussian_vec(N_HEADS * D);
+    assert_eq!(decode_attention(&back, 0, &q, N_HEADS).unwrap(), decode_attention(&cache, 0, &q, N_HEADS).unwrap());
+}
