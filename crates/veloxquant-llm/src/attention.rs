@@ -18,7 +18,7 @@ pub struct CodedSource<'a> {
 
 /// Exact causal attention over f32 keys/values, parallel over (head, query block).
 ///
-/// `keys[g]`, `values[g]`: kv head g as [len][head_dim]. q: [n_heads][n_q][head_dim].
+/// `keys[g]`, `values[g]`: kv head g as `[len][head_dim]`. q: `[n_heads][n_q][head_dim]`.
 /// Query head h reads kv head h / (n_heads / n_kv_heads) (GQA). Returns [n_q][n_heads * head_dim].
 pub fn causal_attention_f32(
     q: &[f32],

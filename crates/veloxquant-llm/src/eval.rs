@@ -83,7 +83,7 @@ impl WindowPlan {
 }
 
 /// Evaluates one window from an empty store in one teacher-forced forward call and returns
-/// log-softmax rows [n_scored][n_vocab] for positions first..n_ctx-1.
+/// log-softmax rows `[n_scored][n_vocab]` for positions first..n_ctx-1.
 pub fn window_log_probs(
     model: &Llama,
     window: &[u32],

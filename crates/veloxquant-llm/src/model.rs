@@ -177,7 +177,7 @@ impl Llama {
     }
 
     /// Runs `tokens` (new tokens, continuing at position `store.len(0)`) through the model,
-    /// appending their K/V to `store`. Returns logits [tokens.len() - logits_from][n_vocab] for
+    /// appending their K/V to `store`. Returns logits `[tokens.len() - logits_from][n_vocab]` for
     /// chunk positions `logits_from..`; earlier positions skip the output projection.
     pub fn forward(&self, tokens: &[u32], store: &mut dyn KvStore, logits_from: usize) -> Result<Vec<f32>> {
         let c = &self.config;

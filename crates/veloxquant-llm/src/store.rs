@@ -9,9 +9,9 @@ pub use crate::attention::causal_attention_f32;
 
 /// One sequence's KV cache for all layers. Layouts are row-major f32.
 pub trait KvStore {
-    /// Append `n_tokens` new tokens to `layer`. k, v: [n_kv_heads][n_tokens][head_dim], keys already RoPE'd.
+    /// Append `n_tokens` new tokens to `layer`. k, v: `[n_kv_heads][n_tokens][head_dim]`, keys already RoPE'd.
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()>;
-    /// Causal attention of the `n_q` newest positions of `layer` (already appended). q: [n_heads][n_q][head_dim], RoPE'd, not pre-scaled.
+    /// Causal attention of the `n_q` newest positions of `layer` (already appended). q: `[n_heads][n_q][head_dim]`, RoPE'd, not pre-scaled.
     /// Query i is at absolute position len - n_q + i and attends to keys 0..=that position, softmax scale 1/sqrt(head_dim).
     /// Returns [n_q][n_heads * head_dim].
     fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>>;

@@ -4,7 +4,7 @@
 //! with a lane-strided partial sum followed by a xor-butterfly; these functions do exactly
 //! that on the CPU so both sides round identically (no FMA contraction on either side).
 
-/// Σ a[i]·b[i] in the canonical order: lane l sums indices l, l+32, … sequentially, then
+/// Σ `a[i]·b[i]` in the canonical order: lane l sums indices l, l+32, … sequentially, then
 /// lanes combine pairwise by xor-butterfly over offsets 16, 8, 4, 2, 1.
 pub fn dot_canonical(a: &[f32], b: &[f32]) -> f32 {
     debug_assert_eq!(a.len(), b.len());
@@ -16,7 +16,7 @@ pub fn dot_canonical(a: &[f32], b: &[f32]) -> f32 {
     butterfly(&mut lanes)
 }
 
-/// Σ a[i]² in the canonical order.
+/// Σ `a[i]`² in the canonical order.
 pub fn sum_sq_canonical(a: &[f32]) -> f32 {
     dot_canonical(a, a)
 }

@@ -19,7 +19,7 @@ use crate::format::QueryState;
 /// single KV head at 4k tokens still spreads over the threads.
 const MIN_PAGES_PER_TASK: usize = 8;
 
-/// q: [n_heads][d] → [n_heads][d]. Softmax scale 1/√d.
+/// q: `[n_heads][d]` → `[n_heads][d]`. Softmax scale 1/√d.
 pub fn decode_attention(cache: &PagedCache, layer: usize, q: &[f32], n_heads: usize) -> Result<Vec<f32>> {
     let mut out = decode_attention_batch(&[(cache, q)], layer, n_heads)?;
     Ok(out.pop().expect("one output per sequence"))

@@ -26,7 +26,7 @@ pub fn materialize(s: &StreamStore) -> Vec<f32> {
     out
 }
 
-/// q: [n_heads][d] → [n_heads][d]. Softmax scale 1/√d.
+/// q: `[n_heads][d]` → `[n_heads][d]`. Softmax scale 1/√d.
 pub fn decode_attention_ref(cache: &PagedCache, layer: usize, q: &[f32], n_heads: usize) -> Result<Vec<f32>> {
     let g = check_query(cache, layer, q, n_heads)?;
     let d = cache.config().head_dim;

@@ -205,7 +205,7 @@ impl PagedCache {
         Ok(self.layer(layer)?.n_tokens)
     }
 
-    /// Append `n_tokens` tokens to `layer`: k and v are [n_kv_heads][n_tokens][head_dim].
+    /// Append `n_tokens` tokens to `layer`: k and v are `[n_kv_heads][n_tokens][head_dim]`.
     /// NaN/Inf are rejected (typed error) before anything is stored.
     pub fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()> {
         let (h, d) = (self.cfg.n_kv_heads, self.cfg.head_dim);

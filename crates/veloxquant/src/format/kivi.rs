@@ -13,7 +13,7 @@
 //! | bytes                 | content                                              |
 //! |-----------------------|------------------------------------------------------|
 //! | T × ⌈d·b/32⌉·4        | codes, one row per token, LSB-first                  |
-//! | 2·T·d/G               | scales (keys: [T/G][d]; values: [T][d/G]), f16       |
+//! | 2·T·d/G               | scales (keys: `[T/G][d]`; values: `[T][d/G]`), f16       |
 //! | 2·T·d/G               | zeros, same order, f16                               |
 //!
 //! Bits/value = b + 32/G: 3 for "2-bit" and 5 for "4-bit" at G = 32, as KIVI counts them

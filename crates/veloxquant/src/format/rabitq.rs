@@ -19,7 +19,7 @@
 //! | 2·T             | ‖x‖, f16                          |
 //! | 2·T             | x0 = ⟨ō, y⟩, f16                  |
 //!
-//! Bits/value = 1 + 32/d. Anchor: E[x0] = √(2/π) = 0.798 at large d; error of the exact
+//! Bits/value = 1 + 32/d. Anchor: E(x0) = √(2/π) = 0.798 at large d; error of the exact
 //! query estimator ≈ √((1 − x0²)/x0²)·N(0,1)/√(d − 1) (REFERENCE.md §5), tested.
 //! Deviations: nearest (not randomized) rounding of the query — its error is measured in
 //! the tests; no extended multi-bit codes yet. Keys only. Spec: `rabitq`.

@@ -8,7 +8,7 @@
 //! on the transformed calibration vectors z = R·(c/λ). A vector x is stored as the d/g
 //! indices of the nearest centroids of z = R·(x/λ); decode x̂ = λ ⊙ Rᵀ·ẑ.
 //! Keys: q' = R·(q ⊙ λ) so ⟨q', z⟩ = ⟨q, x/λ ⊙ λ⟩; scoring builds one lookup table per
-//! query, LUT[s][c] = ⟨q'_s, centroid_{s,c}⟩, then sums d/g table entries per key.
+//! query, `LUT[s][c]` = ⟨q'_s, centroid_{s,c}⟩, then sums d/g table entries per key.
 //! Values: centroids accumulate in the z domain, `finish` applies Rᵀ and λ once per head.
 //!
 //! | bytes                 | content                                  |
@@ -234,7 +234,7 @@ impl Format for VecInfer {
         }
     }
 
-    /// aux per head: LUT[s][c] = ⟨(R·(q ⊙ λ))_s, centroid_{s,c}⟩, (d/g) × 2^b floats.
+    /// aux per head: `LUT[s][c]` = ⟨(R·(q ⊙ λ))_s, centroid_{s,c}⟩, (d/g) × 2^b floats.
     fn prepare_query(&self, q: &[f32], n_q: usize) -> QueryState {
         let (d, g, k) = (self.d, self.g, self.k);
         let mut aux = Vec::with_capacity(n_q * d / g * k);
