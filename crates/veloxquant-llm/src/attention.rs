@@ -206,18 +206,7 @@ fn gemm_rowmajor(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_util::pseudo;
 
     // Plain triple loop: the oracle for the gemm path.
     fn attend_ref(q: &[f32], n_q: usize, k: &[Vec<f32>], v: &[Vec<f32>], len: usize, hd: usize) -> Vec<f32> {

@@ -38,7 +38,7 @@ pub use fetch::{fetch_model, model_fingerprint};
 pub use generate::{generate, GenStats, Greedy, Sampler};
 pub use model::{Llama, LlamaConfig, WeightMode};
 pub use passkey::{passkey_accuracy, passkey_prompt, PasskeyFormat, PasskeyStats};
-pub use store::{causal_attention_f32, F32Store, Fp16Store, KvStore, StoreFactory};
+pub use store::{causal_attention_f32, DenseStore, F32Store, Fp16Store, KvStore, StoreFactory, StoredValue};
 pub use tokenizer::Tokenizer;
 
 // The model is shared read-only across threads (rayon inside forward, callers across runs).
@@ -48,3 +48,19 @@ const _: () = {
     assert_send_sync::<Tokenizer>();
     assert_send_sync::<Fp16Store>();
 };
+
+/// Deterministic inputs for the unit tests (xorshift, values in [-1, 1]).
+#[cfg(test)]
+pub(crate) mod test_util {
+    pub fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+}

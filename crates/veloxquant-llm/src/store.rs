@@ -23,17 +23,56 @@ pub trait KvStore {
 /// Builds a fresh, empty store (one per evaluated sequence).
 pub type StoreFactory<'a> = dyn FnMut() -> Result<Box<dyn KvStore>> + 'a;
 
-/// Reference cache: keys and values stored as IEEE fp16, attention computed in f32.
-pub struct Fp16Store {
+/// How a dense store keeps one value: f16 (the reference cache) or f32 (an exact oracle).
+pub trait StoredValue: Copy + Default + Send + Sync + 'static {
+    /// Append `src` to `dst`, converted.
+    fn extend_from_f32(dst: &mut Vec<Self>, src: &[f32]);
+    /// The values as f32 (borrowed when no conversion is needed).
+    fn to_f32(x: &[Self]) -> std::borrow::Cow<'_, [f32]>;
+}
+
+impl StoredValue for f16 {
+    fn extend_from_f32(dst: &mut Vec<Self>, src: &[f32]) {
+        let start = dst.len();
+        dst.resize(start + src.len(), f16::ZERO);
+        dst[start..].convert_from_f32_slice(src);
+    }
+    fn to_f32(x: &[Self]) -> std::borrow::Cow<'_, [f32]> {
+        let mut out = vec![0f32; x.len()];
+        x.convert_to_f32_slice(&mut out);
+        out.into()
+    }
+}
+
+impl StoredValue for f32 {
+    fn extend_from_f32(dst: &mut Vec<Self>, src: &[f32]) {
+        dst.extend_from_slice(src);
+    }
+    fn to_f32(x: &[Self]) -> std::borrow::Cow<'_, [f32]> {
+        x.into()
+    }
+}
+
+fn widen<T: StoredValue>(heads: &[Vec<T>]) -> Vec<std::borrow::Cow<'_, [f32]>> {
+    heads.par_iter().map(|h| T::to_f32(h)).collect()
+}
+
+/// An uncompressed cache: keys and values kept as `T`, attention computed in f32.
+pub struct DenseStore<T: StoredValue> {
     n_kv_heads: usize,
     head_dim: usize,
     /// [layer][kv head] → [len][head_dim]
-    keys: Vec<Vec<Vec<f16>>>,
-    values: Vec<Vec<Vec<f16>>>,
+    keys: Vec<Vec<Vec<T>>>,
+    values: Vec<Vec<Vec<T>>>,
     lens: Vec<usize>,
 }
 
-impl Fp16Store {
+/// Reference cache: keys and values stored as IEEE fp16.
+pub type Fp16Store = DenseStore<f16>;
+/// Exact f32 cache (no rounding of K/V): an oracle for tests and for isolating fp16 effects.
+pub type F32Store = DenseStore<f32>;
+
+impl<T: StoredValue> DenseStore<T> {
     pub fn new(n_layers: usize, n_kv_heads: usize, head_dim: usize) -> Self {
         Self::with_capacity(n_layers, n_kv_heads, head_dim, 0)
     }
@@ -59,7 +98,7 @@ impl Fp16Store {
     }
 }
 
-impl KvStore for Fp16Store {
+impl<T: StoredValue> KvStore for DenseStore<T> {
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()> {
         self.check_layer(layer)?;
         let per_head = n_tokens * self.head_dim;
@@ -70,14 +109,8 @@ impl KvStore for Fp16Store {
             }
         }
         for g in 0..self.n_kv_heads {
-            for (dst, src) in [
-                (&mut self.keys[layer][g], &k[g * per_head..(g + 1) * per_head]),
-                (&mut self.values[layer][g], &v[g * per_head..(g + 1) * per_head]),
-            ] {
-                let start = dst.len();
-                dst.resize(start + per_head, f16::ZERO);
-                dst[start..].convert_from_f32_slice(src);
-            }
+            T::extend_from_f32(&mut self.keys[layer][g], &k[g * per_head..(g + 1) * per_head]);
+            T::extend_from_f32(&mut self.values[layer][g], &v[g * per_head..(g + 1) * per_head]);
         }
         self.lens[layer] += n_tokens;
         Ok(())
@@ -85,20 +118,9 @@ impl KvStore for Fp16Store {
 
     fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>> {
         self.check_layer(layer)?;
-        let widen = |heads: &Vec<Vec<f16>>| -> Vec<Vec<f32>> {
-            heads
-                .par_iter()
-                .map(|h| {
-                    let mut out = vec![0f32; h.len()];
-                    h.convert_to_f32_slice(&mut out);
-                    out
-                })
-                .collect()
-        };
-        let kf = widen(&self.keys[layer]);
-        let vf = widen(&self.values[layer]);
-        let kr: Vec<&[f32]> = kf.iter().map(|x| x.as_slice()).collect();
-        let vr: Vec<&[f32]> = vf.iter().map(|x| x.as_slice()).collect();
+        let (kf, vf) = (widen(&self.keys[layer]), widen(&self.values[layer]));
+        let kr: Vec<&[f32]> = kf.iter().map(|x| x.as_ref()).collect();
+        let vr: Vec<&[f32]> = vf.iter().map(|x| x.as_ref()).collect();
         causal_attention_f32(q, n_q, &kr, &vr, self.lens[layer], self.head_dim)
     }
 
@@ -107,80 +129,14 @@ impl KvStore for Fp16Store {
     }
 
     fn resident_bytes(&self) -> usize {
-        self.keys.iter().chain(self.values.iter()).flatten().map(|h| h.capacity() * std::mem::size_of::<f16>()).sum()
-    }
-}
-
-/// Exact f32 cache (no rounding of K/V): an oracle for tests and for isolating fp16 effects.
-pub struct F32Store {
-    n_kv_heads: usize,
-    head_dim: usize,
-    /// [layer][kv head] → [len][head_dim]
-    keys: Vec<Vec<Vec<f32>>>,
-    values: Vec<Vec<Vec<f32>>>,
-    lens: Vec<usize>,
-}
-
-impl F32Store {
-    pub fn new(n_layers: usize, n_kv_heads: usize, head_dim: usize) -> Self {
-        let empty = || vec![vec![Vec::new(); n_kv_heads]; n_layers];
-        Self { n_kv_heads, head_dim, keys: empty(), values: empty(), lens: vec![0; n_layers] }
-    }
-}
-
-impl KvStore for F32Store {
-    fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()> {
-        if layer >= self.lens.len() {
-            return Err(LlmError::Store(format!("layer {layer} out of range")));
-        }
-        let per_head = n_tokens * self.head_dim;
-        let expected = self.n_kv_heads * per_head;
-        for (got, op) in [(k.len(), "append: k"), (v.len(), "append: v")] {
-            if got != expected {
-                return Err(LlmError::ShapeMismatch { op, expected, got });
-            }
-        }
-        for g in 0..self.n_kv_heads {
-            self.keys[layer][g].extend_from_slice(&k[g * per_head..(g + 1) * per_head]);
-            self.values[layer][g].extend_from_slice(&v[g * per_head..(g + 1) * per_head]);
-        }
-        self.lens[layer] += n_tokens;
-        Ok(())
-    }
-
-    fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>> {
-        if layer >= self.lens.len() {
-            return Err(LlmError::Store(format!("layer {layer} out of range")));
-        }
-        let kr: Vec<&[f32]> = self.keys[layer].iter().map(|x| x.as_slice()).collect();
-        let vr: Vec<&[f32]> = self.values[layer].iter().map(|x| x.as_slice()).collect();
-        causal_attention_f32(q, n_q, &kr, &vr, self.lens[layer], self.head_dim)
-    }
-
-    fn len(&self, layer: usize) -> usize {
-        self.lens.get(layer).copied().unwrap_or(0)
-    }
-
-    fn resident_bytes(&self) -> usize {
-        self.keys.iter().chain(self.values.iter()).flatten().map(|h| h.capacity() * std::mem::size_of::<f32>()).sum()
+        self.keys.iter().chain(self.values.iter()).flatten().map(|h| h.capacity() * std::mem::size_of::<T>()).sum()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::test_util::pseudo;
 
     #[test]
     fn fp16_store_appends_in_chunks_like_one_shot() {

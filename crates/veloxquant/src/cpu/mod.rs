@@ -2,6 +2,23 @@
 //! machine has (AVX2+FMA+F16C on x86-64), with a portable scalar path that defines the
 //! semantics.
 
+/// Kernel instance per row kind and code width: `$f::<KIND, BITS>(layout, args...)`
+/// (defined before the SIMD modules so they see it).
+#[cfg(target_arch = "x86_64")]
+macro_rules! dispatch_row_kind {
+    ($l:expr, $f:ident, $($args:expr),*) => {
+        match &$l.kind {
+            RowKind::F16 => $f::<F16, 0>($l, $($args),*),
+            RowKind::Q8_0 => $f::<Q8, 0>($l, $($args),*),
+            RowKind::Q4_0 => $f::<Q4, 0>($l, $($args),*),
+            RowKind::Codes { bits: 1, .. } => $f::<CODES, 1>($l, $($args),*),
+            RowKind::Codes { bits: 2, .. } => $f::<CODES, 2>($l, $($args),*),
+            RowKind::Codes { bits: 3, .. } => $f::<CODES, 3>($l, $($args),*),
+            RowKind::Codes { .. } => $f::<CODES, 4>($l, $($args),*),
+        }
+    };
+}
+
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
@@ -11,6 +28,31 @@ mod x86_512;
 use std::sync::OnceLock;
 
 use crate::format::rows::RowLayout;
+
+/// Row-kind tags of the SIMD kernels' const generic (see `dispatch_row_kind!`).
+#[cfg(target_arch = "x86_64")]
+const F16: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const Q8: u8 = 1;
+#[cfg(target_arch = "x86_64")]
+const Q4: u8 = 2;
+#[cfg(target_arch = "x86_64")]
+const CODES: u8 = 3;
+/// Query heads scored per pass; larger groups take several passes.
+#[cfg(target_arch = "x86_64")]
+const MAX_G: usize = 8;
+
+/// `ws[h·T + t] = w[h·T + t] · scale_t` for the first `g` heads of `w`: the value
+/// accumulators then multiply each token's row by one broadcast weight.
+#[cfg(target_arch = "x86_64")]
+fn scale_weights(l: &RowLayout, page: &[u8], w: &[f32], g: usize, ws: &mut [f32]) {
+    for t in 0..l.t {
+        let s = l.row_scale(page, t);
+        for h in 0..g {
+            ws[h * l.t + t] = w[h * l.t + t] * s;
+        }
+    }
+}
 
 /// Instruction sets the fused kernels can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

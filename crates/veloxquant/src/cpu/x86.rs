@@ -4,14 +4,8 @@
 
 use std::arch::x86_64::*;
 
+use super::{scale_weights, CODES, F16, MAX_G, Q4, Q8};
 use crate::format::rows::{RowKind, RowLayout, Q4_BLOCK_BYTES, Q8_BLOCK_BYTES};
-
-const F16: u8 = 0;
-const Q8: u8 = 1;
-const Q4: u8 = 2;
-const CODES: u8 = 3;
-/// Query heads scored per pass; larger groups take several passes.
-const MAX_G: usize = 8;
 
 struct Tabs {
     lo: __m256,
@@ -116,12 +110,7 @@ unsafe fn accumulate_k<const K: u8, const B: u32>(l: &RowLayout, w: &[f32], n_q:
     let mut ws = vec![0f32; MAX_G * l.t];
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
-        for t in 0..l.t {
-            let s = l.row_scale(page, t);
-            for h in 0..g {
-                ws[h * l.t + t] = w[(h0 + h) * l.t + t] * s;
-            }
-        }
+        scale_weights(l, page, &w[h0 * l.t..], g, &mut ws);
         let ap = acc.as_mut_ptr().add(h0 * l.d);
         for k in 0..nk {
             let mut a = [_mm256_setzero_ps(); MAX_G];
@@ -141,28 +130,14 @@ unsafe fn accumulate_k<const K: u8, const B: u32>(l: &RowLayout, w: &[f32], n_q:
     }
 }
 
-macro_rules! dispatch {
-    ($l:expr, $f:ident, $($args:expr),*) => {
-        match &$l.kind {
-            RowKind::F16 => $f::<F16, 0>($l, $($args),*),
-            RowKind::Q8_0 => $f::<Q8, 0>($l, $($args),*),
-            RowKind::Q4_0 => $f::<Q4, 0>($l, $($args),*),
-            RowKind::Codes { bits: 1, .. } => $f::<CODES, 1>($l, $($args),*),
-            RowKind::Codes { bits: 2, .. } => $f::<CODES, 2>($l, $($args),*),
-            RowKind::Codes { bits: 3, .. } => $f::<CODES, 3>($l, $($args),*),
-            RowKind::Codes { .. } => $f::<CODES, 4>($l, $($args),*),
-        }
-    };
-}
-
 /// SAFETY (caller): AVX2, FMA and F16C are available; `page` holds `l.page_bytes()` bytes
 /// (so every row read, and the ≤ 3 bytes a packed-code load reads past a row, stay inside
 /// it: codes pages end with ≥ 4 bytes of scales); q/out/acc hold n_q·d / n_q·T floats.
 pub unsafe fn scores(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
-    dispatch!(l, scores_k, q, n_q, page, out)
+    dispatch_row_kind!(l, scores_k, q, n_q, page, out)
 }
 
 /// SAFETY (caller): as for [`scores`].
 pub unsafe fn accumulate(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
-    dispatch!(l, accumulate_k, w, n_q, page, acc)
+    dispatch_row_kind!(l, accumulate_k, w, n_q, page, acc)
 }
