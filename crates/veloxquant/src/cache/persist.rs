@@ -99,6 +99,9 @@ struct SavedStream {
     sink: usize,
 }
 
+/// Exported trained state per (layer, head, stream), for the formats that have one.
+type TrainedStates = HashMap<(usize, usize, Stream), Vec<f32>>;
+
 /// One tensor of the payload and where its bytes come from / go to.
 #[derive(Clone, Copy, Debug)]
 enum Part {
@@ -175,7 +178,7 @@ impl PagedCache {
         Ok(first)
     }
 
-    fn part_shape(&self, part: Part) -> (Dtype, Vec<usize>) {
+    fn part_shape(&self, part: Part, states: &TrainedStates) -> (Dtype, Vec<usize>) {
         let (h, d) = (self.cfg.n_kv_heads, self.cfg.head_dim);
         match part {
             Part::Pages(l, s) => {
@@ -184,12 +187,12 @@ impl PagedCache {
             }
             Part::Sink(l, s) => (Dtype::F16, vec![h, self.stream(l, 0, s).sink_tokens(), d]),
             Part::Tail(l, s) => (Dtype::F16, vec![h, self.stream(l, 0, s).tail_tokens(), d]),
-            Part::State(l, hh, s) => (Dtype::F32, vec![self.stream(l, hh, s).format().export_state().len()]),
+            Part::State(l, hh, s) => (Dtype::F32, vec![states[&(l, hh, s)].len()]),
         }
     }
 
     /// Feed every byte of one tensor, in file order, to `sink`.
-    fn emit(&self, part: Part, sink: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
+    fn emit(&self, part: Part, states: &TrainedStates, sink: &mut dyn FnMut(&[u8]) -> Result<()>) -> Result<()> {
         let heads = 0..self.cfg.n_kv_heads;
         match part {
             Part::Pages(l, s) => {
@@ -202,8 +205,7 @@ impl PagedCache {
             Part::Sink(l, s) => heads.into_iter().try_for_each(|h| emit_f16(self.stream(l, h, s).sink(), sink))?,
             Part::Tail(l, s) => heads.into_iter().try_for_each(|h| emit_f16(self.stream(l, h, s).tail(), sink))?,
             Part::State(l, h, s) => {
-                let state = self.stream(l, h, s).format().export_state();
-                for c in state.chunks(CHUNK / 4) {
+                for c in states[&(l, h, s)].chunks(CHUNK / 4) {
                     let bytes: Vec<u8> = c.iter().flat_map(|v| v.to_le_bytes()).collect();
                     sink(&bytes)?;
                 }
@@ -240,10 +242,14 @@ impl PagedCache {
             row_mode: self.row_mode,
             layers,
         };
-        let states = (0..cfg.n_layers)
-            .flat_map(|l| (0..cfg.n_kv_heads).flat_map(move |h| [Stream::Keys, Stream::Values].map(|s| (l, h, s))));
-        let parts =
-            plan(cfg.n_layers, states.filter(|&(l, h, s)| !self.stream(l, h, s).format().export_state().is_empty()));
+        // Trained state, exported once (a copy of the codebooks) for the table and both passes.
+        let ordered: Vec<_> = (0..cfg.n_layers)
+            .flat_map(|l| (0..cfg.n_kv_heads).flat_map(move |h| [Stream::Keys, Stream::Values].map(|s| (l, h, s))))
+            .map(|key| (key, self.stream(key.0, key.1, key.2).format().export_state()))
+            .filter(|(_, state)| !state.is_empty())
+            .collect();
+        let parts = plan(cfg.n_layers, ordered.iter().map(|(key, _)| *key));
+        let states: TrainedStates = ordered.into_iter().collect();
 
         let mut meta = HashMap::new();
         meta.insert("format".to_string(), FILE_KIND.to_string());
@@ -259,9 +265,9 @@ impl PagedCache {
         let mut tensors = Vec::with_capacity(parts.len());
         let mut offset = 0usize;
         for &part in &parts {
-            let (dtype, shape) = self.part_shape(part);
+            let (dtype, shape) = self.part_shape(part, &states);
             let start = offset;
-            self.emit(part, &mut |b| {
+            self.emit(part, &states, &mut |b| {
                 crc.update(b);
                 offset += b.len();
                 Ok(())
@@ -277,7 +283,7 @@ impl PagedCache {
         w.write_all(&(header.len() as u64).to_le_bytes()).map_err(io)?;
         w.write_all(&header).map_err(io)?;
         for &part in &parts {
-            self.emit(part, &mut |b| w.write_all(b).map_err(io))?;
+            self.emit(part, &states, &mut |b| w.write_all(b).map_err(io))?;
         }
         w.flush().map_err(io)?;
         Ok(8 + header.len() as u64 + offset as u64)
