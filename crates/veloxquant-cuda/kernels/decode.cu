@@ -55,6 +55,39 @@
 #undef FUSEQ
 #define FUSEQ 0
 #endif
+// PLUT (PIPE with a 4-bit stream): the f16x2 pair tables live at the start of dynamic shared
+// memory with a 256-byte stride per entry (64 KiB): word 64e + lane holds K's entry e, word
+// 64e + 32 + lane V's, so the address of a lookup is one prmt (byte k of the codes into address
+// byte 1, the lane's offset in byte 0) and the lookup one LDS, never a bank conflict.
+#ifndef PLUT
+#define PLUT 0
+#endif
+#if !PIPE || !(KLUT || VLUT)
+#undef PLUT
+#define PLUT 0
+#endif
+#define TABB (PLUT ? 65536 : 0)
+// EXPFTZ: softmax weights by ex2.approx.ftz (weights below 2^-126 flush to 0).
+#ifndef EXPFTZ
+#define EXPFTZ 0
+#endif
+// SPLITACC: the score mma's k-steps alternate between two accumulators (half the dependent
+// chain), summed at the end.
+#ifndef SPLITACC
+#define SPLITACC 0
+#endif
+// FUSEC: the split partials are merged by the block that finishes a (sequence, KV head) row
+// last (an atomic ticket per row), with the inverse value rotation, the fp16 tail and the
+// normalization of combine() in attn.cu: no separate combine launch.
+#ifndef FUSEC
+#define FUSEC 0
+#endif
+#ifndef KROT
+#define KROT 0
+#endif
+#ifndef VROT
+#define VROT 0
+#endif
 #define KSL ((K_PAGE_BYTES + 127) / 128 * 128)
 #define VSL ((V_PAGE_BYTES + 127) / 128 * 128)
 #define SLOT (KSL + VSL)
@@ -74,6 +107,16 @@
 #define MINB 0
 #endif
 #define LAZY ((!FAST && KK != 1 && VK != 1) || (PIPE && LAZYF))
+
+__device__ __forceinline__ float fexp2(float x) {
+#if EXPFTZ
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+#else
+    return exp2f(x);
+#endif
+}
 
 __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
     asm volatile(
@@ -261,6 +304,14 @@ __device__ __forceinline__ u32 lut_at(u32 lutb, u32 w, int k) {
     return r;
 }
 
+#if PLUT
+// Table entry for byte k of w from the 256-byte-stride table at tab; lb = the lane's offset
+// (lane·4, + 128 for V) in byte 0, zero byte 1.
+__device__ __forceinline__ u32 plut(const u8* tab, u32 lb, u32 w, int k) {
+    return *(const u32*)(tab + prmt(w, lb, 0x7604u | ((u32)k << 4)));
+}
+#endif
+
 #if PIPE
 // Byte offset of a page byte in its shared slot: 16-byte chunk index XOR 2·(line & m), m such
 // that the lanes' K (16 B) and V (8 B / 4 B) row reads of one instruction hit distinct banks.
@@ -330,13 +381,24 @@ __device__ __forceinline__ int vdim(int g, int mt, int hf) {
 __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u32 (*qh)[2],
                                            const u32 (*ql)[2], int t, float* c) {
     c[0] = c[1] = c[2] = c[3] = 0.0f;
+#if SPLITACC
+    float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#endif
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
-        mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], qh[ks][0], qh[ks][1]);
+#if SPLITACC
+        float* const cc = (ks & 1) ? e : c;
+#else
+        float* const cc = c;
+#endif
+        mma16816(cc, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], qh[ks][0], qh[ks][1]);
 #if !QPACK
-        mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], ql[ks][0], ql[ks][1]);
+        mma16816(cc, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], ql[ks][0], ql[ks][1]);
 #endif
     }
+#if SPLITACC
+    c[0] += e[0]; c[1] += e[1]; c[2] += e[2]; c[3] += e[3];
+#endif
 #if QPACK && G == 1
     c[0] += c[1]; c[1] = c[0];
     c[2] += c[3]; c[3] = c[2];
@@ -345,6 +407,110 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
     for (int i = 0; i < 4; i++) c[i] += __shfl_xor_sync(FULL_MASK, c[i], G / 2);
 #endif
 }
+
+#if FUSEC
+__device__ __forceinline__ float ldcg(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+// combine() of attn.cu for the G heads of one (sequence, KV head) row, by one block: the
+// splits' partials (read through L2: other blocks wrote them), the inverse value rotation,
+// the exact fp16 tail, the normalization. sc: shared scratch of
+// G·(n_splits + 2 + 2·D + tail_cap) floats.
+__device__ __noinline__ void finish_row(float* sc, const float* part_acc, const float* part_ml, int ns, int n_kv,
+                                        int b, int h, const float* q, const u16* ktail, const u16* vtail,
+                                        const int* n_tail, int tail_cap, const float* vsigns,
+                                        float vrot_scale, float* out) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    float* const wsp = sc;                 // [G][ns] split weights
+    float* const Ms = wsp + G * ns;        // [G]
+    float* const Ls = Ms + G;              // [G]
+    float* const Ab = Ls + G;              // [G][D]
+    float* const qs = Ab + G * D;          // [G][D]
+    float* const ts = qs + G * D;          // [G][tail_cap]
+    const size_t row = (size_t)(b * n_kv + h) * ns;
+    for (int hh = warp; hh < G; hh += NWARPS) {
+        float M = NEG_INF;
+        for (int sp = lane; sp < ns; sp += 32) M = fmaxf(M, ldcg(part_ml + ((row + sp) * G + hh) * 2));
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
+        float L = 0.0f;
+        for (int sp = lane; sp < ns; sp += 32) {
+            const size_t o = (row + sp) * G + hh;
+            const float mw = ldcg(part_ml + o * 2);
+            const float w = mw == NEG_INF ? 0.0f : exp2f(mw - M);
+            wsp[hh * ns + sp] = w;
+            L += w == 0.0f ? 0.0f : ldcg(part_ml + o * 2 + 1) * w;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(FULL_MASK, L, off);
+        if (lane == 0) { Ms[hh] = M; Ls[hh] = L; }
+    }
+    __syncthreads();
+    const int nt = n_tail[b];
+    const float qscale = LOG2E / sqrtf((float)D);
+    for (int i = tid; i < G * D; i += NWARPS * 32) {
+        const int hh = i / D, dm = i % D;
+        float A = 0.0f;
+        for (int sp = 0; sp < ns; sp++) {
+            const float w = wsp[hh * ns + sp];
+            if (w != 0.0f) A += ldcg(part_acc + ((row + sp) * G + hh) * D + dm) * w;
+        }
+        Ab[i] = A;
+        if (nt > 0) qs[i] = q[((size_t)(b * n_kv + h) * G) * D + i] * qscale;
+    }
+    __syncthreads();
+#if VROT
+    for (int hs = 1; hs < D; hs <<= 1) {
+        for (int i = tid; i < G * D / 2; i += NWARPS * 32) {
+            const int hh = i / (D / 2), j = i % (D / 2);
+            const int lo = hh * D + (j / hs) * 2 * hs + (j % hs);
+            const float a = Ab[lo], o = Ab[lo + hs];
+            Ab[lo] = a + o;
+            Ab[lo + hs] = a - o;
+        }
+        __syncthreads();
+    }
+#endif
+    const u16* kt = ktail + ((size_t)(b * n_kv + h) * tail_cap) * D;
+    const u16* vt = vtail + ((size_t)(b * n_kv + h) * tail_cap) * D;
+    if (nt > 0) {
+        for (int pr = warp; pr < G * nt; pr += NWARPS) {
+            const int hh = pr / nt, tok = pr % nt;
+            float a = 0.0f;
+            for (int i = lane; i < D; i += 32) a += qs[hh * D + i] * h2f(kt[(size_t)tok * D + i]);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(FULL_MASK, a, off);
+            if (lane == 0) ts[hh * tail_cap + tok] = a;
+        }
+        __syncthreads();
+    }
+    for (int i = tid; i < G * D; i += NWARPS * 32) {
+        const int hh = i / D, dm = i % D;
+        float A = Ab[i];
+#if VROT
+        A *= vsigns[h * D + dm] * vrot_scale;
+#endif
+        float M = Ms[hh], L = Ls[hh];
+        if (nt > 0) {
+            const float* t = ts + hh * tail_cap;
+            float mt = NEG_INF;
+            for (int tok = 0; tok < nt; tok++) mt = fmaxf(mt, t[tok]);
+            const float m2 = fmaxf(M, mt);
+            const float s = M == NEG_INF ? 0.0f : exp2f(M - m2);
+            L *= s;
+            A *= s;
+            for (int tok = 0; tok < nt; tok++) {
+                const float w = exp2f(t[tok] - m2);
+                L += w;
+                A += w * h2f(vt[(size_t)tok * D + dm]);
+            }
+        }
+        out[((size_t)(b * n_kv + h) * G) * D + i] = L > 0.0f ? A / L : 0.0f;
+    }
+}
+#endif
 
 #if PIPE && defined(PMINB)
 #undef MINB
@@ -360,24 +526,43 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
     int pages_per_split, int n_splits, int n_kv, const u16* __restrict__ ktab_g,
     const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
+    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale,
+    int* __restrict__ counters, const u16* __restrict__ ktail, const u16* __restrict__ vtail,
+    const int* __restrict__ n_tail, int tail_cap, const float* __restrict__ vsigns, float vrot_scale,
+    float* __restrict__ out) {
     __shared__ u16 ktab[16], vtab[16];
     __shared__ float pbuf[NWARPS][32][9];
     __shared__ float mml[NWARPS][8][2];
+#if PIPE || FUSEC
+    extern __shared__ __align__(128) u8 dsm[];
+#endif
+#if PLUT
+    float (*macc)[8][D] = (float (*)[8][D])(dsm + TABB);  // the ring's space, after the loop
+#else
 #if KLUT || VLUT
     __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table, then macc
 #else
     __shared__ __align__(16) u32 big[NWARPS * 8 * D];
 #endif
     float (*macc)[8][D] = (float (*)[8][D])big;
-#if PIPE
-    extern __shared__ __align__(128) u8 dsm[];
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
     if (tid < 16) { ktab[tid] = ktab_g[tid]; vtab[tid] = vtab_g[tid]; }
     __syncthreads();
-#if KLUT || VLUT
+#if PLUT
+    {
+        // Entry e's 32 K words are equal (as are its 32 V words): 16-byte stores of one value.
+        for (int i = tid; i < 256 * 16; i += NWARPS * 32) {
+            const int e = i >> 4;
+            const u16* ts = (i & 8) ? vtab : ktab;
+            const u32 x = (u32)ts[e & 15] | ((u32)ts[e >> 4] << 16);
+            *(vec4u*)(dsm + 16 * i) = vec4u{x, x, x, x};
+        }
+        __syncthreads();
+    }
+    const u32 lbk = (u32)lane * 4u, lbv = (u32)lane * 4u + 128u;
+#elif KLUT || VLUT
     {
         const u16* ts = KLUT ? ktab : vtab;
         for (int i = tid; i < 256 * 32; i += NWARPS * 32) {
@@ -404,7 +589,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // Hadamard-rotated in shared memory (the ring's space, not yet in use) by the same
     // operations in the same order as prep_query.
     {
-        float* const qs = (float*)dsm;
+        float* const qs = (float*)(dsm + TABB);
         const float sc = LOG2E / sqrtf((float)D);
         for (int i = tid; i < G * D; i += NWARPS * 32) {
             float x = q[((size_t)(b * n_kv + h) * G) * D + i] * sc;
@@ -429,7 +614,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         __syncthreads();
 #endif
     }
-    const float* qb = (const float*)dsm;
+    const float* qb = (const float*)(dsm + TABB);
 #else
     const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
 #endif
@@ -468,7 +653,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if PIPE
     // This warp's pages are first + NWARPS*j, j < nmine; lane i holds the physical index of page
     // j = i (mod 32) of the chunk being fetched. Pages 0 .. STAGES-2 are put in flight here.
-    u8* const ring = dsm + warp * (STAGES * SLOT);
+    u8* const ring = dsm + TABB + warp * (STAGES * SLOT);
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
     const int first = p0 + warp;
     const int nmine = first < p1 ? (p1 - first + NWARPS - 1) / NWARPS : 0;
@@ -509,7 +694,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             u32 kra[KRW], krb[KRW];
             ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
             ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
-#if KB == 4
+#if KB == 4 && PLUT
+#pragma unroll
+            for (int by = 0; by < KRB; by++) {
+                ka[by] = plut(dsm, lbk, kra[by / 4], by % 4);
+                kb[by] = plut(dsm, lbk, krb[by / 4], by % 4);
+            }
+#elif KB == 4
 #pragma unroll
             for (int by = 0; by < KRB; by++) {
                 ka[by] = lut_at(lutb, kra[by / 4], by % 4);
@@ -622,7 +813,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
         // LAZY: rescale only when some head's running max grew (rare after the first pages).
         if (__any_sync(FULL_MASK, mn0 > m0 || mn1 > m1)) {
-            const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
+            const float a0 = fexp2(m0 - mn0), a1 = fexp2(m1 - mn1);
             m0 = mn0; m1 = mn1;
             l0 *= a0; l1 *= a1;
 #pragma unroll
@@ -630,19 +821,19 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
-            s[mt][0] = exp2f(s[mt][0] - m0); s[mt][2] = exp2f(s[mt][2] - m0);
-            s[mt][1] = exp2f(s[mt][1] - m1); s[mt][3] = exp2f(s[mt][3] - m1);
+            s[mt][0] = fexp2(s[mt][0] - m0); s[mt][2] = fexp2(s[mt][2] - m0);
+            s[mt][1] = fexp2(s[mt][1] - m1); s[mt][3] = fexp2(s[mt][3] - m1);
         }
         l0 += (s[0][0] + s[0][2]) + (s[1][0] + s[1][2]);
         l1 += (s[0][1] + s[0][3]) + (s[1][1] + s[1][3]);
 #else
         const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
-        const float a0 = exp2f(m0 - mn0), a1 = exp2f(m1 - mn1);
+        const float a0 = fexp2(m0 - mn0), a1 = fexp2(m1 - mn1);
         m0 = mn0; m1 = mn1;
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
-            s[mt][0] = exp2f(s[mt][0] - m0); s[mt][2] = exp2f(s[mt][2] - m0);
-            s[mt][1] = exp2f(s[mt][1] - m1); s[mt][3] = exp2f(s[mt][3] - m1);
+            s[mt][0] = fexp2(s[mt][0] - m0); s[mt][2] = fexp2(s[mt][2] - m0);
+            s[mt][1] = fexp2(s[mt][1] - m1); s[mt][3] = fexp2(s[mt][3] - m1);
         }
         l0 = l0 * a0 + ((s[0][0] + s[0][2]) + (s[1][0] + s[1][2]));
         l1 = l1 * a1 + ((s[0][1] + s[0][3]) + (s[1][1] + s[1][3]));
@@ -691,8 +882,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
                     if (4 * wi + k < KS) {
+#if PLUT
+                        mma16816(acc[4 * wi + k], plut(dsm, lbv, loAB, k), plut(dsm, lbv, hiAB, k),
+                                 plut(dsm, lbv, loCD, k), plut(dsm, lbv, hiCD, k), b0, b1);
+#else
                         mma16816(acc[4 * wi + k], lut_at(lutb, loAB, k), lut_at(lutb, hiAB, k),
                                  lut_at(lutb, loCD, k), lut_at(lutb, hiCD, k), b0, b1);
+#endif
                     }
                 }
             }
@@ -750,7 +946,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         mml[warp][2 * t + 1][0] = m1; mml[warp][2 * t + 1][1] = l1;
     }
 #if KLUT || VLUT
-    __syncthreads();  // every warp is done with the table that macc overlays
+    __syncthreads();  // every warp is done with the table (or ring) that macc overlays
 #endif
 #pragma unroll
     for (int mt = 0; mt < KS; mt++) {
@@ -778,4 +974,19 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         part_acc[o * D + dm] = A;
         if (dm == 0) { part_ml[o * 2] = M; part_ml[o * 2 + 1] = L; }
     }
+#if FUSEC
+    __shared__ int row_last;
+    __threadfence();  // this block's partial is visible before its ticket
+    __syncthreads();
+    if (tid == 0) {
+        row_last = atomicAdd(counters + (b * n_kv + h), 1) == n_splits - 1;
+        if (row_last) counters[b * n_kv + h] = 0;  // every split has arrived: reset for the next step
+    }
+    __syncthreads();
+    if (row_last) {
+        __threadfence();
+        finish_row((float*)(dsm + TABB), part_acc, part_ml, n_splits, n_kv, b, h, q, ktail, vtail, n_tail,
+                   tail_cap, vsigns, vrot_scale, out);
+    }
+#endif
 }

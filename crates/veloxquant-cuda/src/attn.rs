@@ -40,6 +40,8 @@ struct Pipe {
     minb: i64,
     /// prep_query fused into the decode kernel (one launch fewer).
     fuse_q: bool,
+    /// 4-bit lookups through the 256-byte-stride table (one prmt + one LDS each).
+    plut: bool,
 }
 
 impl Pipe {
@@ -52,15 +54,41 @@ impl Pipe {
             lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
             minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
             fuse_q: on && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
+            plut: on && (kf.bits == 4 || vf.bits == 4) && env_knob("VELOXQUANT_DECODE_PLUT", 0) != 0,
         }
     }
-    /// Dynamic shared memory of one block.
-    fn smem(&self, kf: &GpuFormat, vf: &GpuFormat) -> usize {
+    /// Dynamic shared memory of one block before the fused combine's scratch: the PLUT
+    /// table, then the rings (and, after the loop, the warps' accumulators when PLUT).
+    fn smem(&self, kf: &GpuFormat, vf: &GpuFormat, d: usize) -> (usize, usize) {
         if !self.on {
-            return 0;
+            return (0, 0);
         }
         let slot = kf.page_bytes.div_ceil(128) * 128 + vf.page_bytes.div_ceil(128) * 128;
-        self.warps * self.stages * slot
+        let ring = self.warps * self.stages * slot;
+        if self.plut {
+            (65536, ring.max(self.warps * 8 * d * 4))
+        } else {
+            (0, ring)
+        }
+    }
+}
+
+/// Softmax, score-chain and combine variants (benchmarks only; defaults are the measured
+/// best): `VELOXQUANT_DECODE_EXPFTZ`, `_SPLITACC`, `_FUSEC`.
+#[derive(Clone, Copy, Debug)]
+struct Variants {
+    expftz: bool,
+    splitacc: bool,
+    fusec: bool,
+}
+
+impl Variants {
+    fn new() -> Self {
+        Self {
+            expftz: env_knob("VELOXQUANT_DECODE_EXPFTZ", 0) != 0,
+            splitacc: env_knob("VELOXQUANT_DECODE_SPLITACC", 0) != 0,
+            fusec: env_knob("VELOXQUANT_DECODE_FUSEC", 0) != 0,
+        }
     }
 }
 
@@ -89,6 +117,9 @@ pub struct DecodePlan {
     pub nwarps: usize,
     smem: u32,
     fuse_q: bool,
+    /// combine() fused into the decode kernel (the last block of each row merges).
+    fuse_c: bool,
+    counters: CudaSlice<i32>,
     qprep: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
@@ -127,6 +158,14 @@ impl DecodePlan {
         let d = cfg.head_dim;
         let (kf, vf) = (&cache.k.fmt, &cache.v.fmt);
         let pipe = Pipe::new(kf, vf);
+        let var = Variants::new();
+        let b = cfg.n_seqs;
+        let max_pages = cache.max_pages().max(1);
+        let (tabb, body) = pipe.smem(kf, vf, d);
+        // The fused combine's scratch for the most splits the plan can choose.
+        let most_splits = max_pages.div_ceil(opts.min_pages_per_split.max(1)).max(1);
+        let scratch = g * (most_splits + 2 + 2 * d + cache.tail_cap()) * 4;
+        let fuse_c = var.fusec && tabb + body.max(scratch) <= 200 << 10;
         let mut defs: Vec<(String, i64)> = vec![
             ("D".into(), d as i64),
             ("T".into(), 32),
@@ -136,13 +175,20 @@ impl DecodePlan {
         defs.extend(kind_defines('K', kf));
         defs.extend(kind_defines('V', vf));
         defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
+        defs.push(("KROT".into(), kf.rotation.is_some() as i64));
+        defs.push(("VROT".into(), vf.rotation.is_some() as i64));
+        defs.push(("EXPFTZ".into(), var.expftz as i64));
+        defs.push(("SPLITACC".into(), var.splitacc as i64));
+        defs.push(("FUSEC".into(), fuse_c as i64));
         if pipe.on {
             defs.push(("PIPE".into(), 1));
             defs.push(("STAGES".into(), pipe.stages as i64));
             defs.push(("LAZYF".into(), pipe.lazy as i64));
             if pipe.fuse_q {
                 defs.push(("FUSEQ".into(), 1));
-                defs.push(("KROT".into(), kf.rotation.is_some() as i64));
+            }
+            if pipe.plut {
+                defs.push(("PLUT".into(), 1));
             }
             if pipe.minb > 0 {
                 defs.push(("PMINB".into(), pipe.minb));
@@ -150,7 +196,7 @@ impl DecodePlan {
         }
         let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
-        let smem = pipe.smem(kf, vf);
+        let smem = tabb + body.max(if fuse_c { scratch } else { 0 });
         if smem > 0 {
             f_decode
                 .set_attribute(
@@ -168,8 +214,6 @@ impl DecodePlan {
         let f_prep = dev.function(Family::Attn, &adefs, "prep_query")?;
         let f_combine = dev.function(Family::Attn, &adefs, "combine")?;
 
-        let b = cfg.n_seqs;
-        let max_pages = cache.max_pages().max(1);
         // Whole waves: as many blocks as fit at once (the kernel's occupancy, capped by
         // blocks_per_sm), rounded down to a multiple of the (sequence, KV head) rows.
         let resident = f_decode
@@ -192,6 +236,8 @@ impl DecodePlan {
             nwarps: pipe.warps,
             smem: smem as u32,
             fuse_q: pipe.fuse_q,
+            fuse_c,
+            counters: s.alloc_zeros(b * cfg.n_kv_heads).map_err(drv("alloc"))?,
             q: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             out: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
@@ -218,6 +264,7 @@ impl DecodePlan {
         }
 
         let max_pages = cfg.max_pages_per_seq as i32;
+        let tail_cap = cache.tail_cap() as i32;
         let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
         let cfg_dec = LaunchConfig {
             grid_dim: (self.n_splits as u32, hk as u32, b),
@@ -240,12 +287,23 @@ impl DecodePlan {
             .arg(&mut self.part_ml)
             .arg(&self.q)
             .arg(&cache.k.signs)
-            .arg(&cache.k.rot_scale);
+            .arg(&cache.k.rot_scale)
+            .arg(&mut self.counters)
+            .arg(&cache.k.tail)
+            .arg(&cache.v.tail)
+            .arg(&cache.n_tail_dev)
+            .arg(&tail_cap)
+            .arg(&cache.v.signs)
+            .arg(&cache.v.rot_scale)
+            .arg(&mut self.out);
         // SAFETY: matches decode_pages in kernels/decode.cu; the page table holds valid
-        // physical pages for the first n_pages[b] entries of every row.
+        // physical pages for the first n_pages[b] entries of every row; the counters are zero
+        // between launches (the last block of a row resets its own).
         unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
+        if self.fuse_c {
+            return Ok(());
+        }
 
-        let tail_cap = cache.tail_cap() as i32;
         let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32 + self.n_splits as u32) * 4, ..per_q };
         let mut l = s.launch_builder(&self.f_combine);
         l.arg(&self.part_acc)

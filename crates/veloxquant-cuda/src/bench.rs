@@ -54,6 +54,34 @@ fn time_us(dev: &Arc<GpuDevice>, warm: usize, iters: usize, mut f: impl FnMut(us
     Ok(median(ts))
 }
 
+/// Median over `reps` of the event-timed duration (µs) of `steps` back-to-back calls
+/// `f(i)`, divided by `steps`: the per-step time when the host runs ahead (as in a model's
+/// decode loop), without the launch latency of a synchronized single call.
+fn time_us_streamed(
+    dev: &Arc<GpuDevice>,
+    reps: usize,
+    steps: usize,
+    mut f: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    let ev = || dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
+    for i in 0..steps {
+        f(i)?;
+    }
+    dev.synchronize()?;
+    let mut ts = Vec::with_capacity(reps);
+    for r in 0..reps {
+        let (a, b) = (ev(), ev());
+        a.record(&dev.stream).expect("record");
+        for i in 0..steps {
+            f(r * steps + i)?;
+        }
+        b.record(&dev.stream).expect("record");
+        b.synchronize().expect("sync");
+        ts.push(a.elapsed_ms(&b).expect("elapsed") as f64 * 1e3 / steps as f64);
+    }
+    Ok(median(ts))
+}
+
 fn bandwidth(dev: &Arc<GpuDevice>) -> Result<(f64, f64)> {
     let bytes = 2usize << 30;
     let s = dev.stream.clone();
@@ -149,9 +177,13 @@ fn decode_rows(
     read_tbps: f64,
     opts: DecodeOptions,
     only: Option<&str>,
+    shapes: Option<&str>,
 ) -> Result<Vec<Value>> {
     let mut rows = Vec::new();
-    for &(b, hq, hkv, sl) in &SHAPES {
+    for (si, &(b, hq, hkv, sl)) in SHAPES.iter().enumerate() {
+        if shapes.is_some_and(|o| !o.split(',').any(|x| x == si.to_string())) {
+            continue;
+        }
         for f in FORMATS {
             if only.is_some_and(|o| !o.split(',').any(|x| x == f)) {
                 continue;
@@ -195,19 +227,23 @@ fn decode_rows(
                 let k = i % n_sets;
                 plans[k].run(&caches[k])
             })?;
+            let stream_us = time_us_streamed(dev, iters, 10, |i| {
+                let k = i % n_sets;
+                plans[k].run(&caches[k])
+            })?;
             let out: Vec<f32> = dev.stream.clone_dtoh(&plans[0].out).expect("dtoh");
             let finite = out.iter().all(|v| v.is_finite());
             let bytes = caches[0].bytes_read() as f64;
             let tbps = bytes / us / 1e6;
             eprintln!(
-                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) splits={} finite={finite}",
+                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs splits={} finite={finite}",
                 tbps / read_tbps,
                 plans[0].n_splits
             );
             rows.push(json!({
                 "b": b, "hq": hq, "hkv": hkv, "d": D, "s": sl, "format": f,
                 "k_bits": gf.bits_per_value(), "v_bits": gf.bits_per_value(),
-                "ours_us": us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
+                "ours_us": us, "ours_stream_us": stream_us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
                 "n_splits": plans[0].n_splits, "finite": finite,
             }));
         }
@@ -233,7 +269,7 @@ fn run(args: &[String]) -> Result<()> {
     let decode = if args.iter().any(|a| a == "--no-decode") {
         vec![]
     } else {
-        decode_rows(&dev, iters, read_tbps, opts, only.as_deref())?
+        decode_rows(&dev, iters, read_tbps, opts, only.as_deref(), arg(args, "--shapes").as_deref())?
     };
     let encode =
         if args.iter().any(|a| a == "--no-encode") { vec![] } else { encode_rows(&dev, read_tbps, copy_tbps)? };

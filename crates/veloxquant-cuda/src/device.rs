@@ -145,6 +145,10 @@ impl GpuDevice {
                     other => format!("{other:?}"),
                 },
             })?;
+        // Development aid: VELOXQUANT_PTX_DIR=dir keeps each module's PTX (for ptxas -v / SASS).
+        if let Some(dir) = std::env::var_os("VELOXQUANT_PTX_DIR") {
+            let _ = std::fs::write(std::path::Path::new(&dir).join(format!("{key}.ptx")), ptx.to_src());
+        }
         self.ctx.load_module(ptx).map_err(drv("load_module"))
     }
 
