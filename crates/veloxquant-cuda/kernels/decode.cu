@@ -88,6 +88,17 @@
 #ifndef VROT
 #define VROT 0
 #endif
+// BULK (PIPE): each page's K and V arrive by two cp.async.bulk copies issued by lane 0 and
+// complete on a per-slot mbarrier (no per-lane copy instructions). The rows then lie unswizzled:
+// lanes with t >= 2 take the two rows of each value-token pair in swapped order (and the
+// matching weights), which spreads one instruction's value-row reads over all banks.
+#ifndef BULK
+#define BULK 0
+#endif
+#if !PIPE || (K_PAGE_BYTES % 16) || (V_PAGE_BYTES % 16)
+#undef BULK
+#define BULK 0
+#endif
 #define KSL ((K_PAGE_BYTES + 127) / 128 * 128)
 #define VSL ((V_PAGE_BYTES + 127) / 128 * 128)
 #define SLOT (KSL + VSL)
@@ -318,9 +329,43 @@ __device__ __forceinline__ u32 plut(const u8* tab, u32 lb, u32 w, int k) {
 // The norms (at T·ROWB, a multiple of 128·(m+1)) are never moved.
 template <int ROWB>
 __device__ __forceinline__ int swz(int off) {
+#if BULK
+    return off;
+#else
     const int m = ROWB == 64 ? 3 : ROWB == 32 ? 1 : 0;
     return off ^ (((off >> 7) & m) << 5);
+#endif
 }
+#if BULK
+// x rotated left by n bits (n in {0, 16}: swaps the f16 halves when 16).
+__device__ __forceinline__ u32 rot16(u32 x, u32 n) {
+    u32 r;
+    asm("shf.l.wrap.b32 %0, %1, %1, %2;" : "=r"(r) : "r"(x), "r"(n));
+    return r;
+}
+__device__ __forceinline__ void mbar_init(u32 bar) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+}
+// Lane 0 only: the page's K and V into the slot at dst, completing on bar.
+__device__ __forceinline__ void bulk_page(const u8* kp, const u8* vp, u32 dst, u32 bar) {
+    // the slot's previous contents were read by ordinary loads, ordered before the async writes
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
+                 "r"((u32)(K_PAGE_BYTES + V_PAGE_BYTES)) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst), "l"(kp), "r"((u32)K_PAGE_BYTES), "r"(bar) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 ::"r"(dst + KSL), "l"(vp), "r"((u32)V_PAGE_BYTES), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+                     "selp.u32 %0, 1, 0, p;\n\t}"
+                     : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+    }
+}
+#endif
 __device__ __forceinline__ void cp16(u32 dst, const u8* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -452,11 +497,11 @@ __device__ __noinline__ void finish_row(float* sc, const float* part_acc, const 
     const float qscale = LOG2E / sqrtf((float)D);
     for (int i = tid; i < G * D; i += NWARPS * 32) {
         const int hh = i / D, dm = i % D;
+        // An empty split's partial is 0 with weight 0: unconditional, independent loads (one
+        // L2 round trip per 8 splits, not one per split).
         float A = 0.0f;
-        for (int sp = 0; sp < ns; sp++) {
-            const float w = wsp[hh * ns + sp];
-            if (w != 0.0f) A += ldcg(part_acc + ((row + sp) * G + hh) * D + dm) * w;
-        }
+#pragma unroll 8
+        for (int sp = 0; sp < ns; sp++) A += ldcg(part_acc + ((row + sp) * G + hh) * D + dm) * wsp[hh * ns + sp];
         Ab[i] = A;
         if (nt > 0) qs[i] = q[((size_t)(b * n_kv + h) * G) * D + i] * qscale;
     }
@@ -536,18 +581,65 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if PIPE || FUSEC
     extern __shared__ __align__(128) u8 dsm[];
 #endif
-#if PLUT
-    float (*macc)[8][D] = (float (*)[8][D])(dsm + TABB);  // the ring's space, after the loop
-#else
-#if KLUT || VLUT
-    __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table, then macc
-#else
+#if PIPE
+    float (*macc)[8][D] = (float (*)[8][D])(dsm + TABB);  // the rings' space, after the loop
+#endif
+#if KLUT && !PLUT || VLUT && !PLUT
+    __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table (then macc, !PIPE)
+#elif !PIPE
     __shared__ __align__(16) u32 big[NWARPS * 8 * D];
 #endif
+#if !PIPE
     float (*macc)[8][D] = (float (*)[8][D])big;
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int np = n_pages[b];
+    const int p0 = split * pages_per_split;
+    const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
+#if PIPE
+    // The first pages go in flight before anything else: this warp's pages are first + NWARPS·j,
+    // j < nmine; lane i holds the physical index of page j = i (mod 32) of the chunk being
+    // fetched (the first chunk read without waiting for n_pages: entries past it are unused).
+    u8* const ring = dsm + TABB + warp * (STAGES * SLOT);
+    const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
+    const int first = p0 + warp;
+    int ptv;
+    {
+        const int pi = first + NWARPS * lane;
+        ptv = pi < min(p0 + pages_per_split, max_pages) ? pt[pi] : 0;
+    }
+    const int p1 = min(p0 + pages_per_split, np);
+    const int nmine = first < p1 ? (p1 - first + NWARPS - 1) / NWARPS : 0;
+#if BULK
+    __shared__ __align__(8) u64 mbar[NWARPS][STAGES];
+    const u32 bar_s = (u32)__cvta_generic_to_shared(&mbar[warp][0]);
+    if (lane == 0) {
+#pragma unroll
+        for (int f = 0; f < STAGES; f++) mbar_init(bar_s + 8 * f);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncwarp();
+#endif
+#pragma unroll
+    for (int f = 0; f < STAGES - 1; f++) {
+        if (f < nmine) {
+            const int ph = __shfl_sync(FULL_MASK, ptv, f);
+#if BULK
+            if (lane == 0)
+                bulk_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES, ring_s + f * SLOT,
+                          bar_s + 8 * f);
+#else
+            stage_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES, ring_s + f * SLOT, lane);
+#endif
+        }
+#if !BULK
+        asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+    }
+#else
+    const int p1 = min(p0 + pages_per_split, np);
+#endif
     if (tid < 16) { ktab[tid] = ktab_g[tid]; vtab[tid] = vtab_g[tid]; }
     __syncthreads();
 #if PLUT
@@ -577,19 +669,16 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const u32 kt0 = (u32)ktab[0] | ((u32)ktab[1] << 16), kt1 = (u32)ktab[2] | ((u32)ktab[3] << 16);
     const u32 vt0 = (u32)vtab[0] | ((u32)vtab[1] << 16), vt1 = (u32)vtab[2] | ((u32)vtab[3] << 16);
 #endif
-    const int np = n_pages[b];
-    const int p0 = split * pages_per_split;
-    const int p1 = min(p0 + pages_per_split, np);
-
     // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
     // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
     u32 qh[KS][2], ql[KS][2];
 #if FUSEQ
     // prep_query fused: the group's G query rows, scaled by log2(e)/√d, sign-flipped and
-    // Hadamard-rotated in shared memory (the ring's space, not yet in use) by the same
-    // operations in the same order as prep_query.
+    // Hadamard-rotated in shared memory (pbuf's space, not yet in use) by the same operations
+    // in the same order as prep_query.
+    static_assert(NWARPS * 32 * 9 >= G * D, "pbuf holds the group's queries");
     {
-        float* const qs = (float*)(dsm + TABB);
+        float* const qs = &pbuf[0][0][0];
         const float sc = LOG2E / sqrtf((float)D);
         for (int i = tid; i < G * D; i += NWARPS * 32) {
             float x = q[((size_t)(b * n_kv + h) * G) * D + i] * sc;
@@ -614,7 +703,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         __syncthreads();
 #endif
     }
-    const float* qb = (const float*)(dsm + TABB);
+    const float* qb = &pbuf[0][0][0];
 #else
     const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
 #endif
@@ -645,27 +734,19 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     float acc[KS][4];
 #pragma unroll
     for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
-    const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
 
 #if FUSEQ
-    __syncthreads();  // every warp has its query operand before the ring is filled
+    __syncthreads();  // every warp has its query operand before pbuf is reused
 #endif
 #if PIPE
-    // This warp's pages are first + NWARPS*j, j < nmine; lane i holds the physical index of page
-    // j = i (mod 32) of the chunk being fetched. Pages 0 .. STAGES-2 are put in flight here.
-    u8* const ring = dsm + TABB + warp * (STAGES * SLOT);
-    const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
-    const int first = p0 + warp;
-    const int nmine = first < p1 ? (p1 - first + NWARPS - 1) / NWARPS : 0;
-    int ptv = lane < nmine ? pt[first + NWARPS * lane] : 0;
-#pragma unroll
-    for (int f = 0; f < STAGES - 1; f++) {
-        if (f < nmine) {
-            const int ph = __shfl_sync(FULL_MASK, ptv, f);
-            stage_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES, ring_s + f * SLOT, lane);
-        }
-        asm volatile("cp.async.commit_group;" ::: "memory");
-    }
+#if BULK
+    // This lane reads value-token pairs (2t, 2t+1) in swapped order when t >= 2: offsets of its
+    // first row (pbuf floats, value-row bytes) and of the other row relative to it.
+    const int vsw = (t >> 1) & 1;
+    const int pb_lane = (2 * t + vsw) * 9 + g, pb_other = (1 - 2 * vsw) * 9;
+    const int v_lane = (2 * t + vsw) * V_ROW_BYTES + g * VRB, v_other = (1 - 2 * vsw) * V_ROW_BYTES;
+    const u32 vn_rot = 16u * vsw;
+#endif
     int slot = 0, fslot = STAGES - 1;
     for (int j = 0; j < nmine; j++) {
         float s[2][4];
@@ -675,12 +756,22 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             __syncwarp();  // every lane is done with slot fslot (page j - 1)
             if (f < nmine) {
                 const int ph = __shfl_sync(FULL_MASK, ptv, f & 31);
+#if BULK
+                if (lane == 0)
+                    bulk_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES,
+                              ring_s + fslot * SLOT, bar_s + 8 * fslot);
+#else
                 stage_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES,
                            ring_s + fslot * SLOT, lane);
+#endif
             }
+#if BULK
+            mbar_wait(bar_s + 8 * slot, (u32)(j / STAGES) & 1u);
+#else
             asm volatile("cp.async.commit_group;" ::: "memory");
             asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
             __syncwarp();
+#endif
         }
         const u8* const kst = ring + slot * SLOT;
         const u8* const vst = kst + KSL;
@@ -853,16 +944,32 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
             const int tA = 16 * kk + 2 * t;
+#if BULK
+            // rows tA + sw, tA + 1 - sw as lane-invariant offsets plus constants
+            const float* pw = &pbuf[warp][0][0] + pb_lane + 16 * kk * 9;
+            float wA = pw[0], wB = pw[pb_other], wC = pw[8 * 9], wD = pw[8 * 9 + pb_other];
+#else
             float wA = pbuf[warp][tA][g], wB = pbuf[warp][tA + 1][g];
             float wC = pbuf[warp][tA + 8][g], wD = pbuf[warp][tA + 9][g];
+#endif
 #if FAST
 #if PIPE
             u32 vr[4][VRW];
+#if BULK
+            const u8* const vl = vst + v_lane + 16 * kk * V_ROW_BYTES;
+            ldraw<VRB>(vl, vr[0]);
+            ldraw<VRB>(vl + v_other, vr[1]);
+            ldraw<VRB>(vl + 8 * V_ROW_BYTES, vr[2]);
+            ldraw<VRB>(vl + 8 * V_ROW_BYTES + v_other, vr[3]);
+            u32 vnA = *(const u32*)(vnp + tA), vnC = *(const u32*)(vnp + tA + 8);
+            vnA = rot16(vnA, vn_rot); vnC = rot16(vnC, vn_rot);
+#else
             ldraw<VRB>(vst + swz<V_ROW_BYTES>(tA * V_ROW_BYTES + g * VRB), vr[0]);
             ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 1) * V_ROW_BYTES + g * VRB), vr[1]);
             ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 8) * V_ROW_BYTES + g * VRB), vr[2]);
             ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 9) * V_ROW_BYTES + g * VRB), vr[3]);
             const u32 vnA = *(const u32*)(vnp + tA), vnC = *(const u32*)(vnp + tA + 8);
+#endif
 #else
             u32 (*vr)[VRW] = &cur.v[4 * kk];
             const u32 vnA = cur.vn[2 * kk], vnC = cur.vn[2 * kk + 1];
@@ -945,8 +1052,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         mml[warp][2 * t][0] = m0; mml[warp][2 * t][1] = l0;
         mml[warp][2 * t + 1][0] = m1; mml[warp][2 * t + 1][1] = l1;
     }
-#if KLUT || VLUT
-    __syncthreads();  // every warp is done with the table (or ring) that macc overlays
+#if KLUT || VLUT || PIPE
+    __syncthreads();  // every warp is done with the table (or rings) that macc overlays
 #endif
 #pragma unroll
     for (int mt = 0; mt < KS; mt++) {

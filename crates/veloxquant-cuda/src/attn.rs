@@ -42,6 +42,8 @@ struct Pipe {
     fuse_q: bool,
     /// 4-bit lookups through the 256-byte-stride table (one prmt + one LDS each).
     plut: bool,
+    /// Pages staged by cp.async.bulk on per-slot mbarriers instead of per-lane cp.async.
+    bulk: bool,
 }
 
 impl Pipe {
@@ -50,26 +52,23 @@ impl Pipe {
         Self {
             on,
             stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
-            warps: if on { env_knob("VELOXQUANT_DECODE_WARPS", NWARPS as i64).clamp(1, 16) as usize } else { NWARPS },
+            warps: if on { env_knob("VELOXQUANT_DECODE_WARPS", NWARPS as i64).clamp(4, 16) as usize } else { NWARPS },
             lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
             minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
             fuse_q: on && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
             plut: on && (kf.bits == 4 || vf.bits == 4) && env_knob("VELOXQUANT_DECODE_PLUT", 0) != 0,
+            bulk: on && env_knob("VELOXQUANT_DECODE_BULK", 0) != 0,
         }
     }
     /// Dynamic shared memory of one block before the fused combine's scratch: the PLUT
-    /// table, then the rings (and, after the loop, the warps' accumulators when PLUT).
+    /// table, then the rings (and, after the loop, the warps' accumulators).
     fn smem(&self, kf: &GpuFormat, vf: &GpuFormat, d: usize) -> (usize, usize) {
         if !self.on {
             return (0, 0);
         }
         let slot = kf.page_bytes.div_ceil(128) * 128 + vf.page_bytes.div_ceil(128) * 128;
         let ring = self.warps * self.stages * slot;
-        if self.plut {
-            (65536, ring.max(self.warps * 8 * d * 4))
-        } else {
-            (0, ring)
-        }
+        (if self.plut { 65536 } else { 0 }, ring.max(self.warps * 8 * d * 4))
     }
 }
 
@@ -189,6 +188,9 @@ impl DecodePlan {
             }
             if pipe.plut {
                 defs.push(("PLUT".into(), 1));
+            }
+            if pipe.bulk {
+                defs.push(("BULK".into(), 1));
             }
             if pipe.minb > 0 {
                 defs.push(("PMINB".into(), pipe.minb));

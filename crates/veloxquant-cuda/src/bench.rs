@@ -180,10 +180,21 @@ fn decode_rows(
     shapes: Option<&str>,
 ) -> Result<Vec<Value>> {
     let mut rows = Vec::new();
-    for (si, &(b, hq, hkv, sl)) in SHAPES.iter().enumerate() {
-        if shapes.is_some_and(|o| !o.split(',').any(|x| x == si.to_string())) {
-            continue;
-        }
+    // --shapes: indices into SHAPES and/or extra shapes written BxHQxHKVxS (probes).
+    let list: Vec<(usize, usize, usize, usize)> = match shapes {
+        None => SHAPES.to_vec(),
+        Some(o) => o
+            .split(',')
+            .filter_map(|x| match x.parse::<usize>() {
+                Ok(i) => SHAPES.get(i).copied(),
+                Err(_) => {
+                    let v: Vec<usize> = x.split('x').filter_map(|n| n.parse().ok()).collect();
+                    (v.len() == 4).then(|| (v[0], v[1], v[2], v[3]))
+                }
+            })
+            .collect(),
+    };
+    for &(b, hq, hkv, sl) in &list {
         for f in FORMATS {
             if only.is_some_and(|o| !o.split(',').any(|x| x == f)) {
                 continue;
