@@ -55,10 +55,13 @@
 #undef FUSEQ
 #define FUSEQ 0
 #endif
-// PLUT (PIPE with a 4-bit stream): the f16x2 pair tables live at the start of dynamic shared
-// memory with a 256-byte stride per entry (64 KiB): word 64e + lane holds K's entry e, word
-// 64e + 32 + lane V's, so the address of a lookup is one prmt (byte k of the codes into address
-// byte 1, the lane's offset in byte 0) and the lookup one LDS, never a bank conflict.
+// PLUT (PIPE with a 4-bit stream): the f16x2 pair tables live in dynamic shared memory at a
+// 64-KiB-aligned shared address with a 256-byte stride per entry: word 64e + lane holds K's
+// entry e, word 64e + 32 + lane V's, so the shared address of a lookup is one prmt (byte k of
+// the codes into address byte 1, the lane's offset in byte 0, the table's base in bytes 2-3)
+// and the lookup one LDS, never a bank conflict. The rings fill the space below the table
+// (as many warps' as fit) and above it; after the loop the table's space holds macc and the
+// fused combine's scratch.
 #ifndef PLUT
 #define PLUT 0
 #endif
@@ -66,7 +69,6 @@
 #undef PLUT
 #define PLUT 0
 #endif
-#define TABB (PLUT ? 65536 : 0)
 // EXPFTZ: softmax weights by ex2.approx.ftz (weights below 2^-126 flush to 0).
 #ifndef EXPFTZ
 #define EXPFTZ 0
@@ -75,6 +77,10 @@
 // chain), summed at the end.
 #ifndef SPLITACC
 #define SPLITACC 0
+#endif
+// SLACK: see the softmax update (0 = the max reduced across lanes every page).
+#ifndef SLACK
+#define SLACK 0
 #endif
 // FUSEC: the split partials are merged by the block that finishes a (sequence, KV head) row
 // last (an atomic ticket per row), with the inverse value rotation, the fp16 tail and the
@@ -316,10 +322,13 @@ __device__ __forceinline__ u32 lut_at(u32 lutb, u32 w, int k) {
 }
 
 #if PLUT
-// Table entry for byte k of w from the 256-byte-stride table at tab; lb = the lane's offset
-// (lane·4, + 128 for V) in byte 0, zero byte 1.
-__device__ __forceinline__ u32 plut(const u8* tab, u32 lb, u32 w, int k) {
-    return *(const u32*)(tab + prmt(w, lb, 0x7604u | ((u32)k << 4)));
+// Table entry for byte k of w; lb = the table's shared address (low 16 bits zero) + the
+// lane's offset (lane·4, + 128 for V).
+__device__ __forceinline__ u32 plut(u32 lb, u32 w, int k) {
+    u32 r;
+    asm("{\n\t.reg .u32 a;\n\tprmt.b32 a, %1, %2, %3;\n\tld.shared.u32 %0, [a];\n\t}"
+        : "=r"(r) : "r"(w), "r"(lb), "r"(0x7604u | ((u32)k << 4)));
+    return r;
 }
 #endif
 
@@ -581,8 +590,16 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if PIPE || FUSEC
     extern __shared__ __align__(128) u8 dsm[];
 #endif
+#if PLUT
+    const u32 dsm_s = (u32)__cvta_generic_to_shared(dsm);
+    const u32 tpad = (0u - dsm_s) & 0xFFFFu;
+    u8* const tabp = dsm + tpad;  // the table: shared address dsm_s + tpad, low 16 bits zero
+    u8* const post = tabp;        // after the loop: macc, then the fused combine's scratch
+#elif PIPE || FUSEC
+    u8* const post = dsm;         // after the loop (PIPE: over the rings)
+#endif
 #if PIPE
-    float (*macc)[8][D] = (float (*)[8][D])(dsm + TABB);  // the rings' space, after the loop
+    float (*macc)[8][D] = (float (*)[8][D])post;
 #endif
 #if KLUT && !PLUT || VLUT && !PLUT
     __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table (then macc, !PIPE)
@@ -601,7 +618,18 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // The first pages go in flight before anything else: this warp's pages are first + NWARPS·j,
     // j < nmine; lane i holds the physical index of page j = i (mod 32) of the chunk being
     // fetched (the first chunk read without waiting for n_pages: entries past it are unused).
-    u8* const ring = dsm + TABB + warp * (STAGES * SLOT);
+#if PLUT
+    const int nlow = min((int)(tpad / (STAGES * SLOT)), NWARPS);  // rings below the table
+    {
+        // The host sized the dynamic part for its layout; never write past it.
+        u32 dyn;
+        asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+        if (tpad + 65536u + (u32)(NWARPS - nlow) * (STAGES * SLOT) > dyn) __trap();
+    }
+    u8* const ring = warp < nlow ? dsm + warp * (STAGES * SLOT) : tabp + 65536 + (warp - nlow) * (STAGES * SLOT);
+#else
+    u8* const ring = dsm + warp * (STAGES * SLOT);
+#endif
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
     const int first = p0 + warp;
     int ptv;
@@ -649,11 +677,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             const int e = i >> 4;
             const u16* ts = (i & 8) ? vtab : ktab;
             const u32 x = (u32)ts[e & 15] | ((u32)ts[e >> 4] << 16);
-            *(vec4u*)(dsm + 16 * i) = vec4u{x, x, x, x};
+            *(vec4u*)(tabp + 16 * i) = vec4u{x, x, x, x};
         }
         __syncthreads();
     }
-    const u32 lbk = (u32)lane * 4u, lbv = (u32)lane * 4u + 128u;
+    const u32 lbk = dsm_s + tpad + (u32)lane * 4u, lbv = lbk + 128u;
 #elif KLUT || VLUT
     {
         const u16* ts = KLUT ? ktab : vtab;
@@ -788,8 +816,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if KB == 4 && PLUT
 #pragma unroll
             for (int by = 0; by < KRB; by++) {
-                ka[by] = plut(dsm, lbk, kra[by / 4], by % 4);
-                kb[by] = plut(dsm, lbk, krb[by / 4], by % 4);
+                ka[by] = plut(lbk, kra[by / 4], by % 4);
+                kb[by] = plut(lbk, krb[by / 4], by % 4);
             }
 #elif KB == 4
 #pragma unroll
@@ -895,6 +923,32 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         // update state: online softmax per head column
         float x0 = fmaxf(fmaxf(s[0][0], s[0][2]), fmaxf(s[1][0], s[1][2]));
         float x1 = fmaxf(fmaxf(s[0][1], s[0][3]), fmaxf(s[1][1], s[1][3]));
+#if SLACK
+        // The running max m may trail the scores by up to SLACK (log2 units): weights stay
+        // <= 2^SLACK (exact enough in f16, far from its range), and the max is only reduced
+        // across lanes, and the state rescaled, when a score exceeds m + SLACK (the first page,
+        // then rarely).
+        if (__any_sync(FULL_MASK, x0 > m0 + SLACK || x1 > m1 + SLACK)) {
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) {
+                x0 = fmaxf(x0, __shfl_xor_sync(FULL_MASK, x0, off));
+                x1 = fmaxf(x1, __shfl_xor_sync(FULL_MASK, x1, off));
+            }
+            const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
+            const float a0 = fexp2(m0 - mn0), a1 = fexp2(m1 - mn1);
+            m0 = mn0; m1 = mn1;
+            l0 *= a0; l1 *= a1;
+#pragma unroll
+            for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            s[mt][0] = fexp2(s[mt][0] - m0); s[mt][2] = fexp2(s[mt][2] - m0);
+            s[mt][1] = fexp2(s[mt][1] - m1); s[mt][3] = fexp2(s[mt][3] - m1);
+        }
+        l0 += (s[0][0] + s[0][2]) + (s[1][0] + s[1][2]);
+        l1 += (s[0][1] + s[0][3]) + (s[1][1] + s[1][3]);
+#else
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) {
             x0 = fmaxf(x0, __shfl_xor_sync(FULL_MASK, x0, off));
@@ -931,6 +985,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
         for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
 #endif
+#endif  // SLACK
         __syncwarp();
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
@@ -990,8 +1045,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                 for (int k = 0; k < 4; k++) {
                     if (4 * wi + k < KS) {
 #if PLUT
-                        mma16816(acc[4 * wi + k], plut(dsm, lbv, loAB, k), plut(dsm, lbv, hiAB, k),
-                                 plut(dsm, lbv, loCD, k), plut(dsm, lbv, hiCD, k), b0, b1);
+                        mma16816(acc[4 * wi + k], plut(lbv, loAB, k), plut(lbv, hiAB, k),
+                                 plut(lbv, loCD, k), plut(lbv, hiCD, k), b0, b1);
 #else
                         mma16816(acc[4 * wi + k], lut_at(lutb, loAB, k), lut_at(lutb, hiAB, k),
                                  lut_at(lutb, loCD, k), lut_at(lutb, hiCD, k), b0, b1);
@@ -1092,7 +1147,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     __syncthreads();
     if (row_last) {
         __threadfence();
-        finish_row((float*)(dsm + TABB), part_acc, part_ml, n_splits, n_kv, b, h, q, ktail, vtail, n_tail,
+        finish_row((float*)post, part_acc, part_ml, n_splits, n_kv, b, h, q, ktail, vtail, n_tail,
                    tail_cap, vsigns, vrot_scale, out);
     }
 #endif

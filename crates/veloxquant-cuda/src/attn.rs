@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 use crate::cache::GpuPagedCache;
 use crate::device::{Family, GpuDevice};
@@ -13,6 +13,9 @@ use crate::format::{GpuFormat, KernelKind};
 
 /// Warps per decode block (each owns pages of the block's split in turn).
 pub const NWARPS: usize = 4;
+/// Warps per block of the pipelined 2/4-bit path: one block of 12 per SM shares one lookup
+/// table (measured on the H200: 4 and 8 warps per block were slower).
+pub const PIPE_WARPS: usize = 12;
 
 fn env_knob(name: &str, default: i64) -> i64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -52,23 +55,36 @@ impl Pipe {
         Self {
             on,
             stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
-            warps: if on { env_knob("VELOXQUANT_DECODE_WARPS", NWARPS as i64).clamp(4, 16) as usize } else { NWARPS },
+            warps: if on { env_knob("VELOXQUANT_DECODE_WARPS", PIPE_WARPS as i64).clamp(4, 16) as usize } else { NWARPS },
             lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
             minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
             fuse_q: on && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
-            plut: on && (kf.bits == 4 || vf.bits == 4) && env_knob("VELOXQUANT_DECODE_PLUT", 0) != 0,
-            bulk: on && env_knob("VELOXQUANT_DECODE_BULK", 0) != 0,
+            plut: on && (kf.bits == 4 || vf.bits == 4) && env_knob("VELOXQUANT_DECODE_PLUT", 1) != 0,
+            bulk: on && env_knob("VELOXQUANT_DECODE_BULK", 1) != 0,
         }
     }
-    /// Dynamic shared memory of one block before the fused combine's scratch: the PLUT
-    /// table, then the rings (and, after the loop, the warps' accumulators).
-    fn smem(&self, kf: &GpuFormat, vf: &GpuFormat, d: usize) -> (usize, usize) {
+    /// One warp's ring of page slots (bytes).
+    fn ring(&self, kf: &GpuFormat, vf: &GpuFormat) -> usize {
+        self.stages * (kf.page_bytes.div_ceil(128) * 128 + vf.page_bytes.div_ceil(128) * 128)
+    }
+
+    /// Dynamic shared memory of one block, given the kernel's static shared memory and the
+    /// space needed after the loop (the warps' accumulators, the fused combine's scratch).
+    /// PLUT: the table at the first 64-KiB boundary of the shared window past the static
+    /// part, as many rings below it as fit (1 KiB reserved + alignment assumed before the
+    /// dynamic part), the others above; `post` must fit in the table's 64 KiB. Else: the
+    /// rings, then `post` over them.
+    fn smem(&self, kf: &GpuFormat, vf: &GpuFormat, static_bytes: usize, post: usize) -> Option<usize> {
         if !self.on {
-            return (0, 0);
+            return Some(post);
         }
-        let slot = kf.page_bytes.div_ceil(128) * 128 + vf.page_bytes.div_ceil(128) * 128;
-        let ring = self.warps * self.stages * slot;
-        (if self.plut { 65536 } else { 0 }, ring.max(self.warps * 8 * d * 4))
+        let ring = self.ring(kf, vf);
+        if !self.plut {
+            return Some((self.warps * ring).max(post));
+        }
+        let pad_max = (65536 - static_bytes % 65536) % 65536;
+        let below_min = (pad_max.saturating_sub(1024 + 128) / ring).min(self.warps);
+        (post <= 65536).then_some(pad_max + 65536 + (self.warps - below_min) * ring)
     }
 }
 
@@ -79,14 +95,17 @@ struct Variants {
     expftz: bool,
     splitacc: bool,
     fusec: bool,
+    /// Headroom of the running max (log2 units, 0 = off).
+    slack: i64,
 }
 
 impl Variants {
     fn new() -> Self {
         Self {
-            expftz: env_knob("VELOXQUANT_DECODE_EXPFTZ", 0) != 0,
+            expftz: env_knob("VELOXQUANT_DECODE_EXPFTZ", 1) != 0,
             splitacc: env_knob("VELOXQUANT_DECODE_SPLITACC", 0) != 0,
             fusec: env_knob("VELOXQUANT_DECODE_FUSEC", 0) != 0,
+            slack: env_knob("VELOXQUANT_DECODE_SLACK", 0).clamp(0, 12),
         }
     }
 }
@@ -160,11 +179,16 @@ impl DecodePlan {
         let var = Variants::new();
         let b = cfg.n_seqs;
         let max_pages = cache.max_pages().max(1);
-        let (tabb, body) = pipe.smem(kf, vf, d);
-        // The fused combine's scratch for the most splits the plan can choose.
+        // The fused combine's scratch for the most splits the plan can choose; the warps'
+        // accumulators (PIPE keeps them in dynamic shared memory after the loop).
         let most_splits = max_pages.div_ceil(opts.min_pages_per_split.max(1)).max(1);
         let scratch = g * (most_splits + 2 + 2 * d + cache.tail_cap()) * 4;
-        let fuse_c = var.fusec && tabb + body.max(scratch) <= 200 << 10;
+        let macc = if pipe.on { pipe.warps * 8 * d * 4 } else { 0 };
+        // Dynamic shared memory with and without the fused combine (16 KiB: a bound on the
+        // kernel's static part, checked below).
+        let fits = |post: usize| pipe.smem(kf, vf, 16 << 10, post).is_some_and(|b| b + (16 << 10) <= 227 << 10);
+        let fuse_c = var.fusec && fits(macc.max(scratch));
+        let post = if fuse_c { macc.max(scratch) } else { macc };
         let mut defs: Vec<(String, i64)> = vec![
             ("D".into(), d as i64),
             ("T".into(), 32),
@@ -179,6 +203,7 @@ impl DecodePlan {
         defs.push(("EXPFTZ".into(), var.expftz as i64));
         defs.push(("SPLITACC".into(), var.splitacc as i64));
         defs.push(("FUSEC".into(), fuse_c as i64));
+        defs.push(("SLACK".into(), var.slack));
         if pipe.on {
             defs.push(("PIPE".into(), 1));
             defs.push(("STAGES".into(), pipe.stages as i64));
@@ -198,7 +223,11 @@ impl DecodePlan {
         }
         let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
-        let smem = tabb + body.max(if fuse_c { scratch } else { 0 });
+        let static_bytes = f_decode.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
+        let smem = pipe.smem(kf, vf, static_bytes, post).ok_or(CudaError::UnsupportedFormat {
+            format: format!("decode with {} warps", pipe.warps),
+            why: "the lookup table, rings and merge space exceed shared memory",
+        })?;
         if smem > 0 {
             f_decode
                 .set_attribute(
@@ -254,9 +283,18 @@ impl DecodePlan {
 
     /// Launch one decode step over `self.q` into `self.out` (no synchronization).
     pub fn run(&mut self, cache: &GpuPagedCache) -> Result<()> {
+        let s = self.dev.stream.clone();
+        self.run_on(cache, &s)
+    }
+
+    /// As `run`, on `stream` (e.g. one being captured into a CUDA graph: a step is only
+    /// kernel launches over the plan's and the cache's buffers, so a captured step replays
+    /// correctly while those buffers live). The caller orders `stream` after the writes of
+    /// `q` and the cache.
+    pub fn run_on(&mut self, cache: &GpuPagedCache, stream: &Arc<CudaStream>) -> Result<()> {
         let cfg = &cache.cfg;
         let (b, d, hk) = (cfg.n_seqs as u32, cfg.head_dim as u32, cfg.n_kv_heads as i32);
-        let s = self.dev.stream.clone();
+        let s = stream.clone();
         let per_q = LaunchConfig { grid_dim: (self.n_q_heads as u32, b, 1), block_dim: (d, 1, 1), shared_mem_bytes: 0 };
         if !self.fuse_q {
             let mut l = s.launch_builder(&self.f_prep);

@@ -82,6 +82,41 @@ fn time_us_streamed(
     Ok(median(ts))
 }
 
+/// Per-step time (µs) on the GPU alone: `steps` calls `f(i, stream)` captured once into a
+/// CUDA graph on a fresh stream, the graph replayed `reps` times between events (median /
+/// steps). No host launch cost is in it, as in an engine that replays a captured decode step.
+fn time_us_graph(
+    dev: &Arc<GpuDevice>,
+    reps: usize,
+    steps: usize,
+    mut f: impl FnMut(usize, &Arc<cudarc::driver::CudaStream>) -> Result<()>,
+) -> Result<f64> {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    dev.synchronize()?;
+    let s = dev.ctx.new_stream().expect("stream");
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).expect("capture");
+    for i in 0..steps {
+        f(i, &s)?;
+    }
+    let g = s.end_capture(CUgraphInstantiate_flags(0)).expect("end capture").expect("graph");
+    g.upload().expect("upload");
+    let ev = || dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
+    for _ in 0..3 {
+        g.launch().expect("graph launch");
+    }
+    s.synchronize().expect("sync");
+    let mut ts = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let (a, b) = (ev(), ev());
+        a.record(&s).expect("record");
+        g.launch().expect("graph launch");
+        b.record(&s).expect("record");
+        b.synchronize().expect("sync");
+        ts.push(a.elapsed_ms(&b).expect("elapsed") as f64 * 1e3 / steps as f64);
+    }
+    Ok(median(ts))
+}
+
 fn bandwidth(dev: &Arc<GpuDevice>) -> Result<(f64, f64)> {
     let bytes = 2usize << 30;
     let s = dev.stream.clone();
@@ -242,19 +277,23 @@ fn decode_rows(
                 let k = i % n_sets;
                 plans[k].run(&caches[k])
             })?;
+            let graph_us = time_us_graph(dev, iters, 10, |i, st| {
+                let k = i % n_sets;
+                plans[k].run_on(&caches[k], st)
+            })?;
             let out: Vec<f32> = dev.stream.clone_dtoh(&plans[0].out).expect("dtoh");
             let finite = out.iter().all(|v| v.is_finite());
             let bytes = caches[0].bytes_read() as f64;
             let tbps = bytes / us / 1e6;
             eprintln!(
-                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs splits={} finite={finite}",
+                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs graph {graph_us:7.1} µs splits={} finite={finite}",
                 tbps / read_tbps,
                 plans[0].n_splits
             );
             rows.push(json!({
                 "b": b, "hq": hq, "hkv": hkv, "d": D, "s": sl, "format": f,
                 "k_bits": gf.bits_per_value(), "v_bits": gf.bits_per_value(),
-                "ours_us": us, "ours_stream_us": stream_us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
+                "ours_us": us, "ours_stream_us": stream_us, "ours_graph_us": graph_us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
                 "n_splits": plans[0].n_splits, "finite": finite,
             }));
         }
