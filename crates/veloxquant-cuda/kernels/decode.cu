@@ -51,7 +51,7 @@
 #ifndef FUSEQ
 #define FUSEQ 0
 #endif
-#if !PIPE
+#if !FAST
 #undef FUSEQ
 #define FUSEQ 0
 #endif
@@ -65,7 +65,7 @@
 #ifndef PLUT
 #define PLUT 0
 #endif
-#if !PIPE || !(KLUT || VLUT)
+#if !FAST || !(KLUT || VLUT)
 #undef PLUT
 #define PLUT 0
 #endif
@@ -587,7 +587,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     __shared__ u16 ktab[16], vtab[16];
     __shared__ float pbuf[NWARPS][32][9];
     __shared__ float mml[NWARPS][8][2];
-#if PIPE || FUSEC
+#if PIPE || FUSEC || PLUT
     extern __shared__ __align__(128) u8 dsm[];
 #endif
 #if PLUT
@@ -598,15 +598,14 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #elif PIPE || FUSEC
     u8* const post = dsm;         // after the loop (PIPE: over the rings)
 #endif
-#if PIPE
+#if PIPE || PLUT
     float (*macc)[8][D] = (float (*)[8][D])post;
-#endif
-#if KLUT && !PLUT || VLUT && !PLUT
-    __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table (then macc, !PIPE)
-#elif !PIPE
+#else
+#if KLUT || VLUT
+    __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table, then macc
+#else
     __shared__ __align__(16) u32 big[NWARPS * 8 * D];
 #endif
-#if !PIPE
     float (*macc)[8][D] = (float (*)[8][D])big;
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -667,6 +666,20 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     }
 #else
     const int p1 = min(p0 + pages_per_split, np);
+#if FAST
+    // This warp's pages are p0 + warp + NWARPS*j; lane i holds the physical index of page j = i
+    // (mod 32) of the current chunk, so the data loads never wait on a page-table load.
+    int ptv = 0;
+    if (p0 + warp + NWARPS * lane < p1) ptv = pt[p0 + warp + NWARPS * lane];
+    // One buffer: the next page's K is loaded as soon as this page's keys are scored, its V
+    // as soon as this page's values are accumulated (a page of compute ahead, no second copy).
+    PageRaw cur;
+    if (p0 + warp < p1) {
+        const int phys = __shfl_sync(FULL_MASK, ptv, 0);
+        load_k(kpool + (size_t)phys * K_PAGE_BYTES, g, t, cur);
+        load_v(vpool + (size_t)phys * V_PAGE_BYTES, g, t, cur);
+    }
+#endif
 #endif
     if (tid < 16) { ktab[tid] = ktab_g[tid]; vtab[tid] = vtab_g[tid]; }
     __syncthreads();
@@ -846,18 +859,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
 #else
 #if FAST
-    // This warp's pages are p0 + warp + NWARPS*j; lane i holds the physical index of page j = i
-    // (mod 32) of the current chunk, so the data loads never wait on a page-table load.
-    int ptv = 0;
-    if (p0 + warp + NWARPS * lane < p1) ptv = pt[p0 + warp + NWARPS * lane];
-    // One buffer: the next page's K is loaded as soon as this page's keys are scored, its V
-    // as soon as this page's values are accumulated (a page of compute ahead, no second copy).
-    PageRaw cur;
-    if (p0 + warp < p1) {
-        const int phys = __shfl_sync(FULL_MASK, ptv, 0);
-        load_k(kpool + (size_t)phys * K_PAGE_BYTES, g, t, cur);
-        load_v(vpool + (size_t)phys * V_PAGE_BYTES, g, t, cur);
-    }
     int j = 0;
 #endif
     for (int p = p0 + warp; p < p1; p += NWARPS) {
@@ -873,7 +874,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             u32 ka[KS * 2], kb[KS * 2];
-#if KB == 4
+#if KB == 4 && PLUT
+#pragma unroll
+            for (int by = 0; by < KRB; by++) {
+                ka[by] = plut(lbk, cur.k[2 * mt][by / 4], by % 4);
+                kb[by] = plut(lbk, cur.k[2 * mt + 1][by / 4], by % 4);
+            }
+#elif KB == 4
 #pragma unroll
             for (int by = 0; by < KRB; by++) {
                 ka[by] = lut_at(lutb, cur.k[2 * mt][by / 4], by % 4);

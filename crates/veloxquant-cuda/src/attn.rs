@@ -51,15 +51,17 @@ struct Pipe {
 
 impl Pipe {
     fn new(kf: &GpuFormat, vf: &GpuFormat) -> Self {
-        let on = fast_path(kf, vf) && env_knob("VELOXQUANT_DECODE_PIPE", 1) != 0;
+        let fast = fast_path(kf, vf);
+        let on = fast && env_knob("VELOXQUANT_DECODE_PIPE", 1) != 0;
+        let plut = fast && (kf.bits == 4 || vf.bits == 4) && env_knob("VELOXQUANT_DECODE_PLUT", 1) != 0;
         Self {
             on,
             stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
-            warps: if on { env_knob("VELOXQUANT_DECODE_WARPS", PIPE_WARPS as i64).clamp(4, 16) as usize } else { NWARPS },
+            warps: if on || plut { env_knob("VELOXQUANT_DECODE_WARPS", PIPE_WARPS as i64).clamp(4, 16) as usize } else { NWARPS },
             lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
             minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
-            fuse_q: on && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
-            plut: on && (kf.bits == 4 || vf.bits == 4) && env_knob("VELOXQUANT_DECODE_PLUT", 1) != 0,
+            fuse_q: fast && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
+            plut,
             bulk: on && env_knob("VELOXQUANT_DECODE_BULK", 1) != 0,
         }
     }
@@ -75,15 +77,12 @@ impl Pipe {
     /// dynamic part), the others above; `post` must fit in the table's 64 KiB. Else: the
     /// rings, then `post` over them.
     fn smem(&self, kf: &GpuFormat, vf: &GpuFormat, static_bytes: usize, post: usize) -> Option<usize> {
-        if !self.on {
-            return Some(post);
-        }
-        let ring = self.ring(kf, vf);
+        let ring = if self.on { self.ring(kf, vf) } else { 0 };
         if !self.plut {
             return Some((self.warps * ring).max(post));
         }
         let pad_max = (65536 - static_bytes % 65536) % 65536;
-        let below_min = (pad_max.saturating_sub(1024 + 128) / ring).min(self.warps);
+        let below_min = if ring == 0 { self.warps } else { (pad_max.saturating_sub(1024 + 128) / ring).min(self.warps) };
         (post <= 65536).then_some(pad_max + 65536 + (self.warps - below_min) * ring)
     }
 }
@@ -183,7 +182,7 @@ impl DecodePlan {
         // accumulators (PIPE keeps them in dynamic shared memory after the loop).
         let most_splits = max_pages.div_ceil(opts.min_pages_per_split.max(1)).max(1);
         let scratch = g * (most_splits + 2 + 2 * d + cache.tail_cap()) * 4;
-        let macc = if pipe.on { pipe.warps * 8 * d * 4 } else { 0 };
+        let macc = if pipe.on || pipe.plut { pipe.warps * 8 * d * 4 } else { 0 };
         // Dynamic shared memory with and without the fused combine (16 KiB: a bound on the
         // kernel's static part, checked below).
         let fits = |post: usize| pipe.smem(kf, vf, 16 << 10, post).is_some_and(|b| b + (16 << 10) <= 227 << 10);
@@ -204,16 +203,16 @@ impl DecodePlan {
         defs.push(("SPLITACC".into(), var.splitacc as i64));
         defs.push(("FUSEC".into(), fuse_c as i64));
         defs.push(("SLACK".into(), var.slack));
+        if pipe.fuse_q {
+            defs.push(("FUSEQ".into(), 1));
+        }
+        if pipe.plut {
+            defs.push(("PLUT".into(), 1));
+        }
         if pipe.on {
             defs.push(("PIPE".into(), 1));
             defs.push(("STAGES".into(), pipe.stages as i64));
             defs.push(("LAZYF".into(), pipe.lazy as i64));
-            if pipe.fuse_q {
-                defs.push(("FUSEQ".into(), 1));
-            }
-            if pipe.plut {
-                defs.push(("PLUT".into(), 1));
-            }
             if pipe.bulk {
                 defs.push(("BULK".into(), 1));
             }
