@@ -78,6 +78,15 @@
 #ifndef SPLITACC
 #define SPLITACC 0
 #endif
+// MOVM (PIPE): the softmax weights reach the PV mma's B operand in registers (packed per
+// 8-token half-tile, transposed by movmatrix) instead of through shared memory.
+#ifndef MOVM
+#define MOVM 0
+#endif
+#if !PIPE
+#undef MOVM
+#define MOVM 0
+#endif
 // SLACK: see the softmax update (0 = the max reduced across lanes every page).
 #ifndef SLACK
 #define SLACK 0
@@ -125,6 +134,12 @@
 #endif
 #define LAZY ((!FAST && KK != 1 && VK != 1) || (PIPE && LAZYF))
 
+// The 8x8 f16 matrix held as the m8n8 fragment (lane g·4+t: row g, cols 2t, 2t+1), transposed.
+__device__ __forceinline__ u32 movt(u32 a) {
+    u32 d;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+    return d;
+}
 __device__ __forceinline__ float fexp2(float x) {
 #if EXPFTZ
     float r;
@@ -993,6 +1008,22 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
 #endif
 #endif  // SLACK
+#if MOVM
+        // B operand of the PV mma: the weights of tokens 16mt + 2t, +1 (b0) and + 8, + 9 (b1)
+        // for head g, times the value norms, from the score layout (token g | g + 8, heads 2t,
+        // 2t + 1) by one transpose per 8-token half-tile.
+        u32 pb[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+            const float n0 = h2f(vnp[16 * mt + g]), n1 = h2f(vnp[16 * mt + g + 8]);
+            pb[mt][0] = movt(pack_h2(s[mt][0] * n0, s[mt][1] * n0));
+            pb[mt][1] = movt(pack_h2(s[mt][2] * n1, s[mt][3] * n1));
+#if BULK
+            pb[mt][0] = rot16(pb[mt][0], vn_rot);  // this lane's token pairs in swapped order
+            pb[mt][1] = rot16(pb[mt][1], vn_rot);
+#endif
+        }
+#else
         __syncwarp();
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
@@ -1002,11 +1033,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             pbuf[warp][16 * mt + g + 8][2 * t + 1] = s[mt][3];
         }
         __syncwarp();
+#endif
         // accumulate: O^T[dim][head] += V^T[dim][tok] · P^T[tok][head]
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
             const int tA = 16 * kk + 2 * t;
-#if BULK
+#if MOVM
+#elif BULK
             // rows tA + sw, tA + 1 - sw as lane-invariant offsets plus constants
             const float* pw = &pbuf[warp][0][0] + pb_lane + 16 * kk * 9;
             float wA = pw[0], wB = pw[pb_other], wC = pw[8 * 9], wD = pw[8 * 9 + pb_other];
@@ -1023,22 +1056,30 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             ldraw<VRB>(vl + v_other, vr[1]);
             ldraw<VRB>(vl + 8 * V_ROW_BYTES, vr[2]);
             ldraw<VRB>(vl + 8 * V_ROW_BYTES + v_other, vr[3]);
+#if !MOVM
             u32 vnA = *(const u32*)(vnp + tA), vnC = *(const u32*)(vnp + tA + 8);
             vnA = rot16(vnA, vn_rot); vnC = rot16(vnC, vn_rot);
+#endif
 #else
             ldraw<VRB>(vst + swz<V_ROW_BYTES>(tA * V_ROW_BYTES + g * VRB), vr[0]);
             ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 1) * V_ROW_BYTES + g * VRB), vr[1]);
             ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 8) * V_ROW_BYTES + g * VRB), vr[2]);
             ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 9) * V_ROW_BYTES + g * VRB), vr[3]);
+#if !MOVM
             const u32 vnA = *(const u32*)(vnp + tA), vnC = *(const u32*)(vnp + tA + 8);
+#endif
 #endif
 #else
             u32 (*vr)[VRW] = &cur.v[4 * kk];
             const u32 vnA = cur.vn[2 * kk], vnC = cur.vn[2 * kk + 1];
 #endif
+#if MOVM
+            const u32 b0 = pb[kk][0], b1 = pb[kk][1];
+#else
             wA *= h2f((u16)vnA); wB *= h2f((u16)(vnA >> 16));
             wC *= h2f((u16)vnC); wD *= h2f((u16)(vnC >> 16));
             const u32 b0 = pack_h2(wA, wB), b1 = pack_h2(wC, wD);
+#endif
 #if VB == 4
 #pragma unroll
             for (int wi = 0; wi < VRW; wi++) {

@@ -96,6 +96,8 @@ struct Variants {
     fusec: bool,
     /// Headroom of the running max (log2 units, 0 = off).
     slack: i64,
+    /// Softmax weights to the PV mma by movmatrix (pipelined path).
+    movm: bool,
 }
 
 impl Variants {
@@ -105,6 +107,7 @@ impl Variants {
             splitacc: env_knob("VELOXQUANT_DECODE_SPLITACC", 0) != 0,
             fusec: env_knob("VELOXQUANT_DECODE_FUSEC", 0) != 0,
             slack: env_knob("VELOXQUANT_DECODE_SLACK", 0).clamp(0, 12),
+            movm: env_knob("VELOXQUANT_DECODE_MOVM", 0) != 0,
         }
     }
 }
@@ -203,6 +206,7 @@ impl DecodePlan {
         defs.push(("SPLITACC".into(), var.splitacc as i64));
         defs.push(("FUSEC".into(), fuse_c as i64));
         defs.push(("SLACK".into(), var.slack));
+        defs.push(("MOVM".into(), var.movm as i64));
         if pipe.fuse_q {
             defs.push(("FUSEQ".into(), 1));
         }
