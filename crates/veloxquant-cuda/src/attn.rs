@@ -1,6 +1,7 @@
 //! Decode attention on the GPU: a plan (split sizes, buffers, compiled kernels) made once
-//! per batch shape, then `run` per step: prep_query → decode_pages → combine (prep_query fused
-//! into decode_pages on the pipelined 2/4-bit codes path).
+//! per batch shape, then `run` (or `run_on` a stream, e.g. one being captured into a CUDA
+//! graph) per step: prep_query → decode_pages → combine (prep_query fused into decode_pages
+//! on the 2/4-bit codes path).
 
 use std::sync::Arc;
 
@@ -30,10 +31,12 @@ fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
         && (kf.bits == 2 || vf.bits == 2 || kf.table_f16 == vf.table_f16)
 }
 
-/// The pipelined FAST path: pages streamed through a per-warp ring of `stages` slots in
-/// dynamic shared memory by cp.async. Tuning overrides (benchmarks only):
-/// `VELOXQUANT_DECODE_PIPE` (0 = the register-prefetch kernel), `_STAGES`, `_WARPS`, `_LAZY`,
-/// `_MINB` (blocks/SM the registers are held to), `_FUSEQ` (0 = separate prep_query launch).
+/// The FAST path (2/4-bit codes dequantized in registers), pipelined: pages streamed through
+/// a per-warp ring of `stages` slots in dynamic shared memory by bulk copies, 4-bit codes
+/// looked up in the 256-byte-stride table. Tuning overrides (benchmarks only; defaults
+/// measured best): `VELOXQUANT_DECODE_PIPE` (0 = the register-prefetch kernel), `_STAGES`,
+/// `_WARPS`, `_LAZY`, `_MINB` (blocks/SM the registers are held to), `_FUSEQ` (0 = separate
+/// prep_query launch), `_PLUT` (0 = the 128-byte-stride table), `_BULK` (0 = per-lane cp.async).
 #[derive(Clone, Copy, Debug)]
 struct Pipe {
     on: bool,
@@ -57,7 +60,11 @@ impl Pipe {
         Self {
             on,
             stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
-            warps: if on || plut { env_knob("VELOXQUANT_DECODE_WARPS", PIPE_WARPS as i64).clamp(4, 16) as usize } else { NWARPS },
+            warps: if on || plut {
+                env_knob("VELOXQUANT_DECODE_WARPS", PIPE_WARPS as i64).clamp(4, 16) as usize
+            } else {
+                NWARPS
+            },
             lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
             minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
             fuse_q: fast && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
@@ -82,13 +89,15 @@ impl Pipe {
             return Some((self.warps * ring).max(post));
         }
         let pad_max = (65536 - static_bytes % 65536) % 65536;
-        let below_min = if ring == 0 { self.warps } else { (pad_max.saturating_sub(1024 + 128) / ring).min(self.warps) };
+        let below_min = pad_max.saturating_sub(1024 + 128).checked_div(ring).map_or(self.warps, |n| n.min(self.warps));
         (post <= 65536).then_some(pad_max + 65536 + (self.warps - below_min) * ring)
     }
 }
 
 /// Softmax, score-chain and combine variants (benchmarks only; defaults are the measured
-/// best): `VELOXQUANT_DECODE_EXPFTZ`, `_SPLITACC`, `_FUSEC`.
+/// best on the H200, benchmarks/results/cuda-decode.md): `VELOXQUANT_DECODE_EXPFTZ` (1),
+/// `_SPLITACC` (0), `_FUSEC` (0: the fused combine was 2-3 µs slower than the combine launch),
+/// `_SLACK` (8), `_MOVM` (1).
 #[derive(Clone, Copy, Debug)]
 struct Variants {
     expftz: bool,
@@ -106,8 +115,8 @@ impl Variants {
             expftz: env_knob("VELOXQUANT_DECODE_EXPFTZ", 1) != 0,
             splitacc: env_knob("VELOXQUANT_DECODE_SPLITACC", 0) != 0,
             fusec: env_knob("VELOXQUANT_DECODE_FUSEC", 0) != 0,
-            slack: env_knob("VELOXQUANT_DECODE_SLACK", 0).clamp(0, 12),
-            movm: env_knob("VELOXQUANT_DECODE_MOVM", 0) != 0,
+            slack: env_knob("VELOXQUANT_DECODE_SLACK", 8).clamp(0, 12),
+            movm: env_knob("VELOXQUANT_DECODE_MOVM", 1) != 0,
         }
     }
 }
