@@ -60,8 +60,7 @@
 // entry e, word 64e + 32 + lane V's, so the shared address of a lookup is one prmt (byte k of
 // the codes into address byte 1, the lane's offset in byte 0, the table's base in bytes 2-3)
 // and the lookup one LDS, never a bank conflict. The rings fill the space below the table
-// (as many warps' as fit) and above it; after the loop the table's space holds macc and the
-// fused combine's scratch.
+// (as many warps' as fit) and above it; after the loop the table's space holds macc.
 #ifndef PLUT
 #define PLUT 0
 #endif
@@ -72,11 +71,6 @@
 // EXPFTZ: softmax weights by ex2.approx.ftz (weights below 2^-126 flush to 0).
 #ifndef EXPFTZ
 #define EXPFTZ 0
-#endif
-// SPLITACC: the score mma's k-steps alternate between two accumulators (half the dependent
-// chain), summed at the end.
-#ifndef SPLITACC
-#define SPLITACC 0
 #endif
 // MOVM (PIPE): the softmax weights reach the PV mma's B operand in registers (packed per
 // 8-token half-tile, transposed by movmatrix) instead of through shared memory.
@@ -91,17 +85,8 @@
 #ifndef SLACK
 #define SLACK 0
 #endif
-// FUSEC: the split partials are merged by the block that finishes a (sequence, KV head) row
-// last (an atomic ticket per row), with the inverse value rotation, the fp16 tail and the
-// normalization of combine() in attn.cu: no separate combine launch.
-#ifndef FUSEC
-#define FUSEC 0
-#endif
 #ifndef KROT
 #define KROT 0
-#endif
-#ifndef VROT
-#define VROT 0
 #endif
 // BULK (PIPE): each page's K and V arrive by two cp.async.bulk copies issued by lane 0 and
 // complete on a per-slot mbarrier (no per-lane copy instructions). The rows then lie unswizzled:
@@ -450,24 +435,13 @@ __device__ __forceinline__ int vdim(int g, int mt, int hf) {
 __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u32 (*qh)[2],
                                            const u32 (*ql)[2], int t, float* c) {
     c[0] = c[1] = c[2] = c[3] = 0.0f;
-#if SPLITACC
-    float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#endif
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
-#if SPLITACC
-        float* const cc = (ks & 1) ? e : c;
-#else
-        float* const cc = c;
-#endif
-        mma16816(cc, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], qh[ks][0], qh[ks][1]);
+        mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], qh[ks][0], qh[ks][1]);
 #if !QPACK
-        mma16816(cc, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], ql[ks][0], ql[ks][1]);
+        mma16816(c, ka[2 * ks], kb[2 * ks], ka[2 * ks + 1], kb[2 * ks + 1], ql[ks][0], ql[ks][1]);
 #endif
     }
-#if SPLITACC
-    c[0] += e[0]; c[1] += e[1]; c[2] += e[2]; c[3] += e[3];
-#endif
 #if QPACK && G == 1
     c[0] += c[1]; c[1] = c[0];
     c[2] += c[3]; c[3] = c[2];
@@ -476,110 +450,6 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
     for (int i = 0; i < 4; i++) c[i] += __shfl_xor_sync(FULL_MASK, c[i], G / 2);
 #endif
 }
-
-#if FUSEC
-__device__ __forceinline__ float ldcg(const float* p) {
-    float r;
-    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
-    return r;
-}
-// combine() of attn.cu for the G heads of one (sequence, KV head) row, by one block: the
-// splits' partials (read through L2: other blocks wrote them), the inverse value rotation,
-// the exact fp16 tail, the normalization. sc: shared scratch of
-// G·(n_splits + 2 + 2·D + tail_cap) floats.
-__device__ __noinline__ void finish_row(float* sc, const float* part_acc, const float* part_ml, int ns, int n_kv,
-                                        int b, int h, const float* q, const u16* ktail, const u16* vtail,
-                                        const int* n_tail, int tail_cap, const float* vsigns,
-                                        float vrot_scale, float* out) {
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    float* const wsp = sc;                 // [G][ns] split weights
-    float* const Ms = wsp + G * ns;        // [G]
-    float* const Ls = Ms + G;              // [G]
-    float* const Ab = Ls + G;              // [G][D]
-    float* const qs = Ab + G * D;          // [G][D]
-    float* const ts = qs + G * D;          // [G][tail_cap]
-    const size_t row = (size_t)(b * n_kv + h) * ns;
-    for (int hh = warp; hh < G; hh += NWARPS) {
-        float M = NEG_INF;
-        for (int sp = lane; sp < ns; sp += 32) M = fmaxf(M, ldcg(part_ml + ((row + sp) * G + hh) * 2));
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
-        float L = 0.0f;
-        for (int sp = lane; sp < ns; sp += 32) {
-            const size_t o = (row + sp) * G + hh;
-            const float mw = ldcg(part_ml + o * 2);
-            const float w = mw == NEG_INF ? 0.0f : exp2f(mw - M);
-            wsp[hh * ns + sp] = w;
-            L += w == 0.0f ? 0.0f : ldcg(part_ml + o * 2 + 1) * w;
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(FULL_MASK, L, off);
-        if (lane == 0) { Ms[hh] = M; Ls[hh] = L; }
-    }
-    __syncthreads();
-    const int nt = n_tail[b];
-    const float qscale = LOG2E / sqrtf((float)D);
-    for (int i = tid; i < G * D; i += NWARPS * 32) {
-        const int hh = i / D, dm = i % D;
-        // An empty split's partial is 0 with weight 0: unconditional, independent loads (one
-        // L2 round trip per 8 splits, not one per split).
-        float A = 0.0f;
-#pragma unroll 8
-        for (int sp = 0; sp < ns; sp++) A += ldcg(part_acc + ((row + sp) * G + hh) * D + dm) * wsp[hh * ns + sp];
-        Ab[i] = A;
-        if (nt > 0) qs[i] = q[((size_t)(b * n_kv + h) * G) * D + i] * qscale;
-    }
-    __syncthreads();
-#if VROT
-    for (int hs = 1; hs < D; hs <<= 1) {
-        for (int i = tid; i < G * D / 2; i += NWARPS * 32) {
-            const int hh = i / (D / 2), j = i % (D / 2);
-            const int lo = hh * D + (j / hs) * 2 * hs + (j % hs);
-            const float a = Ab[lo], o = Ab[lo + hs];
-            Ab[lo] = a + o;
-            Ab[lo + hs] = a - o;
-        }
-        __syncthreads();
-    }
-#endif
-    const u16* kt = ktail + ((size_t)(b * n_kv + h) * tail_cap) * D;
-    const u16* vt = vtail + ((size_t)(b * n_kv + h) * tail_cap) * D;
-    if (nt > 0) {
-        for (int pr = warp; pr < G * nt; pr += NWARPS) {
-            const int hh = pr / nt, tok = pr % nt;
-            float a = 0.0f;
-            for (int i = lane; i < D; i += 32) a += qs[hh * D + i] * h2f(kt[(size_t)tok * D + i]);
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(FULL_MASK, a, off);
-            if (lane == 0) ts[hh * tail_cap + tok] = a;
-        }
-        __syncthreads();
-    }
-    for (int i = tid; i < G * D; i += NWARPS * 32) {
-        const int hh = i / D, dm = i % D;
-        float A = Ab[i];
-#if VROT
-        A *= vsigns[h * D + dm] * vrot_scale;
-#endif
-        float M = Ms[hh], L = Ls[hh];
-        if (nt > 0) {
-            const float* t = ts + hh * tail_cap;
-            float mt = NEG_INF;
-            for (int tok = 0; tok < nt; tok++) mt = fmaxf(mt, t[tok]);
-            const float m2 = fmaxf(M, mt);
-            const float s = M == NEG_INF ? 0.0f : exp2f(M - m2);
-            L *= s;
-            A *= s;
-            for (int tok = 0; tok < nt; tok++) {
-                const float w = exp2f(t[tok] - m2);
-                L += w;
-                A += w * h2f(vt[(size_t)tok * D + dm]);
-            }
-        }
-        out[((size_t)(b * n_kv + h) * G) * D + i] = L > 0.0f ? A / L : 0.0f;
-    }
-}
-#endif
 
 #if PIPE && defined(PMINB)
 #undef MINB
@@ -595,23 +465,20 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
     int pages_per_split, int n_splits, int n_kv, const u16* __restrict__ ktab_g,
     const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale,
-    int* __restrict__ counters, const u16* __restrict__ ktail, const u16* __restrict__ vtail,
-    const int* __restrict__ n_tail, int tail_cap, const float* __restrict__ vsigns, float vrot_scale,
-    float* __restrict__ out) {
+    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
     __shared__ float pbuf[NWARPS][32][9];
     __shared__ float mml[NWARPS][8][2];
-#if PIPE || FUSEC || PLUT
+#if PIPE || PLUT
     extern __shared__ __align__(128) u8 dsm[];
 #endif
 #if PLUT
     const u32 dsm_s = (u32)__cvta_generic_to_shared(dsm);
     const u32 tpad = (0u - dsm_s) & 0xFFFFu;
     u8* const tabp = dsm + tpad;  // the table: shared address dsm_s + tpad, low 16 bits zero
-    u8* const post = tabp;        // after the loop: macc, then the fused combine's scratch
-#elif PIPE || FUSEC
-    u8* const post = dsm;         // after the loop (PIPE: over the rings)
+    u8* const post = tabp;        // after the loop: macc
+#elif PIPE
+    u8* const post = dsm;         // after the loop: macc over the rings
 #endif
 #if PIPE || PLUT
     float (*macc)[8][D] = (float (*)[8][D])post;
@@ -1184,19 +1051,4 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         part_acc[o * D + dm] = A;
         if (dm == 0) { part_ml[o * 2] = M; part_ml[o * 2 + 1] = L; }
     }
-#if FUSEC
-    __shared__ int row_last;
-    __threadfence();  // this block's partial is visible before its ticket
-    __syncthreads();
-    if (tid == 0) {
-        row_last = atomicAdd(counters + (b * n_kv + h), 1) == n_splits - 1;
-        if (row_last) counters[b * n_kv + h] = 0;  // every split has arrived: reset for the next step
-    }
-    __syncthreads();
-    if (row_last) {
-        __threadfence();
-        finish_row((float*)post, part_acc, part_ml, n_splits, n_kv, b, h, q, ktail, vtail, n_tail,
-                   tail_cap, vsigns, vrot_scale, out);
-    }
-#endif
 }

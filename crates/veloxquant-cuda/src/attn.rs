@@ -78,7 +78,7 @@ impl Pipe {
     }
 
     /// Dynamic shared memory of one block, given the kernel's static shared memory and the
-    /// space needed after the loop (the warps' accumulators, the fused combine's scratch).
+    /// space needed after the loop (the warps' accumulators).
     /// PLUT: the table at the first 64-KiB boundary of the shared window past the static
     /// part, as many rings below it as fit (1 KiB reserved + alignment assumed before the
     /// dynamic part), the others above; `post` must fit in the table's 64 KiB. Else: the
@@ -94,15 +94,12 @@ impl Pipe {
     }
 }
 
-/// Softmax, score-chain and combine variants (benchmarks only; defaults are the measured
-/// best on the H200, benchmarks/results/cuda-decode.md): `VELOXQUANT_DECODE_EXPFTZ` (1),
-/// `_SPLITACC` (0), `_FUSEC` (0: the fused combine was 2-3 µs slower than the combine launch),
-/// `_SLACK` (8), `_MOVM` (1).
+/// Softmax variants (benchmarks only; defaults are the measured best on the H200,
+/// benchmarks/results/cuda-decode.md): `VELOXQUANT_DECODE_EXPFTZ` (1), `_SLACK` (8),
+/// `_MOVM` (1).
 #[derive(Clone, Copy, Debug)]
 struct Variants {
     expftz: bool,
-    splitacc: bool,
-    fusec: bool,
     /// Headroom of the running max (log2 units, 0 = off).
     slack: i64,
     /// Softmax weights to the PV mma by movmatrix (pipelined path).
@@ -113,8 +110,6 @@ impl Variants {
     fn new() -> Self {
         Self {
             expftz: env_knob("VELOXQUANT_DECODE_EXPFTZ", 1) != 0,
-            splitacc: env_knob("VELOXQUANT_DECODE_SPLITACC", 0) != 0,
-            fusec: env_knob("VELOXQUANT_DECODE_FUSEC", 0) != 0,
             slack: env_knob("VELOXQUANT_DECODE_SLACK", 8).clamp(0, 12),
             movm: env_knob("VELOXQUANT_DECODE_MOVM", 1) != 0,
         }
@@ -146,9 +141,6 @@ pub struct DecodePlan {
     pub nwarps: usize,
     smem: u32,
     fuse_q: bool,
-    /// combine() fused into the decode kernel (the last block of each row merges).
-    fuse_c: bool,
-    counters: CudaSlice<i32>,
     qprep: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
@@ -190,16 +182,8 @@ impl DecodePlan {
         let var = Variants::new();
         let b = cfg.n_seqs;
         let max_pages = cache.max_pages().max(1);
-        // The fused combine's scratch for the most splits the plan can choose; the warps'
-        // accumulators (PIPE keeps them in dynamic shared memory after the loop).
-        let most_splits = max_pages.div_ceil(opts.min_pages_per_split.max(1)).max(1);
-        let scratch = g * (most_splits + 2 + 2 * d + cache.tail_cap()) * 4;
-        let macc = if pipe.on || pipe.plut { pipe.warps * 8 * d * 4 } else { 0 };
-        // Dynamic shared memory with and without the fused combine (16 KiB: a bound on the
-        // kernel's static part, checked below).
-        let fits = |post: usize| pipe.smem(kf, vf, 16 << 10, post).is_some_and(|b| b + (16 << 10) <= 227 << 10);
-        let fuse_c = var.fusec && fits(macc.max(scratch));
-        let post = if fuse_c { macc.max(scratch) } else { macc };
+        // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
+        let post = if pipe.on || pipe.plut { pipe.warps * 8 * d * 4 } else { 0 };
         let mut defs: Vec<(String, i64)> = vec![
             ("D".into(), d as i64),
             ("T".into(), 32),
@@ -210,10 +194,7 @@ impl DecodePlan {
         defs.extend(kind_defines('V', vf));
         defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
         defs.push(("KROT".into(), kf.rotation.is_some() as i64));
-        defs.push(("VROT".into(), vf.rotation.is_some() as i64));
         defs.push(("EXPFTZ".into(), var.expftz as i64));
-        defs.push(("SPLITACC".into(), var.splitacc as i64));
-        defs.push(("FUSEC".into(), fuse_c as i64));
         defs.push(("SLACK".into(), var.slack));
         defs.push(("MOVM".into(), var.movm as i64));
         if pipe.fuse_q {
@@ -279,8 +260,6 @@ impl DecodePlan {
             nwarps: pipe.warps,
             smem: smem as u32,
             fuse_q: pipe.fuse_q,
-            fuse_c,
-            counters: s.alloc_zeros(b * cfg.n_kv_heads).map_err(drv("alloc"))?,
             q: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             out: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
@@ -339,22 +318,10 @@ impl DecodePlan {
             .arg(&mut self.part_ml)
             .arg(&self.q)
             .arg(&cache.k.signs)
-            .arg(&cache.k.rot_scale)
-            .arg(&mut self.counters)
-            .arg(&cache.k.tail)
-            .arg(&cache.v.tail)
-            .arg(&cache.n_tail_dev)
-            .arg(&tail_cap)
-            .arg(&cache.v.signs)
-            .arg(&cache.v.rot_scale)
-            .arg(&mut self.out);
+            .arg(&cache.k.rot_scale);
         // SAFETY: matches decode_pages in kernels/decode.cu; the page table holds valid
-        // physical pages for the first n_pages[b] entries of every row; the counters are zero
-        // between launches (the last block of a row resets its own).
+        // physical pages for the first n_pages[b] entries of every row.
         unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
-        if self.fuse_c {
-            return Ok(());
-        }
 
         let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32 + self.n_splits as u32) * 4, ..per_q };
         let mut l = s.launch_builder(&self.f_combine);
