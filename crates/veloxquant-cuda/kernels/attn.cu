@@ -5,14 +5,22 @@
 // then the exact fp16 tail, then normalize. Defines: D, G, KROT, VROT.
 #define NEG_INF (-__int_as_float(0x7f800000))
 
-__device__ __forceinline__ void fwht_block(float* s, int tid) {
-    for (int h = 1; h < D; h <<= 1) {
-        __syncthreads();
-        float a = s[tid], o = s[tid ^ h];
-        __syncthreads();
-        s[tid] = (tid & h) ? (o - a) : (a + o);
+// In-place Walsh-Hadamard transform of the block's D values (thread tid holds element tid):
+// butterflies (a + o, a − o) of span < 32 by shuffles, wider ones through s.
+__device__ __forceinline__ float fwht_block(float x, float* s, int tid) {
+#pragma unroll
+    for (int h = 1; h < 32 && h < D; h <<= 1) {
+        const float o = __shfl_xor_sync(FULL_MASK, x, h);
+        x = (tid & h) ? (o - x) : (x + o);
     }
-    __syncthreads();
+    for (int h = 32; h < D; h <<= 1) {
+        s[tid] = x;
+        __syncthreads();
+        const float o = s[tid ^ h];
+        __syncthreads();
+        x = (tid & h) ? (o - x) : (x + o);
+    }
+    return x;
 }
 
 extern "C" __global__ void prep_query(const float* __restrict__ q, float* __restrict__ qprep,
@@ -23,9 +31,7 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
     float x = q[at] * (LOG2E / sqrtf((float)D));
 #if KROT
     x *= ksigns[(hq / G) * D + tid];
-    s[tid] = x;
-    fwht_block(s, tid);
-    x = s[tid] * krot_scale;
+    x = fwht_block(x, s, tid) * krot_scale;
 #endif
     qprep[at] = x;
 }
@@ -36,20 +42,31 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
                                    const int* __restrict__ n_tail, int tail_cap,
                                    const float* __restrict__ vsigns, float vrot_scale,
                                    float* __restrict__ out) {
-    extern __shared__ float ts[];  // tail_cap tail scores, then n_splits split weights
+    extern __shared__ float ts[];  // tail_cap tail scores, n_splits weights, n_splits sums
     __shared__ float s[D];
     __shared__ float qs[D];
     __shared__ float red[D / 32];
     float* const wsp = ts + tail_cap;
+    float* const lsp = wsp + n_splits;
     const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, n_q = gridDim.x;
     const int hkv = hq / G, gi = hq % G;
     const int warp = tid >> 5, lane = tid & 31;
     const size_t base = ((size_t)(b * n_kv + hkv) * n_splits) * G + gi;
-    // The splits' (m, l) are read by all threads at once (one L2 round trip, not one per
-    // split), the weights 2^(m - M) go to shared memory, and the accumulator sum's loads are
-    // independent of each other.
+    // One L2 round trip for all the partials: the first PRE splits' accumulators and every
+    // split's (m, l) are loaded at once (m and l kept in shared memory); the weights 2^(m − M)
+    // follow; the remaining accumulators' loads are independent of each other.
+    const int PRE = 8;
+    float pre[PRE];
+#pragma unroll
+    for (int sp = 0; sp < PRE; sp++) pre[sp] = sp < n_splits ? part_acc[(base + (size_t)sp * G) * D + tid] : 0.0f;
     float M = NEG_INF;
-    for (int sp = tid; sp < n_splits; sp += D) M = fmaxf(M, part_ml[(base + (size_t)sp * G) * 2]);
+    for (int sp = tid; sp < n_splits; sp += D) {
+        const size_t o = base + (size_t)sp * G;
+        const float m = part_ml[o * 2];
+        wsp[sp] = m;
+        lsp[sp] = part_ml[o * 2 + 1];
+        M = fmaxf(M, m);
+    }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL_MASK, M, off));
     if (lane == 0) red[warp] = M;
@@ -60,11 +77,10 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
     __syncthreads();
     float L = 0.0f;
     for (int sp = tid; sp < n_splits; sp += D) {
-        const size_t o = base + (size_t)sp * G;
-        const float mw = part_ml[o * 2];
+        const float mw = wsp[sp];
         const float w = mw == NEG_INF ? 0.0f : exp2f(mw - M);
         wsp[sp] = w;
-        L += w == 0.0f ? 0.0f : part_ml[o * 2 + 1] * w;
+        L += w == 0.0f ? 0.0f : lsp[sp] * w;
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) L += __shfl_xor_sync(FULL_MASK, L, off);
@@ -74,15 +90,17 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
 #pragma unroll
     for (int w = 0; w < D / 32; w++) L += red[w];
     float A = 0.0f;
+#pragma unroll
+    for (int sp = 0; sp < PRE; sp++) {
+        if (sp < n_splits && wsp[sp] != 0.0f) A += pre[sp] * wsp[sp];
+    }
 #pragma unroll 8
-    for (int sp = 0; sp < n_splits; sp++) {
+    for (int sp = PRE; sp < n_splits; sp++) {
         const float w = wsp[sp];
         if (w != 0.0f) A += part_acc[(base + (size_t)sp * G) * D + tid] * w;
     }
 #if VROT
-    s[tid] = A;
-    fwht_block(s, tid);
-    A = s[tid] * (vsigns[hkv * D + tid] * vrot_scale);
+    A = fwht_block(A, s, tid) * (vsigns[hkv * D + tid] * vrot_scale);
 #endif
     const int nt = n_tail[b];
     if (nt > 0) {

@@ -467,7 +467,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml,
     const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
-    __shared__ float pbuf[NWARPS][32][9];
+#if MOVM
+    __shared__ float qstage[G * D];  // FUSEQ: the group's prepared queries
+#else
+    __shared__ float pbuf[NWARPS][32][9];  // softmax weights (FUSEQ: first the queries)
+#define qstage (&pbuf[0][0][0])
+    static_assert(NWARPS * 32 * 9 >= G * D, "pbuf holds the group's queries");
+#endif
     __shared__ float mml[NWARPS][8][2];
 #if PIPE || PLUT
     extern __shared__ __align__(128) u8 dsm[];
@@ -597,36 +603,47 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     u32 qh[KS][2], ql[KS][2];
 #if FUSEQ
     // prep_query fused: the group's G query rows, scaled by log2(e)/√d, sign-flipped and
-    // Hadamard-rotated in shared memory (pbuf's space, not yet in use) by the same operations
-    // in the same order as prep_query.
-    static_assert(NWARPS * 32 * 9 >= G * D, "pbuf holds the group's queries");
-    {
-        float* const qs = &pbuf[0][0][0];
+    // Hadamard-rotated (a warp per head: lane i holds dims i + 32k; the butterflies of span
+    // < 32 by shuffles, the others within the lane), each butterfly (a + o, a − o) as in
+    // prep_query, so the result is the same to the bit.
+    for (int hh = warp; hh < G; hh += NWARPS) {
         const float sc = LOG2E / sqrtf((float)D);
-        for (int i = tid; i < G * D; i += NWARPS * 32) {
-            float x = q[((size_t)(b * n_kv + h) * G) * D + i] * sc;
+        float x[D / 32];
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) {
+            x[k] = q[((size_t)(b * n_kv + h) * G + hh) * D + lane + 32 * k] * sc;
 #if KROT
-            x *= ksigns[h * D + i % D];
+            x[k] *= ksigns[h * D + lane + 32 * k];
 #endif
-            qs[i] = x;
         }
-        __syncthreads();
 #if KROT
-        for (int hs = 1; hs < D; hs <<= 1) {
-            for (int i = tid; i < G * D / 2; i += NWARPS * 32) {
-                const int hh = i / (D / 2), j = i % (D / 2);
-                const int lo = hh * D + (j / hs) * 2 * hs + (j % hs);
-                const float a = qs[lo], o = qs[lo + hs];
-                qs[lo] = a + o;
-                qs[lo + hs] = a - o;
+#pragma unroll
+        for (int hs = 1; hs < 32; hs <<= 1) {
+#pragma unroll
+            for (int k = 0; k < D / 32; k++) {
+                const float o = __shfl_xor_sync(FULL_MASK, x[k], hs);
+                x[k] = (lane & hs) ? (o - x[k]) : (x[k] + o);
             }
-            __syncthreads();
         }
-        for (int i = tid; i < G * D; i += NWARPS * 32) qs[i] *= krot_scale;
-        __syncthreads();
+#pragma unroll
+        for (int m = 1; m < D / 32; m <<= 1) {
+#pragma unroll
+            for (int k = 0; k < D / 32; k++) {
+                if (!(k & m)) {
+                    const float a = x[k], o = x[k | m];
+                    x[k] = a + o;
+                    x[k | m] = a - o;
+                }
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) x[k] *= krot_scale;
 #endif
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) qstage[hh * D + lane + 32 * k] = x[k];
     }
-    const float* qb = &pbuf[0][0][0];
+    __syncthreads();
+    const float* qb = qstage;
 #else
     const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
 #endif
@@ -658,7 +675,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
     for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
 
-#if FUSEQ
+#if FUSEQ && !MOVM
     __syncthreads();  // every warp has its query operand before pbuf is reused
 #endif
 #if PIPE
@@ -666,7 +683,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // This lane reads value-token pairs (2t, 2t+1) in swapped order when t >= 2: offsets of its
     // first row (pbuf floats, value-row bytes) and of the other row relative to it.
     const int vsw = (t >> 1) & 1;
+#if !MOVM
     const int pb_lane = (2 * t + vsw) * 9 + g, pb_other = (1 - 2 * vsw) * 9;
+#endif
     const int v_lane = (2 * t + vsw) * V_ROW_BYTES + g * VRB, v_other = (1 - 2 * vsw) * V_ROW_BYTES;
     const u32 vn_rot = 16u * vsw;
 #endif

@@ -323,7 +323,7 @@ impl DecodePlan {
         // physical pages for the first n_pages[b] entries of every row.
         unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
 
-        let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32 + self.n_splits as u32) * 4, ..per_q };
+        let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32 + 2 * self.n_splits as u32) * 4, ..per_q };
         let mut l = s.launch_builder(&self.f_combine);
         l.arg(&self.part_acc)
             .arg(&self.part_ml)
@@ -338,7 +338,7 @@ impl DecodePlan {
             .arg(&cache.v.rot_scale)
             .arg(&mut self.out);
         // SAFETY: matches combine in kernels/attn.cu; dynamic smem holds tail_cap scores and
-        // n_splits weights.
+        // n_splits weights and sums.
         unsafe { l.launch(cfg_comb) }.map_err(drv("combine"))?;
         Ok(())
     }
