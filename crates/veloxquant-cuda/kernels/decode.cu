@@ -95,9 +95,6 @@
 #ifndef BULK
 #define BULK 0
 #endif
-#ifndef BULKFENCE
-#define BULKFENCE 1
-#endif
 #if !PIPE || (K_PAGE_BYTES % 16) || (V_PAGE_BYTES % 16)
 #undef BULK
 #define BULK 0
@@ -360,10 +357,8 @@ __device__ __forceinline__ void mbar_init(u32 bar) {
 }
 // Lane 0 only: the page's K and V into the slot at dst, completing on bar.
 __device__ __forceinline__ void bulk_page(const u8* kp, const u8* vp, u32 dst, u32 bar) {
-#if BULKFENCE
     // the slot's previous contents were read by ordinary loads, ordered before the async writes
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
                  "r"((u32)(K_PAGE_BYTES + V_PAGE_BYTES)) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"

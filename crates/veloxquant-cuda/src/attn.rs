@@ -209,7 +209,6 @@ impl DecodePlan {
             defs.push(("LAZYF".into(), pipe.lazy as i64));
             if pipe.bulk {
                 defs.push(("BULK".into(), 1));
-                defs.push(("BULKFENCE".into(), env_knob("VELOXQUANT_DECODE_BULKFENCE", 1)));
             }
             if pipe.minb > 0 {
                 defs.push(("PMINB".into(), pipe.minb));
