@@ -83,7 +83,11 @@ impl Pipe {
 
     /// KREG as decode.cu applies it: with bulk copies (pages of 16-byte multiples), 2 stages.
     fn kreg_applies(&self, kf: &GpuFormat, vf: &GpuFormat) -> bool {
-        self.kreg && self.bulk && self.stages == 2 && kf.page_bytes % 16 == 0 && vf.page_bytes % 16 == 0
+        self.kreg
+            && self.bulk
+            && self.stages == 2
+            && kf.page_bytes.is_multiple_of(16)
+            && vf.page_bytes.is_multiple_of(16)
     }
 
     /// Dynamic shared memory of one block, given the kernel's static shared memory and the
