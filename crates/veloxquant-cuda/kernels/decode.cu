@@ -45,9 +45,6 @@
 #ifndef STAGES
 #define STAGES 2
 #endif
-#ifndef LAZYF
-#define LAZYF 0
-#endif
 #ifndef FUSEQ
 #define FUSEQ 0
 #endif
@@ -81,7 +78,7 @@
 #undef MOVM
 #define MOVM 0
 #endif
-// SLACK: see the softmax update (0 = the max reduced across lanes every page).
+// SLACK: see the softmax update.
 #ifndef SLACK
 #define SLACK 0
 #endif
@@ -114,13 +111,10 @@
 #define KSLOT (KREG ? 0 : KSL)
 #define SLOT (KSLOT + VSL)
 
-// Blocks per SM the register allocation is held to: 4 (<= 128 registers, 16 warps/SM) for
-// q4_0 and codes, where it costs no spills; fp16 and q8_0 keep their natural allocation.
-// Register bounds and the softmax update per path, each as measured on the H200 (commit
-// 24d8d09 vs 7b29de4): q4_0 and 3-bit codes run best held to 4 blocks/SM (<= 128 registers,
-// no spills) with LAZY; fp16 with LAZY and an explicit 1-block bound; q8_0 and the FAST 2/4-bit
-// paths were slower that way at batch 1 and keep the compiler's default bound and the eager
-// update. LAZY: rescale the accumulators only when a head's running max grows.
+// Blocks per SM the register allocation is held to, as measured on the H200 (commit 24d8d09
+// vs 7b29de4): q4_0 and 3-bit codes run best held to 4 blocks/SM (<= 128 registers, no
+// spills), fp16 with an explicit 1-block bound; q8_0 and the FAST 2/4-bit paths keep the
+// compiler's default bound.
 #if KK >= 2 && VK >= 2 && !FAST
 #define MINB 4
 #elif KK == 0 && VK == 0
@@ -128,7 +122,6 @@
 #else
 #define MINB 0
 #endif
-#define LAZY ((!FAST && KK != 1 && VK != 1) || (PIPE && LAZYF))
 
 // The 8x8 f16 matrix held as the m8n8 fragment (lane g·4+t: row g, cols 2t, 2t+1), transposed.
 __device__ __forceinline__ u32 movt(u32 a) {
@@ -872,14 +865,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
 #endif
 #endif  // PIPE
-        // update state: online softmax per head column
+        // update state: online softmax per head column. The running max m may trail the
+        // scores by up to SLACK (log2 units): weights stay <= 2^SLACK (exact enough in f16, far
+        // from its range), and the max is reduced across lanes, and the state rescaled, only
+        // when a score exceeds m + SLACK (the first page, then rarely; SLACK = 0: whenever a
+        // head's max grows).
         float x0 = fmaxf(fmaxf(s[0][0], s[0][2]), fmaxf(s[1][0], s[1][2]));
         float x1 = fmaxf(fmaxf(s[0][1], s[0][3]), fmaxf(s[1][1], s[1][3]));
-#if SLACK
-        // The running max m may trail the scores by up to SLACK (log2 units): weights stay
-        // <= 2^SLACK (exact enough in f16, far from its range), and the max is only reduced
-        // across lanes, and the state rescaled, when a score exceeds m + SLACK (the first page,
-        // then rarely).
         if (__any_sync(FULL_MASK, x0 > m0 + SLACK || x1 > m1 + SLACK)) {
 #pragma unroll
             for (int off = 4; off < 32; off <<= 1) {
@@ -900,44 +892,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
         l0 += (s[0][0] + s[0][2]) + (s[1][0] + s[1][2]);
         l1 += (s[0][1] + s[0][3]) + (s[1][1] + s[1][3]);
-#else
-#pragma unroll
-        for (int off = 4; off < 32; off <<= 1) {
-            x0 = fmaxf(x0, __shfl_xor_sync(FULL_MASK, x0, off));
-            x1 = fmaxf(x1, __shfl_xor_sync(FULL_MASK, x1, off));
-        }
-#if LAZY
-        const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
-        // LAZY: rescale only when some head's running max grew (rare after the first pages).
-        if (__any_sync(FULL_MASK, mn0 > m0 || mn1 > m1)) {
-            const float a0 = fexp2(m0 - mn0), a1 = fexp2(m1 - mn1);
-            m0 = mn0; m1 = mn1;
-            l0 *= a0; l1 *= a1;
-#pragma unroll
-            for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
-        }
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            s[mt][0] = fexp2(s[mt][0] - m0); s[mt][2] = fexp2(s[mt][2] - m0);
-            s[mt][1] = fexp2(s[mt][1] - m1); s[mt][3] = fexp2(s[mt][3] - m1);
-        }
-        l0 += (s[0][0] + s[0][2]) + (s[1][0] + s[1][2]);
-        l1 += (s[0][1] + s[0][3]) + (s[1][1] + s[1][3]);
-#else
-        const float mn0 = fmaxf(m0, x0), mn1 = fmaxf(m1, x1);
-        const float a0 = fexp2(m0 - mn0), a1 = fexp2(m1 - mn1);
-        m0 = mn0; m1 = mn1;
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            s[mt][0] = fexp2(s[mt][0] - m0); s[mt][2] = fexp2(s[mt][2] - m0);
-            s[mt][1] = fexp2(s[mt][1] - m1); s[mt][3] = fexp2(s[mt][3] - m1);
-        }
-        l0 = l0 * a0 + ((s[0][0] + s[0][2]) + (s[1][0] + s[1][2]));
-        l1 = l1 * a1 + ((s[0][1] + s[0][3]) + (s[1][1] + s[1][3]));
-#pragma unroll
-        for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
-#endif
-#endif  // SLACK
 #if MOVM
         // B operand of the PV mma: the weights of tokens 16mt + 2t, +1 (b0) and + 8, + 9 (b1)
         // for head g, times the value norms, from the score layout (token g | g + 8, heads 2t,

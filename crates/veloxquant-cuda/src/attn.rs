@@ -35,14 +35,13 @@ fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
 /// a per-warp ring of `stages` slots in dynamic shared memory by bulk copies, 4-bit codes
 /// looked up in the 256-byte-stride table. Tuning overrides (benchmarks only; defaults
 /// measured best): `VELOXQUANT_DECODE_PIPE` (0 = the register-prefetch kernel), `_STAGES`,
-/// `_WARPS`, `_LAZY`, `_MINB` (blocks/SM the registers are held to), `_FUSEQ` (0 = separate
+/// `_WARPS`, `_MINB` (blocks/SM the registers are held to), `_FUSEQ` (0 = separate
 /// prep_query launch), `_PLUT` (0 = the 128-byte-stride table), `_BULK` (0 = per-lane cp.async).
 #[derive(Clone, Copy, Debug)]
 struct Pipe {
     on: bool,
     stages: usize,
     warps: usize,
-    lazy: bool,
     minb: i64,
     /// prep_query fused into the decode kernel (one launch fewer).
     fuse_q: bool,
@@ -67,7 +66,6 @@ impl Pipe {
             } else {
                 NWARPS
             },
-            lazy: env_knob("VELOXQUANT_DECODE_LAZY", 0) != 0,
             minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
             fuse_q: fast && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
             plut,
@@ -219,7 +217,6 @@ impl DecodePlan {
         if pipe.on {
             defs.push(("PIPE".into(), 1));
             defs.push(("STAGES".into(), pipe.stages as i64));
-            defs.push(("LAZYF".into(), pipe.lazy as i64));
             if pipe.bulk {
                 defs.push(("BULK".into(), 1));
             }
