@@ -96,20 +96,9 @@
 #undef BULK
 #define BULK 0
 #endif
-// KREG (BULK, 2 stages): keys go straight from global memory into registers one page ahead
-// (double-buffered); only values go through the ring. Halves the shared-memory traffic of
-// staging, which with the lookups bounds the kernel.
-#ifndef KREG
-#define KREG 0
-#endif
-#if !BULK || STAGES != 2
-#undef KREG
-#define KREG 0
-#endif
 #define KSL ((K_PAGE_BYTES + 127) / 128 * 128)
 #define VSL ((V_PAGE_BYTES + 127) / 128 * 128)
-#define KSLOT (KREG ? 0 : KSL)
-#define SLOT (KSLOT + VSL)
+#define SLOT (KSL + VSL)
 
 // Blocks per SM the register allocation is held to, as measured on the H200 (commit 24d8d09
 // vs 7b29de4): q4_0 and 3-bit codes run best held to 4 blocks/SM (<= 128 registers, no
@@ -359,26 +348,16 @@ __device__ __forceinline__ u32 rot16(u32 x, u32 n) {
 __device__ __forceinline__ void mbar_init(u32 bar) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
 }
-// Lane 0 only: the page's K (unless KREG) and V into the slot at dst, completing on bar.
+// Lane 0 only: the page's K and V into the slot at dst, completing on bar.
 __device__ __forceinline__ void bulk_page(const u8* kp, const u8* vp, u32 dst, u32 bar) {
     // the slot's previous contents were read by ordinary loads, ordered before the async writes
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                 "r"((u32)((KREG ? 0 : K_PAGE_BYTES) + V_PAGE_BYTES)) : "memory");
-#if !KREG
+                 "r"((u32)(K_PAGE_BYTES + V_PAGE_BYTES)) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  ::"r"(dst), "l"(kp), "r"((u32)K_PAGE_BYTES), "r"(bar) : "memory");
-#endif
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 ::"r"(dst + KSLOT), "l"(vp), "r"((u32)V_PAGE_BYTES), "r"(bar) : "memory");
-}
-// KREG: this thread's key bytes of a page (rows g + 8i, its quarter t) and their norms.
-__device__ __forceinline__ void kreg_load(const u8* kp, int g, int t, u32 (*r)[KRW], u32* n) {
-#pragma unroll
-    for (int i = 0; i < 4; i++) ldraw<KRB>(kp + (g + 8 * i) * K_ROW_BYTES + t * KRB, r[i]);
-    const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
-#pragma unroll
-    for (int i = 0; i < 4; i++) n[i] = kn[g + 8 * i];
+                 ::"r"(dst + KSL), "l"(vp), "r"((u32)V_PAGE_BYTES), "r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     u32 done = 0;
@@ -550,16 +529,10 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     }
     __syncwarp();
 #endif
-#if KREG
-    u32 kc[4][KRW], kcn[4];  // this page's keys (the next page's arrive in kx, kxn)
-#endif
 #pragma unroll
     for (int f = 0; f < STAGES - 1; f++) {
         if (f < nmine) {
             const int ph = __shfl_sync(FULL_MASK, ptv, f);
-#if KREG
-            kreg_load(kpool + (size_t)ph * K_PAGE_BYTES, g, t, kc, kcn);
-#endif
 #if BULK
             if (lane == 0)
                 bulk_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES, ring_s + f * SLOT,
@@ -712,18 +685,12 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     int slot = 0, fslot = STAGES - 1;
     for (int j = 0; j < nmine; j++) {
         float s[2][4];
-#if KREG
-        u32 kx[4][KRW], kxn[4];
-#endif
         {
             const int f = j + STAGES - 1;
             if ((f & 31) == 0) ptv = f + lane < nmine ? pt[first + NWARPS * (f + lane)] : 0;
             __syncwarp();  // every lane is done with slot fslot (page j - 1)
             if (f < nmine) {
                 const int ph = __shfl_sync(FULL_MASK, ptv, f & 31);
-#if KREG
-                kreg_load(kpool + (size_t)ph * K_PAGE_BYTES, g, t, kx, kxn);
-#endif
 #if BULK
                 if (lane == 0)
                     bulk_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES,
@@ -742,24 +709,17 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
         }
         const u8* const kst = ring + slot * SLOT;
-        const u8* const vst = kst + KSLOT;
-#if !KREG
+        const u8* const vst = kst + KSL;
         const u16* const knp = (const u16*)(kst + T * K_ROW_BYTES);
-#endif
         const u16* const vnp = (const u16*)(vst + T * V_ROW_BYTES);
         slot = slot + 1 == STAGES ? 0 : slot + 1;
         fslot = fslot + 1 == STAGES ? 0 : fslot + 1;
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             u32 ka[KS * 2], kb[KS * 2];
-#if KREG
-            const u32* const kra = kc[2 * mt];
-            const u32* const krb = kc[2 * mt + 1];
-#else
             u32 kra[KRW], krb[KRW];
             ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
             ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
-#endif
 #if KB == 4 && PLUT
 #pragma unroll
             for (int by = 0; by < KRB; by++) {
@@ -788,11 +748,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
-#if KREG
-            const float n0 = h2f((u16)kcn[2 * mt]), n1 = h2f((u16)kcn[2 * mt + 1]);
-#else
             const float n0 = h2f(knp[16 * mt + g]), n1 = h2f(knp[16 * mt + g + 8]);
-#endif
             s[mt][0] = c[0] * n0; s[mt][1] = c[1] * n0; s[mt][2] = c[2] * n1; s[mt][3] = c[3] * n1;
         }
 #else
@@ -1026,17 +982,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
 #if FAST && !PIPE
         if (more) load_v(vpool + (size_t)nphys * V_PAGE_BYTES, g, t, cur);
-#endif
-#if KREG
-        // the next page's keys, loaded a page of work ago
-        if (j + 1 < nmine) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-#pragma unroll
-                for (int w = 0; w < KRW; w++) kc[i][w] = kx[i][w];
-                kcn[i] = kxn[i];
-            }
-        }
 #endif
     }
 

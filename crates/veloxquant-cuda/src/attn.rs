@@ -49,8 +49,6 @@ struct Pipe {
     plut: bool,
     /// Pages staged by cp.async.bulk on per-slot mbarriers instead of per-lane cp.async.
     bulk: bool,
-    /// Keys straight to registers (a page ahead), only values through the ring.
-    kreg: bool,
 }
 
 impl Pipe {
@@ -70,22 +68,11 @@ impl Pipe {
             fuse_q: fast && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
             plut,
             bulk: on && env_knob("VELOXQUANT_DECODE_BULK", 1) != 0,
-            kreg: on && env_knob("VELOXQUANT_DECODE_KREG", 0) != 0,
         }
     }
     /// One warp's ring of page slots (bytes).
     fn ring(&self, kf: &GpuFormat, vf: &GpuFormat) -> usize {
-        let k = if self.kreg_applies(kf, vf) { 0 } else { kf.page_bytes.div_ceil(128) * 128 };
-        self.stages * (k + vf.page_bytes.div_ceil(128) * 128)
-    }
-
-    /// KREG as decode.cu applies it: with bulk copies (pages of 16-byte multiples), 2 stages.
-    fn kreg_applies(&self, kf: &GpuFormat, vf: &GpuFormat) -> bool {
-        self.kreg
-            && self.bulk
-            && self.stages == 2
-            && kf.page_bytes.is_multiple_of(16)
-            && vf.page_bytes.is_multiple_of(16)
+        self.stages * (kf.page_bytes.div_ceil(128) * 128 + vf.page_bytes.div_ceil(128) * 128)
     }
 
     /// Dynamic shared memory of one block, given the kernel's static shared memory and the
@@ -219,9 +206,6 @@ impl DecodePlan {
             defs.push(("STAGES".into(), pipe.stages as i64));
             if pipe.bulk {
                 defs.push(("BULK".into(), 1));
-            }
-            if pipe.kreg {
-                defs.push(("KREG".into(), 1));
             }
             if pipe.minb > 0 {
                 defs.push(("PMINB".into(), pipe.minb));
