@@ -3,7 +3,10 @@
 
 For each shape (one query token per sequence), time the flash and cuDNN backends with CUDA
 events (median of --iters after warm-up, rotating among several K/V sets so L2 cannot help)
-and keep the fastest. Writes {"rows": [{b, hq, hkv, d, s, backend, peer_us, all}]}.
+and keep the fastest, three ways as `veloxquant-cuda-bench` does: one synchronized call per
+event pair, ten back-to-back calls, ten calls captured in a CUDA graph and replayed. Writes
+{"rows": [{b, hq, hkv, d, s, backend, peer_us, stream_backend, peer_stream_us, graph_backend,
+peer_graph_us, all}]}.
 """
 import argparse, json, statistics
 import torch

@@ -7,7 +7,10 @@
 // (rotated for turboquant_mse). Warps merge in shared memory; blocks write one partial each,
 // merged by combine() in attn.cu.
 // Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes), KB/VB (code
-// bits), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS.
+// bits), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
+// (PIPE, STAGES, FUSEQ, PLUT, BULK, MOVM, SLACK, EXPFTZ, KROT) as attn.rs sets them.
+// On the H200 the 4-bit path is bound by shared memory (lookups, page staging; ~88 % of the
+// L1/shared pipe at (8, 32k) under ncu): the variants trade it against instructions.
 #define QD (D / 4)   // key dims per thread in the score operand
 #define VC (D / 8)   // value dims per thread row-group in the PV operand
 #define KS (D / 16)  // k-steps of the score mma, = M-tiles of the PV mma

@@ -2,14 +2,17 @@
 //! `cuda`) and the standalone `veloxquant-cuda-bench`:
 //!
 //!   veloxquant bench cuda run --out ours.json [--iters 100] [--formats f1,f2] [--no-encode]
+//!       [--shapes 0,2,1x32x8x1024]
 //!   veloxquant bench cuda report --ours a.json,b.json --peer p.json,q.json --out final.json
-//!       [--md final.md] [--commit C] [--date D]
+//!       [--commit C] [--date D]
 //!
 //! `run` measures the read bandwidth (probe kernel) and copy bandwidth, encode throughput
 //! per format at 2M vectors, and decode time per (shape, format) as the median of CUDA-event
-//! timings after warm-up, rotating among several caches so L2 cannot help. `report` merges
-//! rounds of ours and the peer's (peer_sdpa.py), taking each side's best median, and prints
-//! the table.
+//! timings after warm-up, rotating among several caches so L2 cannot help, three ways: one
+//! synchronized step per event pair, ten back-to-back steps, ten steps captured in a CUDA graph
+//! and replayed. `--shapes` picks rows of the table (indices) or adds probes (BxHQxHKVxS).
+//! `report` merges rounds of ours and the peer's (peer_sdpa.py, timed the same three ways),
+//! taking each side's best median per mode, and prints the table.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
