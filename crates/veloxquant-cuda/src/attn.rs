@@ -354,3 +354,49 @@ pub fn decode(cache: &mut GpuPagedCache, q: &[f32], n_q_heads: usize) -> Result<
     plan.run(cache)?;
     s.clone_dtoh(&plan.out).map_err(drv("dtoh out"))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use veloxquant::FormatSpec;
+
+    /// The host's dynamic shared-memory size against the kernel's layout rule (decode.cu,
+    /// PLUT): for every start of the dynamic part the hardware may give (the static part, plus
+    /// up to 1 KiB reserved and 128-byte alignment), the table at the next 64-KiB boundary,
+    /// min(pad / ring, warps) rings below it and the rest above must fit the allocation (the
+    /// kernel traps otherwise), and a block of up to 12 warps must fit the SM's 227 KiB.
+    #[test]
+    fn plut_layout_fits_its_allocation() {
+        for (k, v) in [("turboquant_mse:4", "turboquant_mse:4"), ("turboquant_mse:4", "turboquant_mse:2")] {
+            for d in [64, 128] {
+                let kf = GpuFormat::new(&FormatSpec::parse(k).unwrap(), d, 32, 1).unwrap();
+                let vf = GpuFormat::new(&FormatSpec::parse(v).unwrap(), d, 32, 2).unwrap();
+                for warps in [4, 8, 12, 16] {
+                    let pipe = Pipe { on: true, stages: 2, warps, minb: 0, fuse_q: true, plut: true, bulk: true };
+                    let ring = pipe.ring(&kf, &vf);
+                    let post = warps * 8 * d * 4;
+                    for static_bytes in [2048usize, 4096, 4480, 16000] {
+                        let Some(dynb) = pipe.smem(&kf, &vf, static_bytes, post) else {
+                            panic!("{k}/{v} d={d} warps={warps}: no layout")
+                        };
+                        for start in (static_bytes..=static_bytes + 1024 + 128).step_by(16) {
+                            let pad = (65536 - start % 65536) % 65536;
+                            let below = (pad / ring).min(warps);
+                            let used = pad + 65536 + (warps - below) * ring;
+                            assert!(
+                                used <= dynb,
+                                "{k}/{v} d={d} warps={warps} static={static_bytes} start={start}: {used} > {dynb}"
+                            );
+                        }
+                        if warps <= 12 {
+                            assert!(
+                                dynb + static_bytes <= 227 << 10,
+                                "{k}/{v} d={d} warps={warps} static={static_bytes}: {dynb} B"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
