@@ -55,12 +55,12 @@
 #undef FUSEQ
 #define FUSEQ 0
 #endif
-// PLUT (PIPE with a 4-bit stream): the f16x2 pair tables live in dynamic shared memory at a
+// PLUT (FAST with a 4-bit stream): the f16x2 pair tables live in dynamic shared memory at a
 // 64-KiB-aligned shared address with a 256-byte stride per entry: word 64e + lane holds K's
 // entry e, word 64e + 32 + lane V's, so the shared address of a lookup is one prmt (byte k of
 // the codes into address byte 1, the lane's offset in byte 0, the table's base in bytes 2-3)
-// and the lookup one LDS, never a bank conflict. The rings fill the space below the table
-// (as many warps' as fit) and above it; after the loop the table's space holds macc.
+// and the lookup one LDS, never a bank conflict. With PIPE the rings fill the space below
+// the table (as many warps' as fit) and above it; after the loop the table's space holds macc.
 #ifndef PLUT
 #define PLUT 0
 #endif
