@@ -482,14 +482,14 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #elif PIPE
     u8* const post = dsm;         // after the loop: macc over the rings
 #endif
+#if (KLUT || VLUT) && !PLUT
+    __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table (then macc, !PIPE)
+#elif !PIPE && !PLUT
+    __shared__ __align__(16) u32 big[NWARPS * 8 * D];
+#endif
 #if PIPE || PLUT
     float (*macc)[8][D] = (float (*)[8][D])post;
 #else
-#if KLUT || VLUT
-    __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table, then macc
-#else
-    __shared__ __align__(16) u32 big[NWARPS * 8 * D];
-#endif
     float (*macc)[8][D] = (float (*)[8][D])big;
 #endif
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
