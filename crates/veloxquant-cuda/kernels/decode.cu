@@ -328,6 +328,40 @@ __device__ __forceinline__ u32 plut(u32 lb, u32 w, int k) {
 }
 #endif
 
+#if FAST
+// One 16-token key tile (FAST): this thread's code words of rows g (ra) and g + 8 (rb) as the
+// score mma's A operand. 4-bit: one table lookup per byte (klut: PLUT's lane base or the
+// 128-byte-stride table's); 2-bit: the 4 centroids (kt0, kt1) selected by prmt.
+__device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 klut, u32 kt0, u32 kt1, u32* ka,
+                                          u32* kb) {
+#if KB == 4
+#pragma unroll
+    for (int by = 0; by < KRB; by++) {
+#if PLUT
+        ka[by] = plut(klut, ra[by / 4], by % 4);
+        kb[by] = plut(klut, rb[by / 4], by % 4);
+#else
+        ka[by] = lut_at(klut, ra[by / 4], by % 4);
+        kb[by] = lut_at(klut, rb[by / 4], by % 4);
+#endif
+    }
+#else
+#pragma unroll
+    for (int wi = 0; wi < KRW; wi++) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const u32 sa = ((ra[wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
+            const u32 sb = ((rb[wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
+            ka[8 * wi + 2 * k] = prmt(kt0, kt1, sa);
+            ka[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sa >> 16);
+            kb[8 * wi + 2 * k] = prmt(kt0, kt1, sb);
+            kb[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sb >> 16);
+        }
+    }
+#endif
+}
+#endif
+
 #if PIPE
 // Byte offset of a page byte in its shared slot: 16-byte chunk index XOR 2·(line & m), m such
 // that the lanes' K (16 B) and V (8 B / 4 B) row reads of one instruction hit distinct banks.
@@ -467,7 +501,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     __shared__ float qstage[G * D];  // FUSEQ: the group's prepared queries
 #else
     __shared__ float pbuf[NWARPS][32][9];  // softmax weights (FUSEQ: first the queries)
-#define qstage (&pbuf[0][0][0])
+    float* const qstage = &pbuf[0][0][0];
     static_assert(NWARPS * 32 * 9 >= G * D, "pbuf holds the group's queries");
 #endif
     __shared__ float mml[NWARPS][8][2];
@@ -593,6 +627,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if FAST
     const u32 kt0 = (u32)ktab[0] | ((u32)ktab[1] << 16), kt1 = (u32)ktab[2] | ((u32)ktab[3] << 16);
     const u32 vt0 = (u32)vtab[0] | ((u32)vtab[1] << 16), vt1 = (u32)vtab[2] | ((u32)vtab[3] << 16);
+#if PLUT
+    const u32 klut = lbk;
+#elif KLUT
+    const u32 klut = lutb;
+#else
+    const u32 klut = 0;  // 2-bit keys: no table
+#endif
 #endif
     // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
     // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
@@ -723,32 +764,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             u32 kra[KRW], krb[KRW];
             ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
             ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
-#if KB == 4 && PLUT
-#pragma unroll
-            for (int by = 0; by < KRB; by++) {
-                ka[by] = plut(lbk, kra[by / 4], by % 4);
-                kb[by] = plut(lbk, krb[by / 4], by % 4);
-            }
-#elif KB == 4
-#pragma unroll
-            for (int by = 0; by < KRB; by++) {
-                ka[by] = lut_at(lutb, kra[by / 4], by % 4);
-                kb[by] = lut_at(lutb, krb[by / 4], by % 4);
-            }
-#else
-#pragma unroll
-            for (int wi = 0; wi < KRW; wi++) {
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const u32 sa = ((kra[wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
-                    const u32 sb = ((krb[wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
-                    ka[8 * wi + 2 * k] = prmt(kt0, kt1, sa);
-                    ka[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sa >> 16);
-                    kb[8 * wi + 2 * k] = prmt(kt0, kt1, sb);
-                    kb[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sb >> 16);
-                }
-            }
-#endif
+            k_dequant(kra, krb, klut, kt0, kt1, ka, kb);
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
             const float n0 = h2f(knp[16 * mt + g]), n1 = h2f(knp[16 * mt + g + 8]);
@@ -771,32 +787,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             u32 ka[KS * 2], kb[KS * 2];
-#if KB == 4 && PLUT
-#pragma unroll
-            for (int by = 0; by < KRB; by++) {
-                ka[by] = plut(lbk, cur.k[2 * mt][by / 4], by % 4);
-                kb[by] = plut(lbk, cur.k[2 * mt + 1][by / 4], by % 4);
-            }
-#elif KB == 4
-#pragma unroll
-            for (int by = 0; by < KRB; by++) {
-                ka[by] = lut_at(lutb, cur.k[2 * mt][by / 4], by % 4);
-                kb[by] = lut_at(lutb, cur.k[2 * mt + 1][by / 4], by % 4);
-            }
-#else
-#pragma unroll
-            for (int wi = 0; wi < KRW; wi++) {
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    const u32 sa = ((cur.k[2 * mt][wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
-                    const u32 sb = ((cur.k[2 * mt + 1][wi] >> (2 * k)) & 0x03030303u) * 0x22u + 0x10101010u;
-                    ka[8 * wi + 2 * k] = prmt(kt0, kt1, sa);
-                    ka[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sa >> 16);
-                    kb[8 * wi + 2 * k] = prmt(kt0, kt1, sb);
-                    kb[8 * wi + 2 * k + 1] = prmt(kt0, kt1, sb >> 16);
-                }
-            }
-#endif
+            k_dequant(cur.k[2 * mt], cur.k[2 * mt + 1], klut, kt0, kt1, ka, kb);
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
             const float n0 = h2f((u16)cur.kn[2 * mt]), n1 = h2f((u16)cur.kn[2 * mt + 1]);
