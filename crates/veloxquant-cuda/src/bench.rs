@@ -21,6 +21,7 @@ use crate::attn::{DecodeOptions, DecodePlan};
 use crate::bench_util::{fill_normal_f16, read_probe};
 use crate::{GpuCacheConfig, GpuDevice, GpuEncoder, GpuFormat, GpuPagedCache, InputKind, Result};
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaStream;
 use serde_json::{json, Value};
 use veloxquant::FormatSpec;
 
@@ -38,23 +39,35 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// Median over `reps` of the event-timed duration (µs) of `body(r)` on `stream`, divided by
+/// `per` (the steps one body runs).
+fn event_median(
+    dev: &Arc<GpuDevice>,
+    stream: &CudaStream,
+    reps: usize,
+    per: usize,
+    mut body: impl FnMut(usize) -> Result<()>,
+) -> Result<f64> {
+    let ev = || dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
+    let mut ts = Vec::with_capacity(reps);
+    for r in 0..reps {
+        let (a, b) = (ev(), ev());
+        a.record(stream).expect("record");
+        body(r)?;
+        b.record(stream).expect("record");
+        b.synchronize().expect("sync");
+        ts.push(a.elapsed_ms(&b).expect("elapsed") as f64 * 1e3 / per as f64);
+    }
+    Ok(median(ts))
+}
+
 /// Median over `iters` of the event-timed duration (µs) of `f(i)`.
 fn time_us(dev: &Arc<GpuDevice>, warm: usize, iters: usize, mut f: impl FnMut(usize) -> Result<()>) -> Result<f64> {
-    let ev = || dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
     for i in 0..warm {
         f(i)?;
     }
     dev.synchronize()?;
-    let mut ts = Vec::with_capacity(iters);
-    for i in 0..iters {
-        let (a, b) = (ev(), ev());
-        a.record(&dev.stream).expect("record");
-        f(i)?;
-        b.record(&dev.stream).expect("record");
-        b.synchronize().expect("sync");
-        ts.push(a.elapsed_ms(&b).expect("elapsed") as f64 * 1e3);
-    }
-    Ok(median(ts))
+    event_median(dev, &dev.stream, iters, 1, f)
 }
 
 /// Median over `reps` of the event-timed duration (µs) of `steps` back-to-back calls
@@ -66,23 +79,11 @@ fn time_us_streamed(
     steps: usize,
     mut f: impl FnMut(usize) -> Result<()>,
 ) -> Result<f64> {
-    let ev = || dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
     for i in 0..steps {
         f(i)?;
     }
     dev.synchronize()?;
-    let mut ts = Vec::with_capacity(reps);
-    for r in 0..reps {
-        let (a, b) = (ev(), ev());
-        a.record(&dev.stream).expect("record");
-        for i in 0..steps {
-            f(r * steps + i)?;
-        }
-        b.record(&dev.stream).expect("record");
-        b.synchronize().expect("sync");
-        ts.push(a.elapsed_ms(&b).expect("elapsed") as f64 * 1e3 / steps as f64);
-    }
-    Ok(median(ts))
+    event_median(dev, &dev.stream, reps, steps, |r| (0..steps).try_for_each(|i| f(r * steps + i)))
 }
 
 /// Per-step time (µs) on the GPU alone: `steps` calls `f(i, stream)` captured once into a
@@ -92,7 +93,7 @@ fn time_us_graph(
     dev: &Arc<GpuDevice>,
     reps: usize,
     steps: usize,
-    mut f: impl FnMut(usize, &Arc<cudarc::driver::CudaStream>) -> Result<()>,
+    mut f: impl FnMut(usize, &Arc<CudaStream>) -> Result<()>,
 ) -> Result<f64> {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     dev.synchronize()?;
@@ -103,21 +104,14 @@ fn time_us_graph(
     }
     let g = s.end_capture(CUgraphInstantiate_flags(0)).expect("end capture").expect("graph");
     g.upload().expect("upload");
-    let ev = || dev.ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).expect("event");
     for _ in 0..3 {
         g.launch().expect("graph launch");
     }
     s.synchronize().expect("sync");
-    let mut ts = Vec::with_capacity(reps);
-    for _ in 0..reps {
-        let (a, b) = (ev(), ev());
-        a.record(&s).expect("record");
+    event_median(dev, &s, reps, steps, |_| {
         g.launch().expect("graph launch");
-        b.record(&s).expect("record");
-        b.synchronize().expect("sync");
-        ts.push(a.elapsed_ms(&b).expect("elapsed") as f64 * 1e3 / steps as f64);
-    }
-    Ok(median(ts))
+        Ok(())
+    })
 }
 
 fn bandwidth(dev: &Arc<GpuDevice>) -> Result<(f64, f64)> {
