@@ -17,6 +17,19 @@ SHAPES = [(1, 32, 8, 32768), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 
 D = 128
 
 
+def event_median(body, reps, per):
+    """Median over `reps` of the CUDA-event-timed duration (us) of body(r), divided by `per`."""
+    times = []
+    for r in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        body(r)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / per)
+    return statistics.median(times)
+
+
 def time_backend(backend, qs, ks, vs, gqa, warm, iters):
     def call(i):
         j = i % len(ks)
@@ -26,25 +39,9 @@ def time_backend(backend, qs, ks, vs, gqa, warm, iters):
         for i in range(warm):
             call(i)
         torch.cuda.synchronize()
-        times = []
-        for i in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            call(i)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
-        single = statistics.median(times)
+        single = event_median(call, iters, 1)
         # back-to-back: 10 calls between the events (the host runs ahead, as in a decode loop)
-        streamed = []
-        for r in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for i in range(10):
-                call(r * 10 + i)
-            b.record()
-            b.synchronize()
-            streamed.append(a.elapsed_time(b) * 1e3 / 10)
+        streamed = event_median(lambda r: [call(r * 10 + i) for i in range(10)], iters, 10)
         # graph: 10 calls captured once into a CUDA graph, replayed (no host launch cost)
         graph = None
         try:
@@ -60,18 +57,10 @@ def time_backend(backend, qs, ks, vs, gqa, warm, iters):
                     call(i)
             g.replay()
             torch.cuda.synchronize()
-            gt = []
-            for r in range(iters):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                g.replay()
-                b.record()
-                b.synchronize()
-                gt.append(a.elapsed_time(b) * 1e3 / 10)
-            graph = statistics.median(gt)
+            graph = event_median(lambda r: g.replay(), iters, 10)
         except Exception as e:  # backend not capturable
             print(f"peer graph capture failed: {type(e).__name__}: {str(e)[:80]}")
-    return single, statistics.median(streamed), graph
+    return single, streamed, graph
 
 
 def main():
