@@ -2,7 +2,8 @@
 // prep_query: q · log2(e)/√d, rotated once by the key rotation (the rotated-query trick).
 // combine: merge the split partials (all splits' (m, l) read at once, weights through shared
 // memory), one inverse value rotation on the merged accumulator,
-// then the exact fp16 tail, then normalize. Defines: D, G, KROT, VROT.
+// then the exact fp16 tail, then normalize. Defines: D, G, KROT, VROT, PDL (combine launched
+// as a programmatic dependent of decode_pages: it scores the tail while decode_pages runs).
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // In-place Walsh-Hadamard transform of the block's D values (thread tid holds element tid):
@@ -41,7 +42,7 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
                                    const u16* __restrict__ ktail, const u16* __restrict__ vtail,
                                    const int* __restrict__ n_tail, int tail_cap,
                                    const float* __restrict__ vsigns, float vrot_scale,
-                                   float* __restrict__ out) {
+                                   float* __restrict__ out, int flat_nb, int flat_pages) {
     extern __shared__ float ts[];  // tail_cap tail scores, n_splits weights, n_splits sums
     __shared__ float s[D];
     __shared__ float qs[D];
@@ -51,7 +52,36 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
     const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, n_q = gridDim.x;
     const int hkv = hq / G, gi = hq % G;
     const int warp = tid >> 5, lane = tid & 31;
-    const size_t base = ((size_t)(b * n_kv + hkv) * n_splits) * G + gi;
+    // This row's partials: n_splits from row · n_splits, or (FLAT: flat_nb blocks over rows of
+    // flat_pages pages laid end to end) those of the blocks k holding its first … last page,
+    // at k + row.
+    const int row = b * n_kv + hkv;
+    size_t first = (size_t)row * n_splits;
+    if (flat_nb > 0) {
+        const long long n = (long long)gridDim.y * n_kv * flat_pages, x = (long long)row * flat_pages;
+        const int k0 = flat_block(x, n, flat_nb);
+        n_splits = flat_block(x + flat_pages - 1, n, flat_nb) - k0 + 1;
+        first = (size_t)k0 + row;
+    }
+    const size_t base = first * G + gi;
+    // The tail's scores first: they need only q and the tail, not decode_pages' partials.
+    const int nt = n_tail[b];
+    const u16* const kt = ktail + ((size_t)row * tail_cap) * D;
+    const u16* const vt = vtail + ((size_t)row * tail_cap) * D;
+    if (nt > 0) {
+        qs[tid] = q[((size_t)b * n_q + hq) * D + tid] * (LOG2E / sqrtf((float)D));
+        __syncthreads();
+        for (int tok = warp; tok < nt; tok += D / 32) {
+            float a = 0.0f;
+            for (int i = lane; i < D; i += 32) a += qs[i] * h2f(kt[(size_t)tok * D + i]);
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(FULL_MASK, a, off);
+            if (lane == 0) ts[tok] = a;
+        }
+    }
+#if PDL
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     // One L2 round trip for all the partials: the first PRE splits' accumulators and every
     // split's (m, l) are loaded at once (m and l kept in shared memory); the weights 2^(m − M)
     // follow; the remaining accumulators' loads are independent of each other.
@@ -102,20 +132,8 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
 #if VROT
     A = fwht_block(A, s, tid) * (vsigns[hkv * D + tid] * vrot_scale);
 #endif
-    const int nt = n_tail[b];
     if (nt > 0) {
-        qs[tid] = q[((size_t)b * n_q + hq) * D + tid] * (LOG2E / sqrtf((float)D));
-        __syncthreads();
-        const u16* kt = ktail + ((size_t)(b * n_kv + hkv) * tail_cap) * D;
-        const u16* vt = vtail + ((size_t)(b * n_kv + hkv) * tail_cap) * D;
-        for (int tok = warp; tok < nt; tok += D / 32) {
-            float a = 0.0f;
-            for (int i = lane; i < D; i += 32) a += qs[i] * h2f(kt[(size_t)tok * D + i]);
-#pragma unroll
-            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(FULL_MASK, a, off);
-            if (lane == 0) ts[tok] = a;
-        }
-        __syncthreads();
+        __syncthreads();  // the tail scores are in ts
         float mt = NEG_INF;
         for (int tok = 0; tok < nt; tok++) mt = fmaxf(mt, ts[tok]);
         const float m2 = fmaxf(M, mt);

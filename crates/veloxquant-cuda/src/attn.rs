@@ -1,11 +1,12 @@
 //! Decode attention on the GPU: a plan (split sizes, buffers, compiled kernels) made once
 //! per batch shape, then `run` (or `run_on` a stream, e.g. one being captured into a CUDA
 //! graph) per step: prep_query → decode_pages → combine (prep_query fused into decode_pages
-//! on the 2/4-bit codes path).
+//! on the 2/4-bit codes path; combine launched as a programmatic dependent of decode_pages).
 
+use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
 
 use crate::cache::GpuPagedCache;
 use crate::device::{Family, GpuDevice};
@@ -92,6 +93,11 @@ impl Pipe {
     }
 }
 
+/// The block of `nb` holding page `x` of `n` laid end to end (flat_block in common.cuh).
+fn flat_block(x: usize, n: usize, nb: usize) -> usize {
+    ((x as u128 + 1) * nb as u128 - 1).div_euclid(n as u128) as usize
+}
+
 /// Softmax variants (benchmarks only; defaults are the measured best on the H200,
 /// benchmarks/results/cuda-decode.md): `VELOXQUANT_DECODE_EXPFTZ` (1), `_SLACK` (8),
 /// `_MOVM` (1).
@@ -132,8 +138,17 @@ pub struct DecodePlan {
     pub dev: Arc<GpuDevice>,
     pub n_q_heads: usize,
     pub group: usize,
+    /// Partials per row (FLAT: the most any row has).
     pub n_splits: usize,
+    /// Pages per split, or (FLAT) per row: the pages the plan covers in each row.
     pub pages_per_split: usize,
+    /// FLAT (pipelined path, fewer rows than SMs): this many blocks over all rows' pages laid
+    /// end to end, at most two rows each; 0 = one grid row of splits per (sequence, KV head).
+    pub flat_blocks: usize,
+    /// Pages of a row the plan reads (a cache grown past it needs a new plan).
+    covered_pages: usize,
+    /// combine launched as a programmatic dependent (`VELOXQUANT_DECODE_PDL`, default 1).
+    pdl: bool,
     pub q: CudaSlice<f32>,
     pub out: CudaSlice<f32>,
     pub nwarps: usize,
@@ -180,6 +195,15 @@ impl DecodePlan {
         let var = Variants::new();
         let b = cfg.n_seqs;
         let max_pages = cache.max_pages().max(1);
+        let rows = b * cfg.n_kv_heads;
+        // FLAT (pipelined path: one block per SM by its shared memory) when some SMs would
+        // otherwise hold a second split of a row; it needs the queries of both rows kept
+        // (MOVM, or the separate prep_query).
+        let flat = pipe.on
+            && env_knob("VELOXQUANT_DECODE_FLAT", 1) != 0
+            && (var.movm || !pipe.fuse_q)
+            && rows < dev.sm_count;
+        let pdl = env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
         // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
         let post = if pipe.on || pipe.plut { pipe.warps * 8 * d * 4 } else { 0 };
         let mut defs: Vec<(String, i64)> = vec![
@@ -200,6 +224,12 @@ impl DecodePlan {
         }
         if pipe.plut {
             defs.push(("PLUT".into(), 1));
+        }
+        if flat {
+            defs.push(("FLAT".into(), 1));
+        }
+        if pdl {
+            defs.push(("PDL".into(), 1));
         }
         if pipe.on {
             defs.push(("PIPE".into(), 1));
@@ -231,6 +261,7 @@ impl DecodePlan {
             ("G", g as i64),
             ("KROT", kf.rotation.is_some() as i64),
             ("VROT", vf.rotation.is_some() as i64),
+            ("PDL", pdl as i64),
         ];
         let f_prep = dev.function(Family::Attn, &adefs, "prep_query")?;
         let f_combine = dev.function(Family::Attn, &adefs, "combine")?;
@@ -243,10 +274,22 @@ impl DecodePlan {
             .unwrap_or(opts.blocks_per_sm)
             .clamp(1, opts.blocks_per_sm.max(1));
         let target = dev.sm_count * resident;
-        let rows = b * cfg.n_kv_heads;
         let per_head = if rows >= target { 1 } else { target / rows };
-        let pps = opts.min_pages_per_split.max(max_pages.div_ceil(per_head));
-        let n_splits = max_pages.div_ceil(pps).max(1);
+        let mut pps = opts.min_pages_per_split.max(max_pages.div_ceil(per_head));
+        let mut n_splits = max_pages.div_ceil(pps).max(1);
+        let mut n_partials = rows * n_splits;
+        // FLAT: up to `target` equal runs of at least min_pages_per_split pages, none longer than
+        // a row (so a block spans at most two rows).
+        let flat_blocks = if flat { target.min(rows * max_pages / opts.min_pages_per_split.max(1)).max(rows) } else { 0 };
+        if flat_blocks > 0 {
+            let n = rows * max_pages;
+            n_splits = (0..rows)
+                .map(|r| flat_block(r * max_pages + max_pages - 1, n, flat_blocks) - flat_block(r * max_pages, n, flat_blocks) + 1)
+                .max()
+                .unwrap_or(1);
+            n_partials = flat_blocks + rows;
+            pps = max_pages;
+        }
         let s = &dev.stream;
         let nq = b * n_q_heads * d;
         Ok(Self {
@@ -254,14 +297,17 @@ impl DecodePlan {
             group: g,
             n_splits,
             pages_per_split: pps,
+            flat_blocks,
+            covered_pages: if flat_blocks > 0 { max_pages } else { pps * n_splits },
+            pdl,
             nwarps: pipe.warps,
             smem: smem as u32,
             fuse_q: pipe.fuse_q,
             q: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             out: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
-            part_acc: s.alloc_zeros(b * cfg.n_kv_heads * n_splits * g * d).map_err(drv("alloc"))?,
-            part_ml: s.alloc_zeros(b * cfg.n_kv_heads * n_splits * g * 2).map_err(drv("alloc"))?,
+            part_acc: s.alloc_zeros(n_partials * g * d).map_err(drv("alloc"))?,
+            part_ml: s.alloc_zeros(n_partials * g * 2).map_err(drv("alloc"))?,
             f_prep,
             f_decode,
             f_combine,
@@ -281,6 +327,13 @@ impl DecodePlan {
     /// `q` and the cache.
     pub fn run_on(&mut self, cache: &GpuPagedCache, stream: &Arc<CudaStream>) -> Result<()> {
         let cfg = &cache.cfg;
+        if cache.max_pages() > self.covered_pages {
+            return Err(CudaError::ShapeMismatch {
+                op: "decode plan's pages per sequence (the cache grew: make a new plan)",
+                expected: self.covered_pages,
+                got: cache.max_pages(),
+            });
+        }
         let (b, d, hk) = (cfg.n_seqs as u32, cfg.head_dim as u32, cfg.n_kv_heads as i32);
         let s = stream.clone();
         let per_q = LaunchConfig { grid_dim: (self.n_q_heads as u32, b, 1), block_dim: (d, 1, 1), shared_mem_bytes: 0 };
@@ -294,8 +347,9 @@ impl DecodePlan {
         let max_pages = cfg.max_pages_per_seq as i32;
         let tail_cap = cache.tail_cap() as i32;
         let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
+        let n_rows = (cfg.n_seqs * cfg.n_kv_heads) as i32;
         let cfg_dec = LaunchConfig {
-            grid_dim: (self.n_splits as u32, hk as u32, b),
+            grid_dim: if self.flat_blocks > 0 { (self.flat_blocks as u32, 1, 1) } else { (self.n_splits as u32, hk as u32, b) },
             block_dim: ((self.nwarps * 32) as u32, 1, 1),
             shared_mem_bytes: self.smem,
         };
@@ -315,30 +369,77 @@ impl DecodePlan {
             .arg(&mut self.part_ml)
             .arg(&self.q)
             .arg(&cache.k.signs)
-            .arg(&cache.k.rot_scale);
+            .arg(&cache.k.rot_scale)
+            .arg(&n_rows);
         // SAFETY: matches decode_pages in kernels/decode.cu; the page table holds valid
         // physical pages for the first n_pages[b] entries of every row.
         unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
 
         let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32 + 2 * self.n_splits as u32) * 4, ..per_q };
-        let mut l = s.launch_builder(&self.f_combine);
-        l.arg(&self.part_acc)
-            .arg(&self.part_ml)
-            .arg(&ns)
-            .arg(&hk)
-            .arg(&self.q)
-            .arg(&cache.k.tail)
-            .arg(&cache.v.tail)
-            .arg(&cache.n_tail_dev)
-            .arg(&tail_cap)
-            .arg(&cache.v.signs)
-            .arg(&cache.v.rot_scale)
-            .arg(&mut self.out);
-        // SAFETY: matches combine in kernels/attn.cu; dynamic smem holds tail_cap scores and
-        // n_splits weights and sums.
-        unsafe { l.launch(cfg_comb) }.map_err(drv("combine"))?;
-        Ok(())
+        let (flat_nb, flat_pages) = (self.flat_blocks as i32, self.pages_per_split as i32);
+        let ptr = |x: &CudaSlice<f32>| x.device_ptr(&s).0;
+        let (acc, ml, q, out) = (ptr(&self.part_acc), ptr(&self.part_ml), ptr(&self.q), ptr(&self.out));
+        let vsigns = ptr(&cache.v.signs);
+        let (kt, vt, nt) = (cache.k.tail.device_ptr(&s).0, cache.v.tail.device_ptr(&s).0, cache.n_tail_dev.device_ptr(&s).0);
+        let mut params: [*mut c_void; 14] = [
+            arg(&acc),
+            arg(&ml),
+            arg(&ns),
+            arg(&hk),
+            arg(&q),
+            arg(&kt),
+            arg(&vt),
+            arg(&nt),
+            arg(&tail_cap),
+            arg(&vsigns),
+            arg(&cache.v.rot_scale),
+            arg(&out),
+            arg(&flat_nb),
+            arg(&flat_pages),
+        ];
+        // SAFETY: params point at live values in combine's parameter order and types
+        // (kernels/attn.cu); dynamic smem holds tail_cap scores and n_splits weights and sums.
+        unsafe { launch_raw(&self.f_combine, cfg_comb, &s, &mut params, self.pdl) }.map_err(drv("combine"))
     }
+}
+
+/// A kernel parameter for cuLaunchKernelEx: the address of its value.
+fn arg<T>(x: &T) -> *mut c_void {
+    x as *const T as *mut c_void
+}
+
+/// Launch `f` with its parameters as pointers to their values (cuLaunchKernelEx); `dependent`:
+/// as a programmatic dependent of the stream's previous kernel, which may still be running
+/// when `f` starts (`f` orders its reads of that kernel's output by griddepcontrol.wait).
+///
+/// # Safety
+/// `params` must match `f`'s parameter list in order and types, and `cfg` its resources.
+unsafe fn launch_raw(
+    f: &CudaFunction,
+    cfg: LaunchConfig,
+    stream: &CudaStream,
+    params: &mut [*mut c_void],
+    dependent: bool,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    // SAFETY: a zeroed attribute value is a valid union (plain integers); the attribute array
+    // and `params` outlive the call, which copies them.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let lc = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: dependent as u32,
+    };
+    // SAFETY: per this function's contract.
+    unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result()
 }
 
 /// One decode step from the host: q is [n_seqs][n_q_heads][d]; returns the same shape.

@@ -277,3 +277,81 @@ fn decode_matches_cpu_reference() {
     eprintln!("decode parity: {n} cases, worst rel err {worst_all:.2e}, failures {}", bad.len());
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
+
+/// The pipelined 2/4-bit path's FLAT grid: 8 rows of up to ~90 pages cut into runs of ~16
+/// pages, so most runs cross a row boundary, and two sequences are shorter than the runs their
+/// rows fall in (warps whose pages all lie past n_pages, a first row cut short).
+#[test]
+fn decode_runs_across_rows_match_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let pairs = [("turboquant_mse:4", "turboquant_mse:4"), ("turboquant_mse:2", "turboquant_mse:2"), ("turboquant_mse:4", "turboquant_mse:2")];
+    let mut bad = Vec::new();
+    let mut worst_all = 0f64;
+    for (pi, &(k, v)) in pairs.iter().enumerate() {
+        for d in [64, 128] {
+            for gqa in [1, 8] {
+                let lens: &'static [usize] = if gqa == 1 { &[2900, 700, 1513, 40] } else { &[300, 2900, 1513, 2897] };
+                let c = Case { k, v, d, gqa, recent: 32 * (d / 128), lens };
+                let e = run_case(&dev, &c, (pi * 100 + d + gqa) as u64);
+                #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                if !(e <= 2e-3) {
+                    bad.push(format!("{k}/{v} d={d} g={gqa} lens={lens:?}: {e:.2e}"));
+                }
+                worst_all = worst_all.max(e);
+            }
+        }
+    }
+    eprintln!("decode parity across rows: worst rel err {worst_all:.2e}, failures {}", bad.len());
+    assert!(bad.is_empty(), "decode failures: {bad:#?}");
+}
+
+/// A step captured into a CUDA graph (combine a programmatic dependent of decode_pages)
+/// replays to the same bits as `run`; a plan refuses a cache that grew past its pages.
+#[test]
+fn decode_graph_replay_matches_run() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    let Some(dev) = device() else { return };
+    let (n_kv, d, hq) = (2, 128, 8);
+    let spec = FormatSpec::parse("turboquant_mse:4").unwrap();
+    let cfg = GpuCacheConfig {
+        n_seqs: 2,
+        n_kv_heads: n_kv,
+        head_dim: d,
+        page_tokens: 32,
+        recent: 0,
+        k: spec.clone(),
+        v: spec,
+        seed: 7,
+        layer: 0,
+        max_pages_per_seq: 256,
+    };
+    let mut cache = GpuPagedCache::new(&dev, cfg).unwrap();
+    let mut rng = SplitMix64::new(11);
+    for (b, n) in [(0, 3000), (1, 1234)] {
+        cache.append(b, &rng.gaussian_vec(n_kv * n * d), &rng.gaussian_vec(n_kv * n * d), n).unwrap();
+    }
+    cache.sync_tables().unwrap();
+    let mut plan = attn::DecodePlan::new(&cache, hq, attn::DecodeOptions::default()).unwrap();
+    let s0 = dev.stream.clone();
+    s0.memcpy_htod(&rng.gaussian_vec(2 * hq * d), &mut plan.q).unwrap();
+    plan.run(&cache).unwrap();
+    let want = s0.clone_dtoh(&plan.out).unwrap();
+    s0.memset_zeros(&mut plan.out).unwrap();
+    dev.synchronize().unwrap();
+    let s = dev.ctx.new_stream().unwrap();
+    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    plan.run_on(&cache, &s).unwrap();
+    let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
+    graph.launch().unwrap();
+    s.synchronize().unwrap();
+    let got = s.clone_dtoh(&plan.out).unwrap();
+    assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|&x| x != 0.0));
+    assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    eprintln!("graph replay: {} outputs bit-identical to run (flat blocks {})", got.len(), plan.flat_blocks);
+
+    // Past what any split layout covers (at most pages_per_split − 1 beyond the pages planned).
+    let more = (plan.pages_per_split + 2) * 32;
+    cache.append(0, &rng.gaussian_vec(n_kv * more * d), &rng.gaussian_vec(n_kv * more * d), more).unwrap();
+    cache.sync_tables().unwrap();
+    assert!(plan.run(&cache).is_err(), "a plan must refuse pages it does not cover");
+}
