@@ -791,11 +791,12 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const u32 vn_rot = 16u * vsw;
 #endif
     int slot = 0, fslot = STAGES - 1;
-    for (int j = 0; j < nmine; j++) {
+    // Row r0's items, then (FLAT, two) row r0 + 1's with its query operand and a fresh state:
+    // the switch sits between the two runs of the one loop, not in it.
+    int j = 0;
+    for (int seg = 0;; seg++) {
+    for (const int jend = FLAT && seg == 0 ? n0 : nmine; j < jend; j++) {
         float s[2][4];
-#if FLAT
-        if (two && j == n0) { next_row(); build_q(qb + G * D); }
-#endif
         {
             const int f = j + STAGES - 1;
             if ((f & 31) == 0) ptv = f + lane < nmine ? item_page(f + lane, n0) : 0;
@@ -1045,6 +1046,17 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         if (more) load_v(vpool + (size_t)nphys * V_PAGE_BYTES, g, t, cur);
 #endif
     }
+#if PIPE
+#if FLAT
+        if (seg == 0 && two) {
+            next_row();  // (with no items of row r0 + 1 its state stays empty)
+            build_q(qb + G * D);
+            continue;
+        }
+#endif
+        break;
+    }
+#endif
 
     // merge: warps of the block, then one partial per (row, split)
     auto merge = [&](float (&a)[KS][4], float m0, float m1, float l0, float l1, size_t slot) {
@@ -1086,7 +1098,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
     };
 #if FLAT
-    if (two && n0 == nmine) next_row();  // no pages of row r0 + 1 came: its state is empty
     if (two) merge(sacc, sm0, sm1, sl0, sl1, (size_t)blockIdx.x + r0);
     merge(acc, m0, m1, l0, l1, (size_t)blockIdx.x + r0 + two);
 #else

@@ -280,7 +280,10 @@ impl DecodePlan {
         let mut n_partials = rows * n_splits;
         // FLAT: up to `target` equal runs of at least min_pages_per_split pages, none longer than
         // a row (so a block spans at most two rows).
-        let flat_blocks = if flat { target.min(rows * max_pages / opts.min_pages_per_split.max(1)).max(rows) } else { 0 };
+        // (`VELOXQUANT_DECODE_FLATNB`: another block count, for benchmarks.)
+        let flat_target = env_knob("VELOXQUANT_DECODE_FLATNB", target as i64).max(1) as usize;
+        let flat_blocks =
+            if flat { flat_target.min(rows * max_pages / opts.min_pages_per_split.max(1)).max(rows) } else { 0 };
         if flat_blocks > 0 {
             let n = rows * max_pages;
             n_splits = (0..rows)
