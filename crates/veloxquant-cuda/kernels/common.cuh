@@ -31,8 +31,3 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return r;
 }
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
-// FLAT decode (decode.cu): block k of nb covers [k·n/nb, (k+1)·n/nb) of the n pages of all rows
-// laid end to end; the block holding page x is the k with k·n/nb <= x < (k+1)·n/nb.
-__device__ __forceinline__ int flat_block(long long x, long long n, int nb) {
-    return (int)(((x + 1) * nb - 1) / n);
-}

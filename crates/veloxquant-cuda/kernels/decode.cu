@@ -1,7 +1,6 @@
 // Split-K (flash-decoding) attention over the codes, one query token per sequence.
-// Grid: (n_splits, n_kv_heads, batch), or with FLAT (n_blocks); block: NWARPS warps. A block
-// owns a run of pages of one (sequence, KV head) row (FLAT: of at most two rows); its warps
-// take pages in turn. Per page a warp scores all G query
+// Grid: (n_splits, n_kv_heads, batch); block: NWARPS warps. A block owns a run of pages of
+// one (sequence, KV head); its warps take pages in turn. Per page a warp scores all G query
 // heads of the group against the 32 keys with tensor-core mma (keys = A operand, the G heads
 // padded to n = 8 = B operand, so one read of the codes serves the group), updates an online
 // softmax in base 2, and accumulates values as O^T += V^T · P^T in the value format's domain
@@ -9,7 +8,7 @@
 // merged by combine() in attn.cu.
 // Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes), KB/VB (code
 // bits), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
-// (PIPE, STAGES, FUSEQ, PLUT, BULK, MOVM, SLACK, EXPFTZ, KROT, FLAT) as attn.rs sets them.
+// (PIPE, STAGES, FUSEQ, PLUT, BULK, MOVM, SLACK, EXPFTZ, KROT, PDL) as attn.rs sets them.
 // On the H200 the 4-bit path is bound by shared memory (lookups, page staging; ~88 % of the
 // L1/shared pipe at (8, 32k) under ncu): the variants trade it against instructions.
 #define QD (D / 4)   // key dims per thread in the score operand
@@ -100,19 +99,6 @@
 #undef BULK
 #define BULK 0
 #endif
-// FLAT (PIPE): the rows' pages laid end to end (pages_per_split = the row length) and cut into
-// gridDim.x equal runs, so every SM gets one block even when the SM count is not a multiple of
-// the rows. The host keeps a run no longer than a row, so it spans at most two rows: the warps
-// switch query and softmax state at the boundary and the block writes one partial per row, row
-// r's partials at blocks k + r (flat_block() in common.cuh gives the first and last k).
-#ifndef FLAT
-#define FLAT 0
-#endif
-#if !PIPE
-#undef FLAT
-#define FLAT 0
-#endif
-#define QROWS (FLAT ? 2 : 1)
 #define KSL ((K_PAGE_BYTES + 127) / 128 * 128)
 #define VSL ((V_PAGE_BYTES + 127) / 128 * 128)
 #define SLOT (KSL + VSL)
@@ -509,14 +495,14 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
     int pages_per_split, int n_splits, int n_kv, const u16* __restrict__ ktab_g,
     const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale, int n_rows) {
+    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
 #if MOVM
-    __shared__ float qstage[QROWS * G * D];  // FUSEQ: the group's prepared queries (per row)
+    __shared__ float qstage[G * D];  // FUSEQ: the group's prepared queries
 #else
     __shared__ float pbuf[NWARPS][32][9];  // softmax weights (FUSEQ: first the queries)
     float* const qstage = &pbuf[0][0][0];
-    static_assert(NWARPS * 32 * 9 >= QROWS * G * D, "pbuf holds the group's queries");
+    static_assert(NWARPS * 32 * 9 >= G * D, "pbuf holds the group's queries");
 #endif
     __shared__ float mml[NWARPS][8][2];
 #if PIPE || PLUT
@@ -546,25 +532,10 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // this grid's completion before reading the partials.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-#if FLAT
-    // This block's run [fs, fe): pages s0 … s0 + len0 − 1 of row r0, then (two) the first len1
-    // pages of row r0 + 1.
-    const long long nflat = (long long)n_rows * pages_per_split;
-    const long long fs = (long long)blockIdx.x * nflat / gridDim.x;
-    const long long fe = (long long)(blockIdx.x + 1) * nflat / gridDim.x;
-    const int r0 = (int)(fs / pages_per_split), s0 = (int)(fs - (long long)r0 * pages_per_split);
-    const int len0 = (int)min(fe - fs, (long long)(pages_per_split - s0)), len1 = (int)(fe - fs) - len0;
-#else
-    const int r0 = blockIdx.z * n_kv + blockIdx.y, s0 = blockIdx.x * pages_per_split;
-    const int len0 = min(pages_per_split, max_pages - s0), len1 = 0;
-#endif
-    const bool two = len1 > 0;
-    const int* const pt0 = page_table + (size_t)r0 * max_pages;
-#if !PIPE
-    const int np = n_pages[r0 / n_kv];
-    const int p0 = s0;
-    const int* const pt = pt0;
-#endif
+    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int np = n_pages[b];
+    const int p0 = split * pages_per_split;
+    const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
 #if PIPE
     // The first pages go in flight before anything else: this warp's pages are first + NWARPS·j,
     // j < nmine; lane i holds the physical index of page j = i (mod 32) of the chunk being
@@ -582,23 +553,14 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     u8* const ring = dsm + warp * (STAGES * SLOT);
 #endif
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
-    // This warp's items: pages s0 + warp + NWARPS·j of row r0 (j < n0), then pages
-    // w1 + NWARPS·i of row r0 + 1 (FLAT; w1 = (warp − len0) mod NWARPS, so the turns run on
-    // across the boundary and the warps stay within a page of each other), each below its
-    // row's n_pages. Lane i first holds item i's physical page as if row r0's pages filled
-    // segment 0 (reloaded below when not), so those loads overlap n_pages'.
-    const int* const pt1 = pt0 + max_pages;  // row r0 + 1: read only when two
-    const int w1 = ((warp - len0) % NWARPS + NWARPS) % NWARPS;
-    const int n0u = len0 > warp ? (len0 - warp + NWARPS - 1) / NWARPS : 0;
-    auto item_page = [&](int it, int n0) -> int {
-        return it < n0 ? pt0[s0 + warp + NWARPS * it] : pt1[w1 + NWARPS * (it - n0)];
-    };
-    int ptv = lane < n0u ? pt0[s0 + warp + NWARPS * lane]
-                         : (two && w1 + NWARPS * (lane - n0u) < len1 ? pt1[w1 + NWARPS * (lane - n0u)] : 0);
-    const int e0 = min(len0, n_pages[r0 / n_kv] - s0), e1 = two ? min(len1, n_pages[(r0 + 1) / n_kv]) : 0;
-    const int n0 = e0 > warp ? (e0 - warp + NWARPS - 1) / NWARPS : 0;
-    const int nmine = n0 + (e1 > w1 ? (e1 - w1 + NWARPS - 1) / NWARPS : 0);
-    if (n0 != n0u) ptv = lane < nmine ? item_page(lane, n0) : 0;
+    const int first = p0 + warp;
+    int ptv;
+    {
+        const int pi = first + NWARPS * lane;
+        ptv = pi < min(p0 + pages_per_split, max_pages) ? pt[pi] : 0;
+    }
+    const int p1 = min(p0 + pages_per_split, np);
+    const int nmine = first < p1 ? (p1 - first + NWARPS - 1) / NWARPS : 0;
 #if BULK
     __shared__ __align__(8) u64 mbar[NWARPS][STAGES];
     const u32 bar_s = (u32)__cvta_generic_to_shared(&mbar[warp][0]);
@@ -686,15 +648,14 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // Hadamard-rotated (a warp per head: lane i holds dims i + 32k; the butterflies of span
     // < 32 by shuffles, the others within the lane), each butterfly (a + o, a − o) as in
     // prep_query, so the result is the same to the bit.
-    for (int qi = warp; qi < (two ? 2 : 1) * G; qi += NWARPS) {
-        const int qrow = r0 + qi / G, hh = qi % G;
+    for (int hh = warp; hh < G; hh += NWARPS) {
         const float sc = LOG2E / sqrtf((float)D);
         float x[D / 32];
 #pragma unroll
         for (int k = 0; k < D / 32; k++) {
-            x[k] = q[((size_t)qrow * G + hh) * D + lane + 32 * k] * sc;
+            x[k] = q[((size_t)(b * n_kv + h) * G + hh) * D + lane + 32 * k] * sc;
 #if KROT
-            x[k] *= ksigns[(qrow % n_kv) * D + lane + 32 * k];
+            x[k] *= ksigns[h * D + lane + 32 * k];
 #endif
         }
 #if KROT
@@ -721,60 +682,40 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         for (int k = 0; k < D / 32; k++) x[k] *= krot_scale;
 #endif
 #pragma unroll
-        for (int k = 0; k < D / 32; k++) qstage[qi * D + lane + 32 * k] = x[k];
+        for (int k = 0; k < D / 32; k++) qstage[hh * D + lane + 32 * k] = x[k];
     }
     __syncthreads();
     const float* qb = qstage;
 #else
-    const float* qb = qprep + (size_t)r0 * G * D;
+    const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
 #endif
-    // (FLAT: built again from the next row's queries, qb + G·D, at the row boundary.)
-    auto build_q = [&](const float* qrows) {
 #pragma unroll
-        for (int ks = 0; ks < KS; ks++) {
+    for (int ks = 0; ks < KS; ks++) {
 #pragma unroll
-            for (int hh = 0; hh < 2; hh++) {
+        for (int hh = 0; hh < 2; hh++) {
 #if QPACK
-                const int head = g < G ? g : g - G;
-                const bool on = g < 2 * G;
+            const int head = g < G ? g : g - G;
+            const bool on = g < 2 * G;
 #else
-                const int head = g;
-                const bool on = g < G;
+            const int head = g;
+            const bool on = g < G;
 #endif
-                float x0 = on ? qrows[head * D + kdim(t, ks, 2 * hh)] : 0.0f;
-                float x1 = on ? qrows[head * D + kdim(t, ks, 2 * hh + 1)] : 0.0f;
-                u32 hi = pack_h2(x0, x1);
-                u32 lo = pack_h2(x0 - h2f((u16)(hi & 0xffff)), x1 - h2f((u16)(hi >> 16)));
+            float x0 = on ? qb[head * D + kdim(t, ks, 2 * hh)] : 0.0f;
+            float x1 = on ? qb[head * D + kdim(t, ks, 2 * hh + 1)] : 0.0f;
+            u32 hi = pack_h2(x0, x1);
+            u32 lo = pack_h2(x0 - h2f((u16)(hi & 0xffff)), x1 - h2f((u16)(hi >> 16)));
 #if QPACK
-                qh[ks][hh] = g < G ? hi : lo;
+            qh[ks][hh] = g < G ? hi : lo;
 #else
-                qh[ks][hh] = hi;
+            qh[ks][hh] = hi;
 #endif
-                ql[ks][hh] = lo;
-            }
+            ql[ks][hh] = lo;
         }
-    };
-    build_q(qb);
+    }
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     float acc[KS][4];
 #pragma unroll
     for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
-#if FLAT
-#if FUSEQ && !MOVM
-#error "FLAT keeps the next row's queries in qstage, which pbuf (MOVM = 0) reuses"
-#endif
-    // At the row boundary: row r0's state set aside, a fresh one for row r0 + 1.
-    float sm0 = NEG_INF, sm1 = NEG_INF, sl0 = 0.0f, sl1 = 0.0f, sacc[KS][4];
-    auto next_row = [&]() {
-        sm0 = m0; sm1 = m1; sl0 = l0; sl1 = l1;
-        m0 = m1 = NEG_INF; l0 = l1 = 0.0f;
-#pragma unroll
-        for (int i = 0; i < KS; i++) {
-#pragma unroll
-            for (int c = 0; c < 4; c++) { sacc[i][c] = acc[i][c]; acc[i][c] = 0.0f; }
-        }
-    };
-#endif
 
 #if FUSEQ && !MOVM
     __syncthreads();  // every warp has its query operand before pbuf is reused
@@ -791,15 +732,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const u32 vn_rot = 16u * vsw;
 #endif
     int slot = 0, fslot = STAGES - 1;
-    // Row r0's items, then (FLAT, two) row r0 + 1's with its query operand and a fresh state:
-    // the switch sits between the two runs of the one loop, not in it.
-    int j = 0;
-    for (int seg = 0;; seg++) {
-    for (const int jend = FLAT && seg == 0 ? n0 : nmine; j < jend; j++) {
+    for (int j = 0; j < nmine; j++) {
         float s[2][4];
         {
             const int f = j + STAGES - 1;
-            if ((f & 31) == 0) ptv = f + lane < nmine ? item_page(f + lane, n0) : 0;
+            if ((f & 31) == 0) ptv = f + lane < nmine ? pt[first + NWARPS * (f + lane)] : 0;
             __syncwarp();  // every lane is done with slot fslot (page j - 1)
             if (f < nmine) {
                 const int ph = __shfl_sync(FULL_MASK, ptv, f & 31);
@@ -1046,61 +983,44 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         if (more) load_v(vpool + (size_t)nphys * V_PAGE_BYTES, g, t, cur);
 #endif
     }
-#if PIPE
-#if FLAT
-        if (seg == 0 && two) {
-            next_row();  // (with no items of row r0 + 1 its state stays empty)
-            build_q(qb + G * D);
-            continue;
-        }
-#endif
-        break;
-    }
-#endif
 
-    // merge: warps of the block, then one partial per (row, split)
-    auto merge = [&](float (&a)[KS][4], float m0, float m1, float l0, float l1, size_t slot) {
+    // merge: warps of the block, then one partial per (sequence, KV head, split)
 #pragma unroll
-        for (int off = 4; off < 32; off <<= 1) {
-            l0 += __shfl_xor_sync(FULL_MASK, l0, off);
-            l1 += __shfl_xor_sync(FULL_MASK, l1, off);
-        }
-        __syncthreads();  // every warp is done with the table or rings (or the last merge) macc overlays
-        if (g == 0) {
-            mml[warp][2 * t][0] = m0; mml[warp][2 * t][1] = l0;
-            mml[warp][2 * t + 1][0] = m1; mml[warp][2 * t + 1][1] = l1;
-        }
-#pragma unroll
-        for (int mt = 0; mt < KS; mt++) {
-            const int d0 = vdim(g, mt, 0), d1 = vdim(g, mt, 1);
-            macc[warp][2 * t][d0] = a[mt][0];
-            macc[warp][2 * t + 1][d0] = a[mt][1];
-            macc[warp][2 * t][d1] = a[mt][2];
-            macc[warp][2 * t + 1][d1] = a[mt][3];
-        }
-        __syncthreads();
-        for (int i = tid; i < G * D; i += NWARPS * 32) {
-            const int hh = i / D, dm = i % D;
-            float M = NEG_INF;
-#pragma unroll
-            for (int w = 0; w < NWARPS; w++) M = fmaxf(M, mml[w][hh][0]);
-            float L = 0.0f, A = 0.0f;
-#pragma unroll
-            for (int w = 0; w < NWARPS; w++) {
-                const float mw = mml[w][hh][0];
-                const float sc = mw == NEG_INF ? 0.0f : exp2f(mw - M);
-                L += mml[w][hh][1] * sc;
-                A += macc[w][hh][dm] * sc;
-            }
-            const size_t o = slot * G + hh;
-            part_acc[o * D + dm] = A;
-            if (dm == 0) { part_ml[o * 2] = M; part_ml[o * 2 + 1] = L; }
-        }
-    };
-#if FLAT
-    if (two) merge(sacc, sm0, sm1, sl0, sl1, (size_t)blockIdx.x + r0);
-    merge(acc, m0, m1, l0, l1, (size_t)blockIdx.x + r0 + two);
-#else
-    merge(acc, m0, m1, l0, l1, (size_t)r0 * n_splits + blockIdx.x);
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += __shfl_xor_sync(FULL_MASK, l0, off);
+        l1 += __shfl_xor_sync(FULL_MASK, l1, off);
+    }
+    if (g == 0) {
+        mml[warp][2 * t][0] = m0; mml[warp][2 * t][1] = l0;
+        mml[warp][2 * t + 1][0] = m1; mml[warp][2 * t + 1][1] = l1;
+    }
+#if KLUT || VLUT || PIPE
+    __syncthreads();  // every warp is done with the table (or rings) that macc overlays
 #endif
+#pragma unroll
+    for (int mt = 0; mt < KS; mt++) {
+        const int d0 = vdim(g, mt, 0), d1 = vdim(g, mt, 1);
+        macc[warp][2 * t][d0] = acc[mt][0];
+        macc[warp][2 * t + 1][d0] = acc[mt][1];
+        macc[warp][2 * t][d1] = acc[mt][2];
+        macc[warp][2 * t + 1][d1] = acc[mt][3];
+    }
+    __syncthreads();
+    for (int i = tid; i < G * D; i += NWARPS * 32) {
+        const int hh = i / D, dm = i % D;
+        float M = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NWARPS; w++) M = fmaxf(M, mml[w][hh][0]);
+        float L = 0.0f, A = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; w++) {
+            const float mw = mml[w][hh][0];
+            const float sc = mw == NEG_INF ? 0.0f : exp2f(mw - M);
+            L += mml[w][hh][1] * sc;
+            A += macc[w][hh][dm] * sc;
+        }
+        const size_t o = ((size_t)(b * n_kv + h) * n_splits + split) * G + hh;
+        part_acc[o * D + dm] = A;
+        if (dm == 0) { part_ml[o * 2] = M; part_ml[o * 2 + 1] = L; }
+    }
 }

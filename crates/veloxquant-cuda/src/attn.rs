@@ -93,11 +93,6 @@ impl Pipe {
     }
 }
 
-/// The block of `nb` holding page `x` of `n` laid end to end (flat_block in common.cuh).
-fn flat_block(x: usize, n: usize, nb: usize) -> usize {
-    ((x as u128 + 1) * nb as u128 - 1).div_euclid(n as u128) as usize
-}
-
 /// Softmax variants (benchmarks only; defaults are the measured best on the H200,
 /// benchmarks/results/cuda-decode.md): `VELOXQUANT_DECODE_EXPFTZ` (1), `_SLACK` (8),
 /// `_MOVM` (1).
@@ -138,15 +133,8 @@ pub struct DecodePlan {
     pub dev: Arc<GpuDevice>,
     pub n_q_heads: usize,
     pub group: usize,
-    /// Partials per row (FLAT: the most any row has).
     pub n_splits: usize,
-    /// Pages per split, or (FLAT) per row: the pages the plan covers in each row.
     pub pages_per_split: usize,
-    /// FLAT (pipelined path, fewer rows than SMs): this many blocks over all rows' pages laid
-    /// end to end, at most two rows each; 0 = one grid row of splits per (sequence, KV head).
-    pub flat_blocks: usize,
-    /// Pages of a row the plan reads (a cache grown past it needs a new plan).
-    covered_pages: usize,
     /// combine launched as a programmatic dependent (`VELOXQUANT_DECODE_PDL`, default 1).
     pdl: bool,
     pub q: CudaSlice<f32>,
@@ -195,14 +183,6 @@ impl DecodePlan {
         let var = Variants::new();
         let b = cfg.n_seqs;
         let max_pages = cache.max_pages().max(1);
-        let rows = b * cfg.n_kv_heads;
-        // FLAT (pipelined path: one block per SM by its shared memory) when some SMs would
-        // otherwise hold a second split of a row; it needs the queries of both rows kept
-        // (MOVM, or the separate prep_query).
-        let flat = pipe.on
-            && env_knob("VELOXQUANT_DECODE_FLAT", 1) != 0
-            && (var.movm || !pipe.fuse_q)
-            && rows < dev.sm_count;
         let pdl = env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
         // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
         let post = if pipe.on || pipe.plut { pipe.warps * 8 * d * 4 } else { 0 };
@@ -224,9 +204,6 @@ impl DecodePlan {
         }
         if pipe.plut {
             defs.push(("PLUT".into(), 1));
-        }
-        if flat {
-            defs.push(("FLAT".into(), 1));
         }
         if pdl {
             defs.push(("PDL".into(), 1));
@@ -274,25 +251,10 @@ impl DecodePlan {
             .unwrap_or(opts.blocks_per_sm)
             .clamp(1, opts.blocks_per_sm.max(1));
         let target = dev.sm_count * resident;
+        let rows = b * cfg.n_kv_heads;
         let per_head = if rows >= target { 1 } else { target / rows };
-        let mut pps = opts.min_pages_per_split.max(max_pages.div_ceil(per_head));
-        let mut n_splits = max_pages.div_ceil(pps).max(1);
-        let mut n_partials = rows * n_splits;
-        // FLAT: up to `target` equal runs of at least min_pages_per_split pages, none longer than
-        // a row (so a block spans at most two rows).
-        // (`VELOXQUANT_DECODE_FLATNB`: another block count, for benchmarks.)
-        let flat_target = env_knob("VELOXQUANT_DECODE_FLATNB", target as i64).max(1) as usize;
-        let flat_blocks =
-            if flat { flat_target.min(rows * max_pages / opts.min_pages_per_split.max(1)).max(rows) } else { 0 };
-        if flat_blocks > 0 {
-            let n = rows * max_pages;
-            n_splits = (0..rows)
-                .map(|r| flat_block(r * max_pages + max_pages - 1, n, flat_blocks) - flat_block(r * max_pages, n, flat_blocks) + 1)
-                .max()
-                .unwrap_or(1);
-            n_partials = flat_blocks + rows;
-            pps = max_pages;
-        }
+        let pps = opts.min_pages_per_split.max(max_pages.div_ceil(per_head));
+        let n_splits = max_pages.div_ceil(pps).max(1);
         let s = &dev.stream;
         let nq = b * n_q_heads * d;
         Ok(Self {
@@ -300,8 +262,6 @@ impl DecodePlan {
             group: g,
             n_splits,
             pages_per_split: pps,
-            flat_blocks,
-            covered_pages: if flat_blocks > 0 { max_pages } else { pps * n_splits },
             pdl,
             nwarps: pipe.warps,
             smem: smem as u32,
@@ -309,8 +269,8 @@ impl DecodePlan {
             q: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             out: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
-            part_acc: s.alloc_zeros(n_partials * g * d).map_err(drv("alloc"))?,
-            part_ml: s.alloc_zeros(n_partials * g * 2).map_err(drv("alloc"))?,
+            part_acc: s.alloc_zeros(rows * n_splits * g * d).map_err(drv("alloc"))?,
+            part_ml: s.alloc_zeros(rows * n_splits * g * 2).map_err(drv("alloc"))?,
             f_prep,
             f_decode,
             f_combine,
@@ -330,10 +290,11 @@ impl DecodePlan {
     /// `q` and the cache.
     pub fn run_on(&mut self, cache: &GpuPagedCache, stream: &Arc<CudaStream>) -> Result<()> {
         let cfg = &cache.cfg;
-        if cache.max_pages() > self.covered_pages {
+        let covered = self.pages_per_split * self.n_splits;
+        if cache.max_pages() > covered {
             return Err(CudaError::ShapeMismatch {
                 op: "decode plan's pages per sequence (the cache grew: make a new plan)",
-                expected: self.covered_pages,
+                expected: covered,
                 got: cache.max_pages(),
             });
         }
@@ -350,9 +311,8 @@ impl DecodePlan {
         let max_pages = cfg.max_pages_per_seq as i32;
         let tail_cap = cache.tail_cap() as i32;
         let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
-        let n_rows = (cfg.n_seqs * cfg.n_kv_heads) as i32;
         let cfg_dec = LaunchConfig {
-            grid_dim: if self.flat_blocks > 0 { (self.flat_blocks as u32, 1, 1) } else { (self.n_splits as u32, hk as u32, b) },
+            grid_dim: (self.n_splits as u32, hk as u32, b),
             block_dim: ((self.nwarps * 32) as u32, 1, 1),
             shared_mem_bytes: self.smem,
         };
@@ -372,19 +332,17 @@ impl DecodePlan {
             .arg(&mut self.part_ml)
             .arg(&self.q)
             .arg(&cache.k.signs)
-            .arg(&cache.k.rot_scale)
-            .arg(&n_rows);
+            .arg(&cache.k.rot_scale);
         // SAFETY: matches decode_pages in kernels/decode.cu; the page table holds valid
         // physical pages for the first n_pages[b] entries of every row.
         unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
 
-        let cfg_comb = LaunchConfig { shared_mem_bytes: (tail_cap as u32 + 2 * self.n_splits as u32) * 4, ..per_q };
-        let (flat_nb, flat_pages) = (self.flat_blocks as i32, self.pages_per_split as i32);
+        let cfg_comb = LaunchConfig { shared_mem_bytes: tail_cap as u32 * 4, ..per_q };
         let ptr = |x: &CudaSlice<f32>| x.device_ptr(&s).0;
         let (acc, ml, q, out) = (ptr(&self.part_acc), ptr(&self.part_ml), ptr(&self.q), ptr(&self.out));
         let vsigns = ptr(&cache.v.signs);
         let (kt, vt, nt) = (cache.k.tail.device_ptr(&s).0, cache.v.tail.device_ptr(&s).0, cache.n_tail_dev.device_ptr(&s).0);
-        let mut params: [*mut c_void; 14] = [
+        let mut params: [*mut c_void; 12] = [
             arg(&acc),
             arg(&ml),
             arg(&ns),
@@ -397,11 +355,9 @@ impl DecodePlan {
             arg(&vsigns),
             arg(&cache.v.rot_scale),
             arg(&out),
-            arg(&flat_nb),
-            arg(&flat_pages),
         ];
         // SAFETY: params point at live values in combine's parameter order and types
-        // (kernels/attn.cu); dynamic smem holds tail_cap scores and n_splits weights and sums.
+        // (kernels/attn.cu); dynamic smem holds tail_cap scores.
         unsafe { launch_raw(&self.f_combine, cfg_comb, &s, &mut params, self.pdl) }.map_err(drv("combine"))
     }
 }

@@ -283,16 +283,15 @@ fn decode_rows(
             let bytes = caches[0].bytes_read() as f64;
             let tbps = bytes / us / 1e6;
             eprintln!(
-                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs graph {graph_us:7.1} µs splits={} flat blocks={} finite={finite}",
+                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs graph {graph_us:7.1} µs splits={} finite={finite}",
                 tbps / read_tbps,
-                plans[0].n_splits,
-                plans[0].flat_blocks
+                plans[0].n_splits
             );
             rows.push(json!({
                 "b": b, "hq": hq, "hkv": hkv, "d": D, "s": sl, "format": f,
                 "k_bits": gf.bits_per_value(), "v_bits": gf.bits_per_value(),
                 "ours_us": us, "ours_stream_us": stream_us, "ours_graph_us": graph_us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
-                "n_splits": plans[0].n_splits, "flat_blocks": plans[0].flat_blocks, "finite": finite,
+                "n_splits": plans[0].n_splits, "finite": finite,
             }));
         }
     }
