@@ -481,6 +481,9 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
 #endif
 }
 
+// A format's 16 centroids (f16), passed by value: the table build needs no global load.
+struct Tab16 { u16 v[16]; };
+
 #if PIPE && defined(PMINB)
 #undef MINB
 #define MINB PMINB
@@ -493,8 +496,8 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
 extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const float* __restrict__ qprep, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
     const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
-    int pages_per_split, int n_splits, int n_kv, const u16* __restrict__ ktab_g,
-    const u16* __restrict__ vtab_g, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    int pages_per_split, int n_splits, int n_kv, const Tab16 ktab_p, const Tab16 vtab_p,
+    float* __restrict__ part_acc, float* __restrict__ part_ml,
     const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
 #if MOVM
@@ -533,6 +536,14 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+#if FUSEQ
+    // This warp's first query head (hh = warp), loaded now: the loads overlap the set-up.
+    float q0[D / 32];
+    if (warp < G) {
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) q0[k] = q[((size_t)(b * n_kv + h) * G + warp) * D + lane + 32 * k];
+    }
+#endif
     const int np = n_pages[b];
     const int p0 = split * pages_per_split;
     const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
@@ -604,7 +615,15 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     }
 #endif
 #endif
-    if (tid < 16) { ktab[tid] = ktab_g[tid]; vtab[tid] = vtab_g[tid]; }
+    if (tid < 16) {
+        u16 kx = 0, vx = 0;  // constant indices: the parameters stay in the constant bank
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            if (tid == i) { kx = ktab_p.v[i]; vx = vtab_p.v[i]; }
+        }
+        ktab[tid] = kx;
+        vtab[tid] = vx;
+    }
     __syncthreads();
 #if PLUT
     {
@@ -653,7 +672,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         float x[D / 32];
 #pragma unroll
         for (int k = 0; k < D / 32; k++) {
-            x[k] = q[((size_t)(b * n_kv + h) * G + hh) * D + lane + 32 * k] * sc;
+            x[k] = (hh == warp ? q0[k] : q[((size_t)(b * n_kv + h) * G + hh) * D + lane + 32 * k]) * sc;
 #if KROT
             x[k] *= ksigns[h * D + lane + 32 * k];
 #endif

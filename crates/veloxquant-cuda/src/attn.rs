@@ -6,7 +6,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::cache::GpuPagedCache;
 use crate::device::{Family, GpuDevice};
@@ -316,6 +316,7 @@ impl DecodePlan {
             block_dim: ((self.nwarps * 32) as u32, 1, 1),
             shared_mem_bytes: self.smem,
         };
+        let (ktab, vtab) = (Tab16(cache.k.fmt.table_f16), Tab16(cache.v.fmt.table_f16));
         let mut l = s.launch_builder(&self.f_decode);
         l.arg(&self.qprep)
             .arg(&cache.k.pool)
@@ -326,8 +327,8 @@ impl DecodePlan {
             .arg(&pps)
             .arg(&ns)
             .arg(&hk)
-            .arg(&cache.k.table)
-            .arg(&cache.v.table)
+            .arg(&ktab)
+            .arg(&vtab)
             .arg(&mut self.part_acc)
             .arg(&mut self.part_ml)
             .arg(&self.q)
@@ -361,6 +362,13 @@ impl DecodePlan {
         unsafe { launch_raw(&self.f_combine, cfg_comb, &s, &mut params, self.pdl) }.map_err(drv("combine"))
     }
 }
+
+/// A format's 16 f16 centroids as one by-value kernel parameter (decode.cu's Tab16).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Tab16([u16; 16]);
+// SAFETY: plain data with the layout of `struct Tab16 { u16 v[16]; }`.
+unsafe impl DeviceRepr for Tab16 {}
 
 /// A kernel parameter for cuLaunchKernelEx: the address of its value.
 fn arg<T>(x: &T) -> *mut c_void {

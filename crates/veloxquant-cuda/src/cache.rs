@@ -47,7 +47,6 @@ pub struct Stream {
     pub signs: CudaSlice<f32>,
     pub rot_scale: f32,
     pub tail: CudaSlice<u16>,
-    pub table: CudaSlice<u16>,
 }
 
 pub struct GpuPagedCache {
@@ -96,7 +95,6 @@ fn make_stream(
         signs: s.clone_htod(&signs).map_err(drv("htod"))?,
         rot_scale,
         tail: s.alloc_zeros::<u16>(cfg.n_seqs * cfg.n_kv_heads * tail_cap * d).map_err(drv("alloc tail"))?,
-        table: s.clone_htod(&fmt.table_f16).map_err(drv("htod"))?,
         fmt,
         enc,
     })
