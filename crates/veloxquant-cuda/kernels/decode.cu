@@ -1003,7 +1003,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
     }
 
-    // merge: warps of the block, then one partial per (sequence, KV head, split)
+    // merge: warps of the block, then one partial per (sequence, KV head, split). Each lane's
+    // 4·KS accumulators go to its own row of macc, XOR-swizzled by the lane, so the stores (one
+    // value index, all lanes) and the loads (one lane, all its values) hit distinct banks.
 #pragma unroll
     for (int off = 4; off < 32; off <<= 1) {
         l0 += __shfl_xor_sync(FULL_MASK, l0, off);
@@ -1016,30 +1018,41 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if KLUT || VLUT || PIPE
     __syncthreads();  // every warp is done with the table (or rings) that macc overlays
 #endif
+    constexpr int NV = 4 * KS;  // accumulators per lane
+    float* const mrow = &macc[0][0][0] + (warp * 32 + lane) * NV;
 #pragma unroll
     for (int mt = 0; mt < KS; mt++) {
-        const int d0 = vdim(g, mt, 0), d1 = vdim(g, mt, 1);
-        macc[warp][2 * t][d0] = acc[mt][0];
-        macc[warp][2 * t + 1][d0] = acc[mt][1];
-        macc[warp][2 * t][d1] = acc[mt][2];
-        macc[warp][2 * t + 1][d1] = acc[mt][3];
-    }
-    __syncthreads();
-    for (int i = tid; i < G * D; i += NWARPS * 32) {
-        const int hh = i / D, dm = i % D;
-        float M = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < NWARPS; w++) M = fmaxf(M, mml[w][hh][0]);
-        float L = 0.0f, A = 0.0f;
+        for (int c = 0; c < 4; c++) mrow[(4 * mt + c) ^ (lane % NV)] = acc[mt][c];
+    }
+    // Each warp's weight per head, 2^(m_w − M), and the merged (M, L).
+    __shared__ float wsc[NWARPS][8];
+    const size_t o0 = ((size_t)(b * n_kv + h) * n_splits + split) * G;
+    if (tid < G) {
+        float M = NEG_INF, L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; w++) M = fmaxf(M, mml[w][tid][0]);
 #pragma unroll
         for (int w = 0; w < NWARPS; w++) {
-            const float mw = mml[w][hh][0];
+            const float mw = mml[w][tid][0];
             const float sc = mw == NEG_INF ? 0.0f : exp2f(mw - M);
-            L += mml[w][hh][1] * sc;
-            A += macc[w][hh][dm] * sc;
+            wsc[w][tid] = sc;
+            L += mml[w][tid][1] * sc;
         }
-        const size_t o = ((size_t)(b * n_kv + h) * n_splits + split) * G + hh;
-        part_acc[o * D + dm] = A;
-        if (dm == 0) { part_ml[o * 2] = M; part_ml[o * 2 + 1] = L; }
+        part_ml[(o0 + tid) * 2] = M;
+        part_ml[(o0 + tid) * 2 + 1] = L;
+    }
+    __syncthreads();
+    // Value i of lane ln: acc[i / 4][i % 4] = (dim vdim(ln / 4, i / 4, i % 4 / 2), head
+    // 2·(ln % 4) + i % 2).
+    for (int k = tid; k < 32 * NV; k += NWARPS * 32) {
+        const int ln = k / NV, i = k % NV;
+        const int hh = 2 * (ln & 3) + (i & 1);
+        if (hh >= G) continue;
+        const float* src = &macc[0][0][0] + ln * NV + (i ^ (ln % NV));
+        float A = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; w++) A += src[w * 32 * NV] * wsc[w][hh];
+        part_acc[(o0 + hh) * D + vdim(ln >> 2, i >> 2, (i >> 1) & 1)] = A;
     }
 }
