@@ -1015,9 +1015,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         mml[warp][2 * t][0] = m0; mml[warp][2 * t][1] = l0;
         mml[warp][2 * t + 1][0] = m1; mml[warp][2 * t + 1][1] = l1;
     }
-#if KLUT || VLUT || PIPE
-    __syncthreads();  // every warp is done with the table (or rings) that macc overlays
-#endif
+    __syncthreads();  // every warp's (m, l) is in; every warp is done with what macc overlays
     constexpr int NV = 4 * KS;  // accumulators per lane
     float* const mrow = &macc[0][0][0] + (warp * 32 + lane) * NV;
 #pragma unroll
