@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call on the GPU machine: tests, interleaved benchmark rounds (ours, peer, ours,
-# peer), the report, then compute-sanitizer memcheck of the decode tests. Copy next to this
+# peer), the report, then compute-sanitizer memcheck of the decode parity and graph-replay tests. Copy next to this
 # script the release binaries `bench` (veloxquant-cuda-bench), `parity` and `cpu_side` (the
 # veloxquant-cuda test executables) and peer_sdpa.py; run as
 #   COMMIT=<sha> ITERS=50 ./gpu_run.sh [all|test|bench|memcheck]
@@ -25,5 +25,5 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   ./bench report --ours $O --peer $P --out $OUT/cuda-decode.json --md $OUT/table.md --date "$(date -u +%F)" --commit "$COMMIT" | tee $OUT/table.md
 fi
 if [ "$MODE" = all ] || [ "$MODE" = memcheck ]; then
-  timeout ${MC_T:-150} compute-sanitizer --tool memcheck --error-exitcode 9 ./parity decode --test-threads=1 2>&1 | tail -4
+  timeout ${MC_T:-240} compute-sanitizer --tool memcheck --error-exitcode 9 ./parity decode_matches decode_graph --test-threads=1 2>&1 | tail -4
 fi
