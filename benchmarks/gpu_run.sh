@@ -1,8 +1,8 @@
 #!/bin/bash
 # One device call on the GPU machine: tests, interleaved benchmark rounds (ours, peer, ours,
 # peer), the report, then compute-sanitizer memcheck of the decode parity and graph-replay
-# tests. Copy next to this script the release binaries `bench` (veloxquant-cuda-bench), `parity` and `cpu_side` (the
-# veloxquant-cuda test executables) and peer_sdpa.py; run as
+# tests. Copy next to this script the release binaries `bench` (veloxquant-cuda-bench),
+# `parity` and `cpu_side` (the veloxquant-cuda test executables) and peer_sdpa.py; run as
 #   COMMIT=<sha> ITERS=50 ./gpu_run.sh [all|test|bench|memcheck]
 # Every timing mode is in the JSON: one synchronized call per event pair ("ours_us"), ten
 # back-to-back calls ("stream"), ten calls captured in a CUDA graph and replayed ("graph").
