@@ -287,7 +287,8 @@ impl DecodePlan {
     /// As `run`, on `stream` (e.g. one being captured into a CUDA graph: a step is only
     /// kernel launches over the plan's and the cache's buffers, so a captured step replays
     /// correctly while those buffers live). The caller orders `stream` after the writes of
-    /// `q` and the cache.
+    /// `q` and the cache. A cache grown past the pages per sequence the plan was made for is
+    /// refused (`ShapeMismatch`: make a new plan), never read in part.
     pub fn run_on(&mut self, cache: &GpuPagedCache, stream: &Arc<CudaStream>) -> Result<()> {
         let cfg = &cache.cfg;
         let covered = self.pages_per_split * self.n_splits;
