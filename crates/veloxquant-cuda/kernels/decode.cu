@@ -61,13 +61,20 @@
 // the codes into address byte 1, the lane's offset in byte 0, the table's base in bytes 2-3)
 // and the lookup one LDS, never a bank conflict. With PIPE the rings fill the space below
 // the table (as many warps' as fit) and above it; after the loop the table's space holds macc.
+// K2L (PLUT with 2-bit K and V): the table is K's alone, entry e = the centroids of byte e's four
+// codes as two f16x2 (codes 0-1 at word 64e + lane, codes 2-3 at 64e + 32 + lane): one prmt and
+// two LDS per code byte (K dims 4b … 4b + 3 of byte b, the default kdim; two 32-bit loads, not
+// one 64-bit, so each lands in its own register of the mma operand without moves). V's 2-bit
+// codes stay on the prmt path.
+#define K2CAND (FAST && KB == 2 && VB == 2)
 #ifndef PLUT
 #define PLUT 0
 #endif
-#if !FAST || !(KLUT || VLUT)
+#if !FAST || !(KLUT || VLUT || K2CAND)
 #undef PLUT
 #define PLUT 0
 #endif
+#define K2L (PLUT && K2CAND)
 // EXPFTZ: softmax weights by ex2.approx.ftz (weights below 2^-126 flush to 0).
 #ifndef EXPFTZ
 #define EXPFTZ 0
@@ -215,7 +222,7 @@ __device__ __forceinline__ u32 u4x2_h2(u32 t, u32 s2) {
 
 // The key dim that thread t's slot j of k-step ks holds (the Q operand uses the same map).
 __device__ __forceinline__ int kdim(int t, int ks, int j) {
-#if FAST && KB == 2
+#if FAST && KB == 2 && !K2L
     return t * QD + 16 * (ks >> 2) + (ks & 3) + 4 * j;
 #elif KK == 2
     int blk = (t * QD) / 32, off = (t * QD) % 32;
@@ -326,6 +333,11 @@ __device__ __forceinline__ u32 plut(u32 lb, u32 w, int k) {
         : "=r"(r) : "r"(w), "r"(lb), "r"(0x7604u | ((u32)k << 4)));
     return r;
 }
+// K2L: the two f16x2 of byte k of w's entry (lb: the table's base + lane·4).
+__device__ __forceinline__ void plut4(u32 lb, u32 w, int k, u32& lo, u32& hi) {
+    asm("{\n\t.reg .u32 a;\n\tprmt.b32 a, %2, %3, %4;\n\tld.shared.u32 %0, [a];\n\tld.shared.u32 %1, [a+128];\n\t}"
+        : "=r"(lo), "=r"(hi) : "r"(w), "r"(lb), "r"(0x7604u | ((u32)k << 4)));
+}
 #endif
 
 #if FAST
@@ -344,6 +356,12 @@ __device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 klut
         ka[by] = lut_at(klut, ra[by / 4], by % 4);
         kb[by] = lut_at(klut, rb[by / 4], by % 4);
 #endif
+    }
+#elif K2L
+#pragma unroll
+    for (int by = 0; by < KRB; by++) {
+        plut4(klut, ra[by / 4], by % 4, ka[2 * by], ka[2 * by + 1]);
+        plut4(klut, rb[by / 4], by % 4, kb[2 * by], kb[2 * by + 1]);
     }
 #else
 #pragma unroll
@@ -627,11 +645,17 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     __syncthreads();
 #if PLUT
     {
-        // Entry e's 32 K words are equal (as are its 32 V words): 16-byte stores of one value.
+        // Entry e's 32 K words are equal (as are its 32 V words, K2L: its 32 second K words):
+        // 16-byte stores of one value.
         for (int i = tid; i < 256 * 16; i += NWARPS * 32) {
             const int e = i >> 4;
+#if K2L
+            const int sh = (i & 8) ? 4 : 0;  // codes 2-3 in the entry's second half
+            const u32 x = (u32)ktab[(e >> sh) & 3] | ((u32)ktab[(e >> (sh + 2)) & 3] << 16);
+#else
             const u16* ts = (i & 8) ? vtab : ktab;
             const u32 x = (u32)ts[e & 15] | ((u32)ts[e >> 4] << 16);
+#endif
             *(vec4u*)(tabp + 16 * i) = vec4u{x, x, x, x};
         }
         __syncthreads();

@@ -46,7 +46,7 @@ struct Pipe {
     minb: i64,
     /// prep_query fused into the decode kernel (one launch fewer).
     fuse_q: bool,
-    /// 4-bit lookups through the 256-byte-stride table (one prmt + one LDS each).
+    /// Lookups through the 256-byte-stride table (4-bit pairs, or 2-bit K bytes: one prmt + one LDS each).
     plut: bool,
     /// Pages staged by cp.async.bulk on per-slot mbarriers instead of per-lane cp.async.
     bulk: bool,
@@ -56,7 +56,10 @@ impl Pipe {
     fn new(kf: &GpuFormat, vf: &GpuFormat) -> Self {
         let fast = fast_path(kf, vf);
         let on = fast && env_knob("VELOXQUANT_DECODE_PIPE", 1) != 0;
-        let plut = fast && (kf.bits == 4 || vf.bits == 4) && env_knob("VELOXQUANT_DECODE_PLUT", 1) != 0;
+        // The lookup table: 4-bit pairs when either stream is 4-bit, or 2-bit K's code bytes.
+        let plut = fast
+            && (kf.bits == 4 || vf.bits == 4 || (kf.bits == 2 && vf.bits == 2))
+            && env_knob("VELOXQUANT_DECODE_PLUT", 1) != 0;
         Self {
             on,
             stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
