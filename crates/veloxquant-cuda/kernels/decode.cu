@@ -65,7 +65,9 @@
 // codes as two f16x2 (codes 0-1 at word 64e + lane, codes 2-3 at 64e + 32 + lane): one prmt and
 // two LDS per code byte (K dims 4b … 4b + 3 of byte b, the default kdim; two 32-bit loads, not
 // one 64-bit, so each lands in its own register of the mma operand without moves). V's 2-bit
-// codes stay on the prmt path.
+// codes stay on the prmt path, unless K and V share the centroids (V2L): then the value rows of
+// tokens A, B are zipped so that byte j holds (A, B) at two dims, and the same table gives the
+// PV operand's (A, B) pairs at both (dims 4j + 2h, + 1 for half h: the default vdim).
 #define K2CAND (FAST && KB == 2 && VB == 2)
 #ifndef PLUT
 #define PLUT 0
@@ -75,6 +77,7 @@
 #define PLUT 0
 #endif
 #define K2L (PLUT && K2CAND)
+#define V2L (K2L && KVSAME)
 // EXPFTZ: softmax weights by ex2.approx.ftz (weights below 2^-126 flush to 0).
 #ifndef EXPFTZ
 #define EXPFTZ 0
@@ -333,6 +336,15 @@ __device__ __forceinline__ u32 plut(u32 lb, u32 w, int k) {
         : "=r"(r) : "r"(w), "r"(lb), "r"(0x7604u | ((u32)k << 4)));
     return r;
 }
+// V2L: the 2-bit codes of rows a and b zipped, byte j = (a, b) at dims 4j + 2h and 4j + 2h + 1
+// (two bits each: a, b, a', b' from the low end).
+__device__ __forceinline__ u32 zip2(u32 a, u32 b, int h) {
+    const u32 lo = h ? (((a >> 4) & 0x03030303u) | ((b >> 2) & 0x0C0C0C0Cu))
+                     : ((a & 0x03030303u) | ((b << 2) & 0x0C0C0C0Cu));
+    const u32 hi = h ? (((a >> 2) & 0x30303030u) | (b & 0xC0C0C0C0u))
+                     : (((a << 2) & 0x30303030u) | ((b << 4) & 0xC0C0C0C0u));
+    return lo | hi;
+}
 // K2L: the two f16x2 of byte k of w's entry (lb: the table's base + lane·4).
 __device__ __forceinline__ void plut4(u32 lb, u32 w, int k, u32& lo, u32& hi) {
     asm("{\n\t.reg .u32 a;\n\tprmt.b32 a, %2, %3, %4;\n\tld.shared.u32 %0, [a];\n\tld.shared.u32 %1, [a+128];\n\t}"
@@ -471,7 +483,7 @@ __device__ __forceinline__ void load_v(const u8* vp, int g, int t, PageRaw& r) {
 }
 // The value dim that acc[mt]'s row half `hf` holds for row-group g.
 __device__ __forceinline__ int vdim(int g, int mt, int hf) {
-#if FAST && VB == 2
+#if FAST && VB == 2 && !V2L
     return VC == 16 ? g * VC + (mt & 1) * 8 + (mt >> 1) + 4 * hf : g * VC + mt + 4 * hf;
 #else
     return g * VC + 2 * mt + hf;
@@ -982,6 +994,20 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                                  lut_at(lutb, loCD, k), lut_at(lutb, hiCD, k), b0, b1);
 #endif
                     }
+                }
+            }
+#elif V2L
+            const u32 vA = vr[0][0], vB = vr[1][0];
+            const u32 vC = vr[2][0], vD = vr[3][0];
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const u32 zab = zip2(vA, vB, h), zcd = zip2(vC, vD, h);
+#pragma unroll
+                for (int j = 0; j < VC / 4; j++) {
+                    u32 a0, a1, a2, a3;
+                    plut4(lbk, zab, j, a0, a1);
+                    plut4(lbk, zcd, j, a2, a3);
+                    mma16816(acc[2 * j + h], a0, a1, a2, a3, b0, b1);
                 }
             }
 #else
