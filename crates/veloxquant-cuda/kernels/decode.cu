@@ -18,9 +18,10 @@
 // FAST: 2- and 4-bit codes for both streams, dequantized in registers. 4-bit: one lookup per
 // byte (two codes) in a 256-entry f16x2 table replicated per lane in shared memory (entry e at
 // word 32e + lane, so a warp's lookups never conflict); 2-bit: the 4 centroids as f16 in two
-// registers, two codes -> f16x2 by one prmt. The next page's bytes are loaded into registers
-// before the current page is scored (one page of K and V in flight per warp); with PIPE (the
-// default for FAST, see below) the pages stream through a per-warp cp.async ring instead.
+// registers, two codes -> f16x2 by one prmt (or, with PLUT, byte lookups: K2L / V2L below).
+// The next page's bytes are loaded into registers before the current page is scored (one page
+// of K and V in flight per warp); with PIPE (the default for FAST, see below) the pages stream
+// through a per-warp cp.async ring instead.
 #if KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB == 2 || VB == 4) && (KB == 2 || VB == 2 || KVSAME)
 #define FAST 1
 #else
@@ -55,12 +56,13 @@
 #undef FUSEQ
 #define FUSEQ 0
 #endif
-// PLUT (FAST with a 4-bit stream): the f16x2 pair tables live in dynamic shared memory at a
-// 64-KiB-aligned shared address with a 256-byte stride per entry: word 64e + lane holds K's
-// entry e, word 64e + 32 + lane V's, so the shared address of a lookup is one prmt (byte k of
-// the codes into address byte 1, the lane's offset in byte 0, the table's base in bytes 2-3)
-// and the lookup one LDS, never a bank conflict. With PIPE the rings fill the space below
-// the table (as many warps' as fit) and above it; after the loop the table's space holds macc.
+// PLUT (FAST with a 4-bit stream, or 2-bit K and V): the f16x2 pair tables live in dynamic
+// shared memory at a 64-KiB-aligned shared address with a 256-byte stride per entry: word
+// 64e + lane holds K's entry e, word 64e + 32 + lane V's, so the shared address of a lookup is
+// one prmt (byte k of the codes into address byte 1, the lane's offset in byte 0, the table's
+// base in bytes 2-3) and the lookup one LDS, never a bank conflict. With PIPE the rings fill
+// the space below the table (as many warps' as fit) and above it; after the loop the table's
+// space holds macc.
 // K2L (PLUT with 2-bit K and V): the table is K's alone, entry e = the centroids of byte e's four
 // codes as two f16x2 (codes 0-1 at word 64e + lane, codes 2-3 at 64e + 32 + lane): one prmt and
 // two LDS per code byte (K dims 4b … 4b + 3 of byte b, the default kdim; two 32-bit loads, not
