@@ -8,20 +8,17 @@
 // merged by combine() in attn.cu.
 // Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes), KB/VB (code
 // bits), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
-// (PIPE, STAGES, FUSEQ, PLUT, BULK, MOVM, SLACK, EXPFTZ, KROT, PDL) as attn.rs sets them.
+// (STAGES, FUSEQ, SLACK, EXPFTZ, KROT, PDL, PMINB) as attn.rs sets them; PIPE and PLUT are FAST.
 // On the H200 the 4-bit path is bound by shared memory (lookups, page staging; ~88 % of the
 // L1/shared pipe at (8, 32k) under ncu): the variants trade it against instructions.
 #define QD (D / 4)   // key dims per thread in the score operand
 #define VC (D / 8)   // value dims per thread row-group in the PV operand
 #define KS (D / 16)  // k-steps of the score mma, = M-tiles of the PV mma
 #define NEG_INF (-__int_as_float(0x7f800000))
-// FAST: 2- and 4-bit codes for both streams, dequantized in registers. 4-bit: one lookup per
-// byte (two codes) in a 256-entry f16x2 table replicated per lane in shared memory (entry e at
-// word 32e + lane, so a warp's lookups never conflict); 2-bit: the 4 centroids as f16 in two
-// registers, two codes -> f16x2 by one prmt (or, with PLUT, byte lookups: K2L / V2L below).
-// The next page's bytes are loaded into registers before the current page is scored (one page
-// of K and V in flight per warp); with PIPE (the default for FAST, see below) the pages stream
-// through a per-warp cp.async ring instead.
+// FAST: 2- and 4-bit codes for both streams, dequantized in registers: 4-bit codes by one
+// lookup per byte (two codes) in a lane-replicated f16x2 table in shared memory (PLUT), 2-bit
+// codes by byte lookups too when both streams are 2-bit (K2L / V2L), else the 4 centroids as
+// f16 in two registers, two codes -> f16x2 by one prmt; pages streamed through a ring (PIPE).
 #if KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB == 2 || VB == 4) && (KB == 2 || VB == 2 || KVSAME)
 #define FAST 1
 #else
@@ -35,17 +32,10 @@
 #define KRW ((KRB + 3) / 4)
 #define VRB (VC * VB / 8)          // V bytes per thread per row (FAST)
 #define VRW ((VRB + 3) / 4)
-// PIPE (FAST only): each warp streams its pages through a ring of STAGES page slots in dynamic
-// shared memory by cp.async, issued STAGES-1 pages ahead, instead of one page held in
-// registers (whose V arrived just before it was needed). Rows are stored with a 16-byte-chunk
-// XOR swizzle per 128-byte line (swz) so the lanes' row reads are bank-conflict free.
-#ifndef PIPE
-#define PIPE 0
-#endif
-#if !FAST
-#undef PIPE
-#define PIPE 0
-#endif
+// PIPE (= FAST): each warp streams its pages through a ring of STAGES page slots in dynamic
+// shared memory, issued STAGES-1 pages ahead (measured against one page held in registers:
+// ~20 % faster at (8, 32k)).
+#define PIPE FAST
 #ifndef STAGES
 #define STAGES 2
 #endif
@@ -71,28 +61,15 @@
 // tokens A, B are zipped so that byte j holds (A, B) at two dims, and the same table gives the
 // PV operand's (A, B) pairs at both (dims 4j + 2h, + 1 for half h: the default vdim).
 #define K2CAND (FAST && KB == 2 && VB == 2)
-#ifndef PLUT
-#define PLUT 0
-#endif
-#if !FAST || !(KLUT || VLUT || K2CAND)
-#undef PLUT
-#define PLUT 0
-#endif
+#define PLUT FAST  // (FAST: a 4-bit stream, or 2-bit K and V)
 #define K2L (PLUT && K2CAND)
 #define V2L (K2L && KVSAME)
 // EXPFTZ: softmax weights by ex2.approx.ftz (weights below 2^-126 flush to 0).
 #ifndef EXPFTZ
 #define EXPFTZ 0
 #endif
-// MOVM (PIPE): the softmax weights reach the PV mma's B operand in registers (packed per
-// 8-token half-tile, transposed by movmatrix) instead of through shared memory.
-#ifndef MOVM
-#define MOVM 0
-#endif
-#if !PIPE
-#undef MOVM
-#define MOVM 0
-#endif
+// PIPE: the softmax weights reach the PV mma's B operand in registers (packed per 8-token
+// half-tile, transposed by movmatrix); the other paths pass them through shared memory (pbuf).
 // SLACK: see the softmax update.
 #ifndef SLACK
 #define SLACK 0
@@ -100,16 +77,12 @@
 #ifndef KROT
 #define KROT 0
 #endif
-// BULK (PIPE): each page's K and V arrive by two cp.async.bulk copies issued by lane 0 and
-// complete on a per-slot mbarrier (no per-lane copy instructions). The rows then lie unswizzled:
-// lanes with t >= 2 take the two rows of each value-token pair in swapped order (and the
-// matching weights), which spreads one instruction's value-row reads over all banks.
-#ifndef BULK
-#define BULK 0
-#endif
-#if !PIPE || (K_PAGE_BYTES % 16) || (V_PAGE_BYTES % 16)
-#undef BULK
-#define BULK 0
+// PIPE: each page's K and V arrive by two cp.async.bulk copies issued by lane 0 and complete
+// on a per-slot mbarrier (no per-lane copy instructions). The rows lie unswizzled: lanes with
+// t >= 2 take the two rows of each value-token pair in swapped order (and the matching
+// weights), which spreads one instruction's value-row reads over all banks.
+#if PIPE && ((K_PAGE_BYTES % 16) || (V_PAGE_BYTES % 16))
+#error "cp.async.bulk copies whole 16-byte units: 2/4-bit pages are multiples of 16 bytes"
 #endif
 #define KSL ((K_PAGE_BYTES + 127) / 128 * 128)
 #define VSL ((V_PAGE_BYTES + 127) / 128 * 128)
@@ -317,18 +290,6 @@ __device__ __forceinline__ void ldraw(const u8* p, u32* w) {
         w[0] = *(const u16*)p;
     }
 }
-// Table entry for byte k of w: the byte isolated (prmt / shift / and), then one LEA.
-__device__ __forceinline__ u32 byte_of(u32 w, int k) {
-    return k == 3 ? (w >> 24) : k == 0 ? (w & 0xFFu) : prmt(w, 0u, 0x4440u + k);
-}
-// lutb = shared-window address of this lane's column: one LEA + LDS per lookup.
-__device__ __forceinline__ u32 lut_at(u32 lutb, u32 w, int k) {
-    u32 r;
-    asm("{\n\t.reg .u32 a;\n\tmad.lo.u32 a, %1, 128, %2;\n\tld.shared.u32 %0, [a];\n\t}"
-        : "=r"(r) : "r"(byte_of(w, k)), "r"(lutb));
-    return r;
-}
-
 #if PLUT
 // Table entry for byte k of w; lb = the table's shared address (low 16 bits zero) + the
 // lane's offset (lane·4, + 128 for V).
@@ -356,20 +317,15 @@ __device__ __forceinline__ void plut4(u32 lb, u32 w, int k, u32& lo, u32& hi) {
 
 #if FAST
 // One 16-token key tile (FAST): this thread's code words of rows g (ra) and g + 8 (rb) as the
-// score mma's A operand. 4-bit: one table lookup per byte (klut: PLUT's lane base or the
-// 128-byte-stride table's); 2-bit: the 4 centroids (kt0, kt1) selected by prmt.
+// score mma's A operand. 4-bit: one table lookup per byte (klut: the table's lane base);
+// 2-bit: byte lookups (K2L), else the 4 centroids (kt0, kt1) selected by prmt.
 __device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 klut, u32 kt0, u32 kt1, u32* ka,
                                           u32* kb) {
 #if KB == 4
 #pragma unroll
     for (int by = 0; by < KRB; by++) {
-#if PLUT
         ka[by] = plut(klut, ra[by / 4], by % 4);
         kb[by] = plut(klut, rb[by / 4], by % 4);
-#else
-        ka[by] = lut_at(klut, ra[by / 4], by % 4);
-        kb[by] = lut_at(klut, rb[by / 4], by % 4);
-#endif
     }
 #elif K2L
 #pragma unroll
@@ -395,19 +351,6 @@ __device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 klut
 #endif
 
 #if PIPE
-// Byte offset of a page byte in its shared slot: 16-byte chunk index XOR 2·(line & m), m such
-// that the lanes' K (16 B) and V (8 B / 4 B) row reads of one instruction hit distinct banks.
-// The norms (at T·ROWB, a multiple of 128·(m+1)) are never moved.
-template <int ROWB>
-__device__ __forceinline__ int swz(int off) {
-#if BULK
-    return off;
-#else
-    const int m = ROWB == 64 ? 3 : ROWB == 32 ? 1 : 0;
-    return off ^ (((off >> 7) & m) << 5);
-#endif
-}
-#if BULK
 // x rotated left by n bits (n in {0, 16}: swaps the f16 halves when 16).
 __device__ __forceinline__ u32 rot16(u32 x, u32 n) {
     u32 r;
@@ -437,52 +380,7 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
     }
 }
 #endif
-__device__ __forceinline__ void cp16(u32 dst, const u8* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-}
-// One page of K and V into the slot at shared address sk (one commit group, by the caller).
-__device__ __forceinline__ void stage_page(const u8* kp, const u8* vp, u32 sk, int lane) {
-#pragma unroll
-    for (int i = 0; i < (K_PAGE_BYTES / 16 + 31) / 32; i++) {
-        const int c = lane + 32 * i;
-        if (c < K_PAGE_BYTES / 16) cp16(sk + swz<K_ROW_BYTES>(16 * c), kp + 16 * c);
-    }
-#pragma unroll
-    for (int i = 0; i < (V_PAGE_BYTES / 16 + 31) / 32; i++) {
-        const int c = lane + 32 * i;
-        if (c < V_PAGE_BYTES / 16) cp16(sk + KSL + swz<V_ROW_BYTES>(16 * c), vp + 16 * c);
-    }
-}
-#endif
 
-// Raw bytes of one page for this thread: K rows g + 8i (i < 4), V rows tA, tA+1, tA+8, tA+9
-// for kk = 0, 1 (tA = 16kk + 2t), and their norms.
-struct PageRaw {
-    u32 k[4][KRW];
-    u32 v[8][VRW];
-    u32 kn[4];
-    u32 vn[4];
-};
-__device__ __forceinline__ void load_k(const u8* kp, int g, int t, PageRaw& r) {
-#pragma unroll
-    for (int i = 0; i < 4; i++) ldraw<KRB>(kp + (g + 8 * i) * K_ROW_BYTES + t * KRB, r.k[i]);
-    const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
-#pragma unroll
-    for (int i = 0; i < 4; i++) r.kn[i] = kn[g + 8 * i];
-}
-__device__ __forceinline__ void load_v(const u8* vp, int g, int t, PageRaw& r) {
-#pragma unroll
-    for (int kk = 0; kk < 2; kk++) {
-        const int tA = 16 * kk + 2 * t;
-        ldraw<VRB>(vp + tA * V_ROW_BYTES + g * VRB, r.v[4 * kk]);
-        ldraw<VRB>(vp + (tA + 1) * V_ROW_BYTES + g * VRB, r.v[4 * kk + 1]);
-        ldraw<VRB>(vp + (tA + 8) * V_ROW_BYTES + g * VRB, r.v[4 * kk + 2]);
-        ldraw<VRB>(vp + (tA + 9) * V_ROW_BYTES + g * VRB, r.v[4 * kk + 3]);
-        const u16* vn = (const u16*)(vp + T * V_ROW_BYTES);
-        r.vn[2 * kk] = *(const u32*)(vn + tA);
-        r.vn[2 * kk + 1] = *(const u32*)(vn + tA + 8);
-    }
-}
 // The value dim that acc[mt]'s row half `hf` holds for row-group g.
 __device__ __forceinline__ int vdim(int g, int mt, int hf) {
 #if FAST && VB == 2 && !V2L
@@ -532,31 +430,22 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     float* __restrict__ part_acc, float* __restrict__ part_ml,
     const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
-#if MOVM
+#if PIPE
     __shared__ float qstage[G * D];  // FUSEQ: the group's prepared queries
 #else
-    __shared__ float pbuf[NWARPS][32][9];  // softmax weights (FUSEQ: first the queries)
-    float* const qstage = &pbuf[0][0][0];
-    static_assert(NWARPS * 32 * 9 >= G * D, "pbuf holds the group's queries");
+    __shared__ float pbuf[NWARPS][32][9];  // softmax weights
 #endif
     __shared__ float mml[NWARPS][8][2];
-#if PIPE || PLUT
+#if FAST
     extern __shared__ __align__(128) u8 dsm[];
-#endif
-#if PLUT
     const u32 dsm_s = (u32)__cvta_generic_to_shared(dsm);
     const u32 tpad = (0u - dsm_s) & 0xFFFFu;
     u8* const tabp = dsm + tpad;  // the table: shared address dsm_s + tpad, low 16 bits zero
     u8* const post = tabp;        // after the loop: macc
-#elif PIPE
-    u8* const post = dsm;         // after the loop: macc over the rings
-#endif
-#if (KLUT || VLUT) && !PLUT
-    __shared__ __align__(16) u32 big[256 * 32];  // the lane-replicated table (then macc, !PIPE)
-#elif !PIPE && !PLUT
+#else
     __shared__ __align__(16) u32 big[NWARPS * 8 * D];
 #endif
-#if PIPE || PLUT
+#if FAST
     float (*macc)[8][D] = (float (*)[8][D])post;
 #else
     float (*macc)[8][D] = (float (*)[8][D])big;
@@ -604,7 +493,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     }
     const int p1 = min(p0 + pages_per_split, np);
     const int nmine = first < p1 ? (p1 - first + NWARPS - 1) / NWARPS : 0;
-#if BULK
     __shared__ __align__(8) u64 mbar[NWARPS][STAGES];
     const u32 bar_s = (u32)__cvta_generic_to_shared(&mbar[warp][0]);
     if (lane == 0) {
@@ -613,39 +501,17 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncwarp();
-#endif
 #pragma unroll
     for (int f = 0; f < STAGES - 1; f++) {
         if (f < nmine) {
             const int ph = __shfl_sync(FULL_MASK, ptv, f);
-#if BULK
             if (lane == 0)
                 bulk_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES, ring_s + f * SLOT,
                           bar_s + 8 * f);
-#else
-            stage_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES, ring_s + f * SLOT, lane);
-#endif
         }
-#if !BULK
-        asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
     }
 #else
     const int p1 = min(p0 + pages_per_split, np);
-#if FAST
-    // This warp's pages are p0 + warp + NWARPS*j; lane i holds the physical index of page j = i
-    // (mod 32) of the current chunk, so the data loads never wait on a page-table load.
-    int ptv = 0;
-    if (p0 + warp + NWARPS * lane < p1) ptv = pt[p0 + warp + NWARPS * lane];
-    // One buffer: the next page's K is loaded as soon as this page's keys are scored, its V
-    // as soon as this page's values are accumulated (a page of compute ahead, no second copy).
-    PageRaw cur;
-    if (p0 + warp < p1) {
-        const int phys = __shfl_sync(FULL_MASK, ptv, 0);
-        load_k(kpool + (size_t)phys * K_PAGE_BYTES, g, t, cur);
-        load_v(vpool + (size_t)phys * V_PAGE_BYTES, g, t, cur);
-    }
-#endif
 #endif
     if (tid < 16) {
         u16 kx = 0, vx = 0;  // constant indices: the parameters stay in the constant bank
@@ -675,27 +541,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         __syncthreads();
     }
     const u32 lbk = dsm_s + tpad + (u32)lane * 4u, lbv = lbk + 128u;
-#elif KLUT || VLUT
-    {
-        const u16* ts = KLUT ? ktab : vtab;
-        for (int i = tid; i < 256 * 32; i += NWARPS * 32) {
-            const int e = i >> 5;
-            big[i] = (u32)ts[e & 15] | ((u32)ts[e >> 4] << 16);
-        }
-        __syncthreads();
-    }
-    const u32 lutb = (u32)__cvta_generic_to_shared(big) + lane * 4;
-#endif
-#if FAST
     const u32 kt0 = (u32)ktab[0] | ((u32)ktab[1] << 16), kt1 = (u32)ktab[2] | ((u32)ktab[3] << 16);
     const u32 vt0 = (u32)vtab[0] | ((u32)vtab[1] << 16), vt1 = (u32)vtab[2] | ((u32)vtab[3] << 16);
-#if PLUT
     const u32 klut = lbk;
-#elif KLUT
-    const u32 klut = lutb;
-#else
-    const u32 klut = 0;  // 2-bit keys: no table
-#endif
 #endif
     // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
     // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
@@ -774,20 +622,12 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
     for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
 
-#if FUSEQ && !MOVM
-    __syncthreads();  // every warp has its query operand before pbuf is reused
-#endif
 #if PIPE
-#if BULK
     // This lane reads value-token pairs (2t, 2t+1) in swapped order when t >= 2: offsets of its
-    // first row (pbuf floats, value-row bytes) and of the other row relative to it.
+    // first value row and of the other row relative to it.
     const int vsw = (t >> 1) & 1;
-#if !MOVM
-    const int pb_lane = (2 * t + vsw) * 9 + g, pb_other = (1 - 2 * vsw) * 9;
-#endif
     const int v_lane = (2 * t + vsw) * V_ROW_BYTES + g * VRB, v_other = (1 - 2 * vsw) * V_ROW_BYTES;
     const u32 vn_rot = 16u * vsw;
-#endif
     int slot = 0, fslot = STAGES - 1;
     for (int j = 0; j < nmine; j++) {
         float s[2][4];
@@ -797,22 +637,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             __syncwarp();  // every lane is done with slot fslot (page j - 1)
             if (f < nmine) {
                 const int ph = __shfl_sync(FULL_MASK, ptv, f & 31);
-#if BULK
                 if (lane == 0)
                     bulk_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES,
                               ring_s + fslot * SLOT, bar_s + 8 * fslot);
-#else
-                stage_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES,
-                           ring_s + fslot * SLOT, lane);
-#endif
             }
-#if BULK
             mbar_wait(bar_s + 8 * slot, (u32)(j / STAGES) & 1u);
-#else
-            asm volatile("cp.async.commit_group;" ::: "memory");
-            asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
-            __syncwarp();
-#endif
         }
         const u8* const kst = ring + slot * SLOT;
         const u8* const vst = kst + KSL;
@@ -824,8 +653,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         for (int mt = 0; mt < 2; mt++) {
             u32 ka[KS * 2], kb[KS * 2];
             u32 kra[KRW], krb[KRW];
-            ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
-            ldraw<KRB>(kst + swz<K_ROW_BYTES>((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
+            ldraw<KRB>(kst + ((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
+            ldraw<KRB>(kst + ((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
             k_dequant(kra, krb, klut, kt0, kt1, ka, kb);
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
@@ -833,30 +662,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             s[mt][0] = c[0] * n0; s[mt][1] = c[1] * n0; s[mt][2] = c[2] * n1; s[mt][3] = c[3] * n1;
         }
 #else
-#if FAST
-    int j = 0;
-#endif
     for (int p = p0 + warp; p < p1; p += NWARPS) {
         float s[2][4];
-#if FAST
-        j++;
-        if ((j & 31) == 0) {
-            const int q = p + NWARPS + NWARPS * lane;
-            ptv = q < p1 ? pt[q] : 0;
-        }
-        const bool more = p + NWARPS < p1;
-        const int nphys = __shfl_sync(FULL_MASK, ptv, j & 31);
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            u32 ka[KS * 2], kb[KS * 2];
-            k_dequant(cur.k[2 * mt], cur.k[2 * mt + 1], klut, kt0, kt1, ka, kb);
-            float c[4];
-            score_tile(ka, kb, qh, ql, t, c);
-            const float n0 = h2f((u16)cur.kn[2 * mt]), n1 = h2f((u16)cur.kn[2 * mt + 1]);
-            s[mt][0] = c[0] * n0; s[mt][1] = c[1] * n0; s[mt][2] = c[2] * n1; s[mt][3] = c[3] * n1;
-        }
-        if (more) load_k(kpool + (size_t)nphys * K_PAGE_BYTES, g, t, cur);
-#else
         const int phys = pt[p];
         const u8* kp = kpool + (size_t)phys * K_PAGE_BYTES;
         const u8* vp = vpool + (size_t)phys * V_PAGE_BYTES;
@@ -875,7 +682,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
             s[mt][0] = c[0]; s[mt][1] = c[1]; s[mt][2] = c[2]; s[mt][3] = c[3];
         }
-#endif
 #endif  // PIPE
         // update state: online softmax per head column. The running max m may trail the
         // scores by up to SLACK (log2 units): weights stay <= 2^SLACK (exact enough in f16, far
@@ -904,7 +710,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
         l0 += (s[0][0] + s[0][2]) + (s[1][0] + s[1][2]);
         l1 += (s[0][1] + s[0][3]) + (s[1][1] + s[1][3]);
-#if MOVM
+#if PIPE
         // B operand of the PV mma: the weights of tokens 16mt + 2t, +1 (b0) and + 8, + 9 (b1)
         // for head g, times the value norms, from the score layout (token g | g + 8, heads 2t,
         // 2t + 1) by one transpose per 8-token half-tile.
@@ -914,10 +720,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             const float n0 = h2f(vnp[16 * mt + g]), n1 = h2f(vnp[16 * mt + g + 8]);
             pb[mt][0] = movt(pack_h2(s[mt][0] * n0, s[mt][1] * n0));
             pb[mt][1] = movt(pack_h2(s[mt][2] * n1, s[mt][3] * n1));
-#if BULK
             pb[mt][0] = rot16(pb[mt][0], vn_rot);  // this lane's token pairs in swapped order
             pb[mt][1] = rot16(pb[mt][1], vn_rot);
-#endif
         }
 #else
         __syncwarp();
@@ -934,48 +738,18 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
             const int tA = 16 * kk + 2 * t;
-#if MOVM
-#elif BULK
-            // rows tA + sw, tA + 1 - sw as lane-invariant offsets plus constants
-            const float* pw = &pbuf[warp][0][0] + pb_lane + 16 * kk * 9;
-            float wA = pw[0], wB = pw[pb_other], wC = pw[8 * 9], wD = pw[8 * 9 + pb_other];
-#else
+#if !PIPE
             float wA = pbuf[warp][tA][g], wB = pbuf[warp][tA + 1][g];
             float wC = pbuf[warp][tA + 8][g], wD = pbuf[warp][tA + 9][g];
 #endif
 #if FAST
-#if PIPE
             u32 vr[4][VRW];
-#if BULK
             const u8* const vl = vst + v_lane + 16 * kk * V_ROW_BYTES;
             ldraw<VRB>(vl, vr[0]);
             ldraw<VRB>(vl + v_other, vr[1]);
             ldraw<VRB>(vl + 8 * V_ROW_BYTES, vr[2]);
             ldraw<VRB>(vl + 8 * V_ROW_BYTES + v_other, vr[3]);
-#if !MOVM
-            u32 vnA = *(const u32*)(vnp + tA), vnC = *(const u32*)(vnp + tA + 8);
-            vnA = rot16(vnA, vn_rot); vnC = rot16(vnC, vn_rot);
-#endif
-#else
-            ldraw<VRB>(vst + swz<V_ROW_BYTES>(tA * V_ROW_BYTES + g * VRB), vr[0]);
-            ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 1) * V_ROW_BYTES + g * VRB), vr[1]);
-            ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 8) * V_ROW_BYTES + g * VRB), vr[2]);
-            ldraw<VRB>(vst + swz<V_ROW_BYTES>((tA + 9) * V_ROW_BYTES + g * VRB), vr[3]);
-#if !MOVM
-            const u32 vnA = *(const u32*)(vnp + tA), vnC = *(const u32*)(vnp + tA + 8);
-#endif
-#endif
-#else
-            u32 (*vr)[VRW] = &cur.v[4 * kk];
-            const u32 vnA = cur.vn[2 * kk], vnC = cur.vn[2 * kk + 1];
-#endif
-#if MOVM
             const u32 b0 = pb[kk][0], b1 = pb[kk][1];
-#else
-            wA *= h2f((u16)vnA); wB *= h2f((u16)(vnA >> 16));
-            wC *= h2f((u16)vnC); wD *= h2f((u16)(vnC >> 16));
-            const u32 b0 = pack_h2(wA, wB), b1 = pack_h2(wC, wD);
-#endif
 #if VB == 4
 #pragma unroll
             for (int wi = 0; wi < VRW; wi++) {
@@ -988,13 +762,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
                 for (int k = 0; k < 4; k++) {
                     if (4 * wi + k < KS) {
-#if PLUT
                         mma16816(acc[4 * wi + k], plut(lbv, loAB, k), plut(lbv, hiAB, k),
                                  plut(lbv, loCD, k), plut(lbv, hiCD, k), b0, b1);
-#else
-                        mma16816(acc[4 * wi + k], lut_at(lutb, loAB, k), lut_at(lutb, hiAB, k),
-                                 lut_at(lutb, loCD, k), lut_at(lutb, hiCD, k), b0, b1);
-#endif
                     }
                 }
             }
@@ -1050,9 +819,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             }
 #endif
         }
-#if FAST && !PIPE
-        if (more) load_v(vpool + (size_t)nphys * V_PAGE_BYTES, g, t, cur);
-#endif
     }
 
     // merge: warps of the block, then one partial per (sequence, KV head, split). Each lane's

@@ -32,46 +32,34 @@ fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
         && (kf.bits == 2 || vf.bits == 2 || kf.table_f16 == vf.table_f16)
 }
 
-/// The FAST path (2/4-bit codes dequantized in registers), pipelined: pages streamed through
-/// a per-warp ring of `stages` slots in dynamic shared memory by bulk copies, 4-bit codes
-/// looked up in the 256-byte-stride table. Tuning overrides (benchmarks only; defaults
-/// measured best): `VELOXQUANT_DECODE_PIPE` (0 = the register-prefetch kernel), `_STAGES`,
-/// `_WARPS`, `_MINB` (blocks/SM the registers are held to), `_FUSEQ` (0 = separate
-/// prep_query launch), `_PLUT` (0 = the 128-byte-stride table), `_BULK` (0 = per-lane cp.async).
+/// The FAST path (2/4-bit codes dequantized in registers): pages streamed through a per-warp
+/// ring of `stages` slots in dynamic shared memory by bulk copies, codes looked up by byte in
+/// a 64-KiB lane-replicated table (decode.cu: PIPE, PLUT). Tuning overrides (benchmarks only;
+/// defaults measured best): `VELOXQUANT_DECODE_STAGES`, `_WARPS`, `_MINB` (blocks/SM the
+/// registers are held to), `_FUSEQ` (0 = separate prep_query launch).
 #[derive(Clone, Copy, Debug)]
 struct Pipe {
-    on: bool,
+    fast: bool,
     stages: usize,
     warps: usize,
     minb: i64,
     /// prep_query fused into the decode kernel (one launch fewer).
     fuse_q: bool,
-    /// Lookups through the 256-byte-stride table (4-bit pairs, or 2-bit K bytes: one prmt + one LDS each).
-    plut: bool,
-    /// Pages staged by cp.async.bulk on per-slot mbarriers instead of per-lane cp.async.
-    bulk: bool,
 }
 
 impl Pipe {
     fn new(kf: &GpuFormat, vf: &GpuFormat) -> Self {
         let fast = fast_path(kf, vf);
-        let on = fast && env_knob("VELOXQUANT_DECODE_PIPE", 1) != 0;
-        // The lookup table: 4-bit pairs when either stream is 4-bit, or 2-bit K's code bytes.
-        let plut = fast
-            && (kf.bits == 4 || vf.bits == 4 || (kf.bits == 2 && vf.bits == 2))
-            && env_knob("VELOXQUANT_DECODE_PLUT", 1) != 0;
         Self {
-            on,
+            fast,
             stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
-            warps: if on || plut {
+            warps: if fast {
                 env_knob("VELOXQUANT_DECODE_WARPS", PIPE_WARPS as i64).clamp(4, 16) as usize
             } else {
                 NWARPS
             },
             minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
             fuse_q: fast && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
-            plut,
-            bulk: on && env_knob("VELOXQUANT_DECODE_BULK", 1) != 0,
         }
     }
     /// One warp's ring of page slots (bytes).
@@ -81,15 +69,14 @@ impl Pipe {
 
     /// Dynamic shared memory of one block, given the kernel's static shared memory and the
     /// space needed after the loop (the warps' accumulators).
-    /// PLUT: the table at the first 64-KiB boundary of the shared window past the static
-    /// part, as many rings below it as fit (1 KiB reserved + alignment assumed before the
-    /// dynamic part), the others above; `post` must fit in the table's 64 KiB. Else: the
-    /// rings, then `post` over them.
+    /// FAST: the table at the first 64-KiB boundary of the shared window past the static part,
+    /// as many rings below it as fit (1 KiB reserved + alignment assumed before the dynamic
+    /// part), the others above; `post` must fit in the table's 64 KiB. Else none.
     fn smem(&self, kf: &GpuFormat, vf: &GpuFormat, static_bytes: usize, post: usize) -> Option<usize> {
-        let ring = if self.on { self.ring(kf, vf) } else { 0 };
-        if !self.plut {
-            return Some((self.warps * ring).max(post));
+        if !self.fast {
+            return Some(0);
         }
+        let ring = self.ring(kf, vf);
         let pad_max = (65536 - static_bytes % 65536) % 65536;
         let below_min = pad_max.saturating_sub(1024 + 128).checked_div(ring).map_or(self.warps, |n| n.min(self.warps));
         (post <= 65536).then_some(pad_max + 65536 + (self.warps - below_min) * ring)
@@ -97,15 +84,12 @@ impl Pipe {
 }
 
 /// Softmax variants (benchmarks only; defaults are the measured best on the H200,
-/// benchmarks/results/cuda-decode.md): `VELOXQUANT_DECODE_EXPFTZ` (1), `_SLACK` (8),
-/// `_MOVM` (1).
+/// benchmarks/results/cuda-decode.md): `VELOXQUANT_DECODE_EXPFTZ` (1), `_SLACK` (8).
 #[derive(Clone, Copy, Debug)]
 struct Variants {
     expftz: bool,
     /// Headroom of the running max (log2 units, 0 = off).
     slack: i64,
-    /// Softmax weights to the PV mma by movmatrix (pipelined path).
-    movm: bool,
 }
 
 impl Variants {
@@ -113,7 +97,6 @@ impl Variants {
         Self {
             expftz: env_knob("VELOXQUANT_DECODE_EXPFTZ", 1) != 0,
             slack: env_knob("VELOXQUANT_DECODE_SLACK", 8).clamp(0, 12),
-            movm: env_knob("VELOXQUANT_DECODE_MOVM", 1) != 0,
         }
     }
 }
@@ -188,7 +171,7 @@ impl DecodePlan {
         let max_pages = cache.max_pages().max(1);
         let pdl = env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
         // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
-        let post = if pipe.on || pipe.plut { pipe.warps * 8 * d * 4 } else { 0 };
+        let post = if pipe.fast { pipe.warps * 8 * d * 4 } else { 0 };
         let mut defs: Vec<(String, i64)> = vec![
             ("D".into(), d as i64),
             ("T".into(), 32),
@@ -201,22 +184,14 @@ impl DecodePlan {
         defs.push(("KROT".into(), kf.rotation.is_some() as i64));
         defs.push(("EXPFTZ".into(), var.expftz as i64));
         defs.push(("SLACK".into(), var.slack));
-        defs.push(("MOVM".into(), var.movm as i64));
         if pipe.fuse_q {
             defs.push(("FUSEQ".into(), 1));
-        }
-        if pipe.plut {
-            defs.push(("PLUT".into(), 1));
         }
         if pdl {
             defs.push(("PDL".into(), 1));
         }
-        if pipe.on {
-            defs.push(("PIPE".into(), 1));
+        if pipe.fast {
             defs.push(("STAGES".into(), pipe.stages as i64));
-            if pipe.bulk {
-                defs.push(("BULK".into(), 1));
-            }
             if pipe.minb > 0 {
                 defs.push(("PMINB".into(), pipe.minb));
             }
@@ -444,7 +419,7 @@ mod tests {
                 let kf = GpuFormat::new(&FormatSpec::parse(k).unwrap(), d, 32, 1).unwrap();
                 let vf = GpuFormat::new(&FormatSpec::parse(v).unwrap(), d, 32, 2).unwrap();
                 for warps in [4, 8, 12, 16] {
-                    let pipe = Pipe { on: true, stages: 2, warps, minb: 0, fuse_q: true, plut: true, bulk: true };
+                    let pipe = Pipe { fast: true, stages: 2, warps, minb: 0, fuse_q: true };
                     let ring = pipe.ring(&kf, &vf);
                     let post = warps * 8 * d * 4;
                     for static_bytes in [2048usize, 4096, 4480, 16000] {
