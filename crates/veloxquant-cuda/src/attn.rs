@@ -321,7 +321,8 @@ impl DecodePlan {
         let ptr = |x: &CudaSlice<f32>| x.device_ptr(&s).0;
         let (acc, ml, q, out) = (ptr(&self.part_acc), ptr(&self.part_ml), ptr(&self.q), ptr(&self.out));
         let vsigns = ptr(&cache.v.signs);
-        let (kt, vt, nt) = (cache.k.tail.device_ptr(&s).0, cache.v.tail.device_ptr(&s).0, cache.n_tail_dev.device_ptr(&s).0);
+        let (kt, vt, nt) =
+            (cache.k.tail.device_ptr(&s).0, cache.v.tail.device_ptr(&s).0, cache.n_tail_dev.device_ptr(&s).0);
         let mut params: [*mut c_void; 12] = [
             arg(&acc),
             arg(&ml),

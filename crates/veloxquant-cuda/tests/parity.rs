@@ -283,7 +283,11 @@ fn decode_matches_cpu_reference() {
 #[test]
 fn decode_long_ragged_rows_match_cpu_reference() {
     let Some(dev) = device() else { return };
-    let pairs = [("turboquant_mse:4", "turboquant_mse:4"), ("turboquant_mse:2", "turboquant_mse:2"), ("turboquant_mse:4", "turboquant_mse:2")];
+    let pairs = [
+        ("turboquant_mse:4", "turboquant_mse:4"),
+        ("turboquant_mse:2", "turboquant_mse:2"),
+        ("turboquant_mse:4", "turboquant_mse:2"),
+    ];
     let mut bad = Vec::new();
     let mut worst_all = 0f64;
     for (pi, &(k, v)) in pairs.iter().enumerate() {
@@ -345,7 +349,10 @@ fn decode_graph_replay_matches_run() {
     s.synchronize().unwrap();
     let got = s.clone_dtoh(&plan.out).unwrap();
     assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|&x| x != 0.0));
-    assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+    assert_eq!(
+        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
     eprintln!("graph replay: {} outputs bit-identical to run ({} splits)", got.len(), plan.n_splits);
 
     // Past what any split layout covers (at most pages_per_split − 1 beyond the pages planned).
