@@ -8,7 +8,7 @@
 // merged by combine() in attn.cu.
 // Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes), KB/VB (code
 // bits), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
-// (STAGES, FUSEQ, SLACK, EXPFTZ, KROT, PDL, PMINB) as attn.rs sets them; PIPE and PLUT are FAST.
+// (STAGES, FUSEQ, SLACK, EXPFTZ, KROT, PDL, PMINB) as attn.rs sets them.
 // On the H200 the 4-bit path is bound by shared memory (lookups, page staging; ~88 % of the
 // L1/shared pipe at (8, 32k) under ncu): the variants trade it against instructions.
 #define QD (D / 4)   // key dims per thread in the score operand
@@ -16,9 +16,9 @@
 #define KS (D / 16)  // k-steps of the score mma, = M-tiles of the PV mma
 #define NEG_INF (-__int_as_float(0x7f800000))
 // FAST: 2- and 4-bit codes for both streams, dequantized in registers: 4-bit codes by one
-// lookup per byte (two codes) in a lane-replicated f16x2 table in shared memory (PLUT), 2-bit
+// lookup per byte (two codes) in a lane-replicated f16x2 table in shared memory, 2-bit
 // codes by byte lookups too when both streams are 2-bit (K2L / V2L), else the 4 centroids as
-// f16 in two registers, two codes -> f16x2 by one prmt; pages streamed through a ring (PIPE).
+// f16 in two registers, two codes -> f16x2 by one prmt; pages streamed through a ring.
 #if KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB == 2 || VB == 4) && (KB == 2 || VB == 2 || KVSAME)
 #define FAST 1
 #else
@@ -32,10 +32,9 @@
 #define KRW ((KRB + 3) / 4)
 #define VRB (VC * VB / 8)          // V bytes per thread per row (FAST)
 #define VRW ((VRB + 3) / 4)
-// PIPE (= FAST): each warp streams its pages through a ring of STAGES page slots in dynamic
+// FAST: each warp streams its pages through a ring of STAGES page slots in dynamic
 // shared memory, issued STAGES-1 pages ahead (measured against one page held in registers:
 // ~20 % faster at (8, 32k)).
-#define PIPE FAST
 #ifndef STAGES
 #define STAGES 2
 #endif
@@ -46,29 +45,27 @@
 #undef FUSEQ
 #define FUSEQ 0
 #endif
-// PLUT (FAST with a 4-bit stream, or 2-bit K and V): the f16x2 pair tables live in dynamic
+// The table (FAST: a 4-bit stream, or 2-bit K and V): the f16x2 pair tables live in dynamic
 // shared memory at a 64-KiB-aligned shared address with a 256-byte stride per entry: word
 // 64e + lane holds K's entry e, word 64e + 32 + lane V's, so the shared address of a lookup is
 // one prmt (byte k of the codes into address byte 1, the lane's offset in byte 0, the table's
-// base in bytes 2-3) and the lookup one LDS, never a bank conflict. With PIPE the rings fill
+// base in bytes 2-3) and the lookup one LDS, never a bank conflict. The rings fill
 // the space below the table (as many warps' as fit) and above it; after the loop the table's
 // space holds macc.
-// K2L (PLUT with 2-bit K and V): the table is K's alone, entry e = the centroids of byte e's four
+// K2L (2-bit K and V): the table is K's alone, entry e = the centroids of byte e's four
 // codes as two f16x2 (codes 0-1 at word 64e + lane, codes 2-3 at 64e + 32 + lane): one prmt and
 // two LDS per code byte (K dims 4b … 4b + 3 of byte b, the default kdim; two 32-bit loads, not
 // one 64-bit, so each lands in its own register of the mma operand without moves). V's 2-bit
 // codes stay on the prmt path, unless K and V share the centroids (V2L): then the value rows of
 // tokens A, B are zipped so that byte j holds (A, B) at two dims, and the same table gives the
 // PV operand's (A, B) pairs at both (dims 4j + 2h, + 1 for half h: the default vdim).
-#define K2CAND (FAST && KB == 2 && VB == 2)
-#define PLUT FAST  // (FAST: a 4-bit stream, or 2-bit K and V)
-#define K2L (PLUT && K2CAND)
+#define K2L (FAST && KB == 2 && VB == 2)
 #define V2L (K2L && KVSAME)
 // EXPFTZ: softmax weights by ex2.approx.ftz (weights below 2^-126 flush to 0).
 #ifndef EXPFTZ
 #define EXPFTZ 0
 #endif
-// PIPE: the softmax weights reach the PV mma's B operand in registers (packed per 8-token
+// FAST: the softmax weights reach the PV mma's B operand in registers (packed per 8-token
 // half-tile, transposed by movmatrix); the other paths pass them through shared memory (pbuf).
 // SLACK: see the softmax update.
 #ifndef SLACK
@@ -77,11 +74,11 @@
 #ifndef KROT
 #define KROT 0
 #endif
-// PIPE: each page's K and V arrive by two cp.async.bulk copies issued by lane 0 and complete
+// FAST: each page's K and V arrive by two cp.async.bulk copies issued by lane 0 and complete
 // on a per-slot mbarrier (no per-lane copy instructions). The rows lie unswizzled: lanes with
 // t >= 2 take the two rows of each value-token pair in swapped order (and the matching
 // weights), which spreads one instruction's value-row reads over all banks.
-#if PIPE && ((K_PAGE_BYTES % 16) || (V_PAGE_BYTES % 16))
+#if FAST && ((K_PAGE_BYTES % 16) || (V_PAGE_BYTES % 16))
 #error "cp.async.bulk copies whole 16-byte units: 2/4-bit pages are multiples of 16 bytes"
 #endif
 #define KSL ((K_PAGE_BYTES + 127) / 128 * 128)
@@ -290,7 +287,7 @@ __device__ __forceinline__ void ldraw(const u8* p, u32* w) {
         w[0] = *(const u16*)p;
     }
 }
-#if PLUT
+#if FAST
 // Table entry for byte k of w; lb = the table's shared address (low 16 bits zero) + the
 // lane's offset (lane·4, + 128 for V).
 __device__ __forceinline__ u32 plut(u32 lb, u32 w, int k) {
@@ -317,21 +314,21 @@ __device__ __forceinline__ void plut4(u32 lb, u32 w, int k, u32& lo, u32& hi) {
 
 #if FAST
 // One 16-token key tile (FAST): this thread's code words of rows g (ra) and g + 8 (rb) as the
-// score mma's A operand. 4-bit: one table lookup per byte (klut: the table's lane base);
+// score mma's A operand. 4-bit: one table lookup per byte (lbk: the table's lane base);
 // 2-bit: byte lookups (K2L), else the 4 centroids (kt0, kt1) selected by prmt.
-__device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 klut, u32 kt0, u32 kt1, u32* ka,
+__device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 lbk, u32 kt0, u32 kt1, u32* ka,
                                           u32* kb) {
 #if KB == 4
 #pragma unroll
     for (int by = 0; by < KRB; by++) {
-        ka[by] = plut(klut, ra[by / 4], by % 4);
-        kb[by] = plut(klut, rb[by / 4], by % 4);
+        ka[by] = plut(lbk, ra[by / 4], by % 4);
+        kb[by] = plut(lbk, rb[by / 4], by % 4);
     }
 #elif K2L
 #pragma unroll
     for (int by = 0; by < KRB; by++) {
-        plut4(klut, ra[by / 4], by % 4, ka[2 * by], ka[2 * by + 1]);
-        plut4(klut, rb[by / 4], by % 4, kb[2 * by], kb[2 * by + 1]);
+        plut4(lbk, ra[by / 4], by % 4, ka[2 * by], ka[2 * by + 1]);
+        plut4(lbk, rb[by / 4], by % 4, kb[2 * by], kb[2 * by + 1]);
     }
 #else
 #pragma unroll
@@ -350,7 +347,7 @@ __device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 klut
 }
 #endif
 
-#if PIPE
+#if FAST
 // x rotated left by n bits (n in {0, 16}: swaps the f16 halves when 16).
 __device__ __forceinline__ u32 rot16(u32 x, u32 n) {
     u32 r;
@@ -414,7 +411,7 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
 // A format's 16 centroids (f16), passed by value: the table build needs no global load.
 struct Tab16 { u16 v[16]; };
 
-#if PIPE && defined(PMINB)
+#if FAST && defined(PMINB)
 #undef MINB
 #define MINB PMINB
 #endif
@@ -430,7 +427,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     float* __restrict__ part_acc, float* __restrict__ part_ml,
     const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
-#if PIPE
+#if FAST
     __shared__ float qstage[G * D];  // FUSEQ: the group's prepared queries
 #else
     __shared__ float pbuf[NWARPS][32][9];  // softmax weights
@@ -468,11 +465,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const int np = n_pages[b];
     const int p0 = split * pages_per_split;
     const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
-#if PIPE
+#if FAST
     // The first pages go in flight before anything else: this warp's pages are first + NWARPS·j,
     // j < nmine; lane i holds the physical index of page j = i (mod 32) of the chunk being
     // fetched (the first chunk read without waiting for n_pages: entries past it are unused).
-#if PLUT
+#if FAST
     const int nlow = min((int)(tpad / (STAGES * SLOT)), NWARPS);  // rings below the table
     {
         // The host sized the dynamic part for its layout; never write past it.
@@ -523,7 +520,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         vtab[tid] = vx;
     }
     __syncthreads();
-#if PLUT
+#if FAST
     {
         // Entry e's 32 K words are equal (as are its 32 V words, K2L: its 32 second K words):
         // 16-byte stores of one value.
@@ -543,7 +540,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const u32 lbk = dsm_s + tpad + (u32)lane * 4u, lbv = lbk + 128u;
     const u32 kt0 = (u32)ktab[0] | ((u32)ktab[1] << 16), kt1 = (u32)ktab[2] | ((u32)ktab[3] << 16);
     const u32 vt0 = (u32)vtab[0] | ((u32)vtab[1] << 16), vt1 = (u32)vtab[2] | ((u32)vtab[3] << 16);
-    const u32 klut = lbk;
 #endif
     // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
     // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
@@ -622,7 +618,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
     for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
 
-#if PIPE
+#if FAST
     // This lane reads value-token pairs (2t, 2t+1) in swapped order when t >= 2: offsets of its
     // first value row and of the other row relative to it.
     const int vsw = (t >> 1) & 1;
@@ -655,7 +651,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             u32 kra[KRW], krb[KRW];
             ldraw<KRB>(kst + ((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
             ldraw<KRB>(kst + ((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
-            k_dequant(kra, krb, klut, kt0, kt1, ka, kb);
+            k_dequant(kra, krb, lbk, kt0, kt1, ka, kb);
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
             const float n0 = h2f(knp[16 * mt + g]), n1 = h2f(knp[16 * mt + g + 8]);
@@ -682,7 +678,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
             s[mt][0] = c[0]; s[mt][1] = c[1]; s[mt][2] = c[2]; s[mt][3] = c[3];
         }
-#endif  // PIPE
+#endif  // FAST
         // update state: online softmax per head column. The running max m may trail the
         // scores by up to SLACK (log2 units): weights stay <= 2^SLACK (exact enough in f16, far
         // from its range), and the max is reduced across lanes, and the state rescaled, only
@@ -710,7 +706,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
         l0 += (s[0][0] + s[0][2]) + (s[1][0] + s[1][2]);
         l1 += (s[0][1] + s[0][3]) + (s[1][1] + s[1][3]);
-#if PIPE
+#if FAST
         // B operand of the PV mma: the weights of tokens 16mt + 2t, +1 (b0) and + 8, + 9 (b1)
         // for head g, times the value norms, from the score layout (token g | g + 8, heads 2t,
         // 2t + 1) by one transpose per 8-token half-tile.
@@ -738,7 +734,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
             const int tA = 16 * kk + 2 * t;
-#if !PIPE
+#if !FAST
             float wA = pbuf[warp][tA][g], wB = pbuf[warp][tA + 1][g];
             float wC = pbuf[warp][tA + 8][g], wD = pbuf[warp][tA + 9][g];
 #endif

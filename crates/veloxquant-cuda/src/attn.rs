@@ -34,7 +34,7 @@ fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
 
 /// The FAST path (2/4-bit codes dequantized in registers): pages streamed through a per-warp
 /// ring of `stages` slots in dynamic shared memory by bulk copies, codes looked up by byte in
-/// a 64-KiB lane-replicated table (decode.cu: PIPE, PLUT). Tuning overrides (benchmarks only;
+/// a 64-KiB lane-replicated table (decode.cu, FAST). Tuning overrides (benchmarks only;
 /// defaults measured best): `VELOXQUANT_DECODE_STAGES`, `_WARPS`, `_MINB` (blocks/SM the
 /// registers are held to), `_FUSEQ` (0 = separate prep_query launch).
 #[derive(Clone, Copy, Debug)]
@@ -409,7 +409,7 @@ mod tests {
     use veloxquant::FormatSpec;
 
     /// The host's dynamic shared-memory size against the kernel's layout rule (decode.cu,
-    /// PLUT): for every start of the dynamic part the hardware may give (the static part, plus
+    /// FAST): for every start of the dynamic part the hardware may give (the static part, plus
     /// up to 1 KiB reserved and 128-byte alignment), the table at the next 64-KiB boundary,
     /// min(pad / ring, warps) rings below it and the rest above must fit the allocation (the
     /// kernel traps otherwise), and a block of up to 12 warps must fit the SM's 227 KiB.
