@@ -23,6 +23,9 @@ pub struct GenerateArgs {
     pub method: String,
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
+    /// Where the model runs (cuda: builds with `--features cuda`).
+    #[arg(long, value_enum, default_value_t = crate::gpu::Device::Cpu)]
+    pub device: crate::gpu::Device,
 }
 
 struct Run {
@@ -61,6 +64,9 @@ fn run_one(
 }
 
 pub fn generate(a: &GenerateArgs) -> AnyResult {
+    if a.device == crate::gpu::Device::Cuda {
+        return crate::gpu::generate(a);
+    }
     let method = Method::parse(&a.method)?;
     if method.needs_calibration() {
         return Err("generate does not calibrate: pick a method without vecinfer".into());

@@ -5,6 +5,7 @@ mod cache_cmd;
 mod demo;
 mod distortion;
 mod eval;
+mod gpu;
 mod model;
 mod plot;
 mod util;
@@ -74,6 +75,11 @@ enum Cmd {
 enum BenchCmd {
     /// Encode throughput and decode attention on this CPU, each format vs the fp16 cache.
     Cpu(bench::CpuArgs),
+    /// The model's decode step on the GPU, end to end (graph replay), per batch × context ×
+    /// method: tokens/s, the step's split, memory, the bandwidth bound (feature `cuda`).
+    E2e(gpu::E2eArgs),
+    /// Merge `bench e2e` outputs with the Hugging Face peer's into the results table and plot.
+    E2eReport(gpu::E2eReportArgs),
     /// GPU decode attention and encode vs PyTorch SDPA (`run`, then `report`; feature `cuda`).
     Cuda {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -107,6 +113,8 @@ fn main() -> ExitCode {
         Cmd::Cache { which } => cache_cmd::run(&which),
         Cmd::Bench { which: BenchCmd::Cpu(args) } => bench::run_cpu(&args),
         Cmd::Bench { which: BenchCmd::Cuda { args } } => bench_cuda(args),
+        Cmd::Bench { which: BenchCmd::E2e(a) } => gpu::bench_e2e(&a),
+        Cmd::Bench { which: BenchCmd::E2eReport(a) } => gpu::e2e_report(&a),
     };
     match res {
         Ok(()) => ExitCode::SUCCESS,

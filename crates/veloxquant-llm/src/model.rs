@@ -253,7 +253,7 @@ impl Llama {
     }
 }
 
-fn rope_table(n_pos: usize, head_dim: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn rope_table(n_pos: usize, head_dim: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
     let half = head_dim / 2;
     let mut cos = vec![0f32; n_pos * half];
     let mut sin = vec![0f32; n_pos * half];
@@ -269,7 +269,7 @@ fn rope_table(n_pos: usize, head_dim: usize, base: f32) -> (Vec<f32>, Vec<f32>) 
     (cos, sin)
 }
 
-fn tensor(g: &mut Gguf, name: &str, shape: Option<&[usize]>) -> Result<QTensor> {
+pub(crate) fn tensor(g: &mut Gguf, name: &str, shape: Option<&[usize]>) -> Result<QTensor> {
     if !g.content.tensor_infos.contains_key(name) {
         return Err(LlmError::MissingTensor { name: name.into() });
     }
@@ -294,7 +294,7 @@ fn expect_shape(name: &str, t: &QTensor, shape: &[usize]) -> Result<()> {
     Ok(())
 }
 
-fn vector(g: &mut Gguf, name: &str, len: usize) -> Result<Vec<f32>> {
+pub(crate) fn vector(g: &mut Gguf, name: &str, len: usize) -> Result<Vec<f32>> {
     let t = tensor(g, name, Some(&[len]))?;
     Ok(t.dequantize(&Device::Cpu)?.to_vec1()?)
 }
