@@ -70,16 +70,19 @@ extern "C" __global__ void band_softmax(BandArgs a, const float* __restrict__ s,
         if (lane == 0) bs[b] = acc * a.scale;
     }
     __syncthreads();
+    // Keys [0, lim) from S (codes, and the sinks); the band [lo, pos] exact; none after pos
+    // (a query among the sinks has lo > pos: no band, and only keys up to itself).
+    const int lim = min(lo, pos + 1);
     float m = NEG_INF;
-    for (int j = threadIdx.x; j < lo; j += blockDim.x) m = fmaxf(m, srow[j]);
+    for (int j = threadIdx.x; j < lim; j += blockDim.x) m = fmaxf(m, srow[j]);
     for (int b = threadIdx.x; b < nb; b += blockDim.x) m = fmaxf(m, bs[b]);
     m = block_reduce(m, red, true);
     float z = 0.0f;
-    for (int j = threadIdx.x; j < lo; j += blockDim.x) z += __expf(srow[j] - m);
+    for (int j = threadIdx.x; j < lim; j += blockDim.x) z += __expf(srow[j] - m);
     for (int b = threadIdx.x; b < nb; b += blockDim.x) z += __expf(bs[b] - m);
     z = block_reduce(z, red, false);
     const float inv = 1.0f / z;
-    for (int j = threadIdx.x; j < a.n_end; j += blockDim.x) prow[j] = f2h(j < lo ? __expf(srow[j] - m) * inv : 0.0f);
+    for (int j = threadIdx.x; j < a.n_end; j += blockDim.x) prow[j] = f2h(j < lim ? __expf(srow[j] - m) * inv : 0.0f);
     float* wrow = wband + ro * a.band_cap;
     for (int b = threadIdx.x; b < nb; b += blockDim.x) wrow[b] = __expf(bs[b] - m) * inv;
 }
