@@ -862,8 +862,9 @@ impl GpuKvCache {
                     let hid = st.clone_htod(&hid).map_err(drv("htod"))?;
                     let n_vals = chunk.len() * t * d;
                     crate::bench_util::fill_normal_f16(&self.dev, &mut x, n_vals, lseed.wrapping_add(ci as u64))?;
-                    let e0 = self.dev.ctx.new_event(None).map_err(drv("event"))?;
-                    let e1 = self.dev.ctx.new_event(None).map_err(drv("event"))?;
+                    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                    let e0 = self.dev.ctx.new_event(timing).map_err(drv("event"))?;
+                    let e1 = self.dev.ctx.new_event(timing).map_err(drv("event"))?;
                     e0.record(&st).map_err(drv("record"))?;
                     let signs = strm.signs.slice(layer * hk * d..(layer + 1) * hk * d);
                     strm.enc.launch(&x, chunk.len(), &pid, &hid, &mut strm.pools[layer], &signs, strm.rot_scale)?;

@@ -49,7 +49,8 @@ fn tiny_gguf(dir: &Path, seed: u64) -> PathBuf {
     };
     let kvd = KV_HEADS * HIDDEN / HEADS;
     let mut tensors: Vec<(String, QTensor)> = vec![
-        ("token_embd.weight".into(), mat(VOCAB, HIDDEN, 1.0, 0.0)),
+        // Small embeddings: the tied output gives logits of std ~1.5 (not one-hot softmaxes).
+        ("token_embd.weight".into(), mat(VOCAB, HIDDEN, 0.1, 0.0)),
         ("output_norm.weight".into(), mat(1, HIDDEN, 0.1, 1.0)),
     ];
     for i in 0..LAYERS {
@@ -185,18 +186,19 @@ fn gpu_logits_match_cpu_prefill_and_batched_decode() {
                 agree_decode.add(&want, got);
             }
         }
-        agree_prefill.check(&format!("prefill {method:?}"));
-        agree_decode.check(&format!("batched decode {method:?}"));
+        let name = format!("{}/{}@{}+{}", method.k, method.v, method.recent, method.sink);
+        agree_prefill.check(&format!("prefill {name}"));
+        agree_decode.check(&format!("batched decode {name}"));
         // Device bytes of the compressed cache against the CPU's resident bytes, same tokens.
         for (i, &s) in slots.iter().enumerate() {
             let g = engine.cache.slot_bytes(s).unwrap();
             let c = cpu_stores[i].resident_bytes();
-            let pages = engine.cache.n_tokens(s).unwrap().div_ceil(32) * KV_HEADS * LAYERS * 2;
-            eprintln!("sequence {i}: GPU {g} B, CPU resident {c} B");
-            // The CPU also pays a reference-counted pointer per page (16 + 16 B); the GPU a
-            // 4-byte table entry per (page, head) shared by K and V.
+            eprintln!("{}: sequence {i}: GPU {g} B, CPU resident {c} B", method.k);
+            // The same codes, window and state; the bookkeeping differs (the CPU pays a
+            // reference-counted pointer per page and stream, 32 B and its Vec's slack; the GPU
+            // a 4-byte table entry per page and head). The fp16 store reserves its context.
             if method != GpuMethod::fp16() {
-                assert!(g.abs_diff(c) <= pages * 40 + 64, "sequence {i}: {g} vs {c}");
+                assert!((g as f64 - c as f64).abs() <= 0.03 * c as f64, "sequence {i}: {g} vs {c}");
             }
         }
     }

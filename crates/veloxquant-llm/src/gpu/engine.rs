@@ -486,7 +486,7 @@ impl GpuEngine {
         self.launch_step(bucket, pages, &ids, &pos, &rows, &slot_of, StepPart::All)?;
         let st = self.stream.clone();
         let mut out = vec![0i32; bucket];
-        st.memcpy_dtoh(&self.bufs.ids_out, &mut out).map_err(drv("dtoh ids"))?;
+        st.memcpy_dtoh(&self.bufs.ids_out.slice(..bucket), &mut out).map_err(drv("dtoh ids"))?;
         let logits = if want_logits {
             let nv = self.model.config.n_vocab;
             let mut lg = vec![0f32; b * nv];
@@ -741,8 +741,9 @@ impl GpuEngine {
         let ctx = &self.model.dev.ctx;
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters + 3 {
-            let e0 = ctx.new_event(None).map_err(drv("event"))?;
-            let e1 = ctx.new_event(None).map_err(drv("event"))?;
+            let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let e0 = ctx.new_event(timing).map_err(drv("event"))?;
+            let e1 = ctx.new_event(timing).map_err(drv("event"))?;
             e0.record(&st).map_err(drv("record"))?;
             g.graph.launch().map_err(drv("graph launch"))?;
             e1.record(&st).map_err(drv("record"))?;
