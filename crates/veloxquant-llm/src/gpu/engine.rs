@@ -151,6 +151,27 @@ pub struct EngineBytes {
     pub workspace: usize,
 }
 
+/// A linear layer: the small-batch kernel where it applies (decode steps of ≤ 8 sequences),
+/// cuBLAS otherwise.
+#[allow(clippy::too_many_arguments)]
+fn linear(
+    blas: &Blas,
+    ops: &veloxquant_cuda::ModelOps,
+    st: &Arc<CudaStream>,
+    n: usize,
+    m: usize,
+    k: usize,
+    x: Mat,
+    w: Mat,
+    y: Mat,
+    beta: f32,
+) -> Result<()> {
+    match ops.gemv(st, n, m, k, x, w, y, beta) {
+        Some(r) => r.map_err(gpu),
+        None => blas.linear(n, m, k, x, w, y, 1.0, beta).map_err(gpu),
+    }
+}
+
 fn act_rows(cfg: &EngineConfig) -> usize {
     cfg.prefill_rows.max(cfg.max_seqs)
 }
@@ -336,17 +357,18 @@ impl GpuEngine {
         for (l, w) in model.layers.iter().enumerate() {
             ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.attn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
                 .map_err(gpu)?;
-            blas.linear(
+            linear(
+                blas,
+                ops,
+                &st,
                 n,
                 qkv_w,
                 h,
                 Mat::f16(&bufs.xn, h, &st),
                 Mat::f16(&w.wqkv, h, &st),
                 Mat::f32(&bufs.qkv, qkv_w, &st),
-                1.0,
                 0.0,
-            )
-            .map_err(gpu)?;
+            )?;
             ops.rope(
                 &st,
                 &bufs.qkv.slice(..),
@@ -378,7 +400,10 @@ impl GpuEngine {
                     )
                     .map_err(gpu)?;
             }
-            blas.linear(
+            linear(
+                blas,
+                ops,
+                &st,
                 n,
                 h,
                 hq * d,
@@ -386,24 +411,26 @@ impl GpuEngine {
                 Mat::f16(&w.wo, hq * d, &st),
                 Mat::f32(&bufs.x, h, &st),
                 1.0,
-                1.0,
-            )
-            .map_err(gpu)?;
+            )?;
             ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.ffn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
                 .map_err(gpu)?;
-            blas.linear(
+            linear(
+                blas,
+                ops,
+                &st,
                 n,
                 2 * f,
                 h,
                 Mat::f16(&bufs.xn, h, &st),
                 Mat::f16(&w.w_gate_up, h, &st),
                 Mat::f32(&bufs.gu, 2 * f, &st),
-                1.0,
                 0.0,
-            )
-            .map_err(gpu)?;
+            )?;
             ops.swiglu(&st, &bufs.gu.slice(..), f, n, &mut bufs.act.slice_mut(..)).map_err(gpu)?;
-            blas.linear(
+            linear(
+                blas,
+                ops,
+                &st,
                 n,
                 h,
                 f,
@@ -411,9 +438,7 @@ impl GpuEngine {
                 Mat::f16(&w.w_down, f, &st),
                 Mat::f32(&bufs.x, h, &st),
                 1.0,
-                1.0,
-            )
-            .map_err(gpu)?;
+            )?;
         }
         // Logits of the wanted rows, chunk by chunk (each chunk's rows are contiguous).
         let logits_cap = bufs.logits.len() / nv;
@@ -435,17 +460,18 @@ impl GpuEngine {
             }
             let xs = bufs.x.slice((r0 + first) * h..);
             ops.rmsnorm(&st, &xs, h, m, &model.output_norm, c.rms_eps, &mut bufs.xn.slice_mut(..)).map_err(gpu)?;
-            blas.linear(
+            linear(
+                blas,
+                ops,
+                &st,
                 m,
                 nv,
                 h,
                 Mat::f16(&bufs.xn, h, &st),
                 Mat::f16(model.output_matrix(), h, &st),
                 Mat::f32(&bufs.logits, nv, &st),
-                1.0,
                 0.0,
-            )
-            .map_err(gpu)?;
+            )?;
             let mut lg = vec![0f32; m * nv];
             st.memcpy_dtoh(&bufs.logits.slice(..m * nv), &mut lg).map_err(drv("dtoh logits"))?;
             out.push(lg);
@@ -610,17 +636,18 @@ impl GpuEngine {
                     .map_err(gpu)?;
             }
             if gemm {
-                blas.linear(
+                linear(
+                    blas,
+                    ops,
+                    &st,
                     n,
                     qkv_w,
                     h,
                     Mat::f16(&bufs.xn, h, &st),
                     Mat::f16(&w.wqkv, h, &st),
                     Mat::f32(&bufs.qkv, qkv_w, &st),
-                    1.0,
                     0.0,
-                )
-                .map_err(gpu)?;
+                )?;
             }
             if rest {
                 ops.rope(
@@ -644,7 +671,10 @@ impl GpuEngine {
                     .map_err(gpu)?;
             }
             if gemm {
-                blas.linear(
+                linear(
+                    blas,
+                    ops,
+                    &st,
                     n,
                     h,
                     hq * d,
@@ -652,32 +682,34 @@ impl GpuEngine {
                     Mat::f16(&w.wo, hq * d, &st),
                     Mat::f32(&bufs.x, h, &st),
                     1.0,
-                    1.0,
-                )
-                .map_err(gpu)?;
+                )?;
             }
             if rest {
                 ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.ffn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
                     .map_err(gpu)?;
             }
             if gemm {
-                blas.linear(
+                linear(
+                    blas,
+                    ops,
+                    &st,
                     n,
                     2 * f,
                     h,
                     Mat::f16(&bufs.xn, h, &st),
                     Mat::f16(&w.w_gate_up, h, &st),
                     Mat::f32(&bufs.gu, 2 * f, &st),
-                    1.0,
                     0.0,
-                )
-                .map_err(gpu)?;
+                )?;
             }
             if rest {
                 ops.swiglu(&st, &bufs.gu.slice(..), f, n, &mut bufs.act.slice_mut(..)).map_err(gpu)?;
             }
             if gemm {
-                blas.linear(
+                linear(
+                    blas,
+                    ops,
+                    &st,
                     n,
                     h,
                     f,
@@ -685,9 +717,7 @@ impl GpuEngine {
                     Mat::f16(&w.w_down, f, &st),
                     Mat::f32(&bufs.x, h, &st),
                     1.0,
-                    1.0,
-                )
-                .map_err(gpu)?;
+                )?;
             }
         }
         if rest {
@@ -695,17 +725,18 @@ impl GpuEngine {
                 .map_err(gpu)?;
         }
         if gemm {
-            blas.linear(
+            linear(
+                blas,
+                ops,
+                &st,
                 n,
                 nv,
                 h,
                 Mat::f16(&bufs.xn, h, &st),
                 Mat::f16(model.output_matrix(), h, &st),
                 Mat::f32(&bufs.logits, nv, &st),
-                1.0,
                 0.0,
-            )
-            .map_err(gpu)?;
+            )?;
         }
         if rest {
             ops.argmax(&st, &bufs.logits.slice(..), n, nv, &mut bufs.ids_out.slice_mut(..)).map_err(gpu)?;
