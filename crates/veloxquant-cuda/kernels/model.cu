@@ -22,16 +22,30 @@ __device__ __forceinline__ float block_sum(float x, float* red) {
     return x;
 }
 
-// out16[r] = f16(x[r] · w / rms(x[r])) for rows r of x (row stride ld_x). Grid: rows; block 256.
-extern "C" __global__ void rmsnorm(const float* __restrict__ x, long ld_x, const float* __restrict__ w, int h,
-                                   float eps, u16* __restrict__ out16) {
+// out16[r] = f16(x[r] · w / rms(x[r])) for rows r of x (row stride ld_x). Grid: rows; block
+// 256. The row is read once into registers (h ≤ 256 · RMS_MAX): these launches are latency-
+// bound at decode batch sizes (a few rows), so one pass and one reduction.
+#define RMS_MAX 32
+extern "C" __global__ void __launch_bounds__(256) rmsnorm(const float* __restrict__ x, long ld_x,
+                                                         const float* __restrict__ w, int h, float eps,
+                                                         u16* __restrict__ out16) {
     __shared__ float red[32];
     const float* r = x + (size_t)blockIdx.x * ld_x;
+    float v[RMS_MAX];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) ss += r[i] * r[i];
+#pragma unroll
+    for (int k = 0; k < RMS_MAX; k++) {
+        const int i = threadIdx.x + k * 256;
+        v[k] = i < h ? r[i] : 0.0f;
+        ss += v[k] * v[k];
+    }
     ss = block_sum(ss, red);
     const float s = rsqrtf(ss / (float)h + eps);
-    for (int i = threadIdx.x; i < h; i += blockDim.x) out16[(size_t)blockIdx.x * h + i] = f2h(r[i] * s * w[i]);
+#pragma unroll
+    for (int k = 0; k < RMS_MAX; k++) {
+        const int i = threadIdx.x + k * 256;
+        if (i < h) out16[(size_t)blockIdx.x * h + i] = f2h(v[k] * s * w[i]);
+    }
 }
 
 // RoPE on the fused QKV rows (llama.cpp's adjacent pairs 2i, 2i+1): q to q32 [t][HQ][D] (f32,
@@ -77,10 +91,12 @@ extern "C" __global__ void swiglu(const float* __restrict__ gu, int f, long n, u
     }
 }
 
-// ids[r] = argmax of logits row r (first index on ties, NaN never wins). Grid: rows; block 256.
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int n_vocab, int* __restrict__ ids) {
-    __shared__ float bv[256];
-    __shared__ int bi[256];
+// ids[r] = argmax of logits row r (first index on ties, NaN never wins). Grid: rows; block
+// 1024 (a few rows of a large vocabulary at decode).
+extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int n_vocab,
+                                                              int* __restrict__ ids) {
+    __shared__ float bv[1024];
+    __shared__ int bi[1024];
     const float* r = logits + (size_t)blockIdx.x * n_vocab;
     float best = -__int_as_float(0x7f800000);
     int idx = 0x7fffffff;
@@ -134,65 +150,4 @@ extern "C" __global__ void fill_f32(float* __restrict__ out, u64 n, u64 seed, fl
 extern "C" __global__ void apply_deltas(const int* __restrict__ d, int* __restrict__ meta) {
     const int n = d[0];
     for (int i = threadIdx.x; i < n; i += blockDim.x) meta[d[1 + 2 * i]] = d[2 + 2 * i];
-}
-
-// Small-batch linear layer: y[j][r] = dot(x[j], w[r]) + beta · y[j][r] for j < n ≤ 8, w f16
-// [m][k] and x f16 [n][k] (row strides ldw, ldx; k, ldw, ldx multiples of 8, 16-byte aligned
-// bases), f32 accumulation. A warp per output row (grid-stride); each lane streams 16-byte
-// chunks of the row, two in flight, against the n input rows (cached: every warp reads them).
-// Decode steps of a few sequences are bound by reading w once: cuBLAS's kernels at n ≤ 8 cost
-// more per launch on the small matrices of SmolLM2 and reach ~83 % of read bandwidth on
-// Llama-8B's.
-__device__ __forceinline__ void h8(vec4u v, float* f) {
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = h2f((u16)(w[i] & 0xffff));
-        f[2 * i + 1] = h2f((u16)(w[i] >> 16));
-    }
-}
-extern "C" __global__ void __launch_bounds__(256) gemv16(const u16* __restrict__ w, long ldw,
-                                                        const u16* __restrict__ x, long ldx,
-                                                        float* __restrict__ y, long ldy, int m, int k, int n,
-                                                        float beta) {
-    const int lane = threadIdx.x & 31;
-    const int nw = (gridDim.x * blockDim.x) >> 5;
-    for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < m; r += nw) {
-        float acc[8];
-#pragma unroll
-        for (int j = 0; j < 8; j++) acc[j] = 0.0f;
-        const u16* wr = w + (size_t)r * ldw;
-        for (int c0 = lane * 8; c0 < k; c0 += 512) {
-            vec4u wv[2];
-            const bool two = c0 + 256 < k;
-            wv[0] = *(const vec4u*)(wr + c0);
-            if (two) wv[1] = *(const vec4u*)(wr + c0 + 256);
-#pragma unroll
-            for (int u = 0; u < 2; u++) {
-                if (u == 1 && !two) break;
-                float wf[8];
-                h8(wv[u], wf);
-                const int c = c0 + 256 * u;
-#pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    if (j < n) {
-                        float xf[8];
-                        h8(*(const vec4u*)(x + (size_t)j * ldx + c), xf);
-#pragma unroll
-                        for (int e = 0; e < 8; e++) acc[j] = fmaf(wf[e], xf[e], acc[j]);
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            float a = acc[j];
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) a += __shfl_xor_sync(FULL_MASK, a, o);
-            if (lane == 0 && j < n) {
-                float* yo = y + (size_t)j * ldy + r;
-                *yo = beta == 0.0f ? a : a + beta * *yo;
-            }
-        }
-    }
 }

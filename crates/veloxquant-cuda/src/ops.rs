@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 
-use crate::blas::{Elem, Mat};
 use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
 
@@ -17,7 +16,6 @@ pub struct ModelOps {
     f_argmax: CudaFunction,
     f_fill16: CudaFunction,
     f_fill32: CudaFunction,
-    f_gemv: CudaFunction,
     sm_count: usize,
 }
 
@@ -54,7 +52,6 @@ impl ModelOps {
             f_argmax: f("argmax_rows")?,
             f_fill16: f("fill_f16")?,
             f_fill32: f("fill_f32")?,
-            f_gemv: f("gemv16")?,
             sm_count: dev.sm_count,
         })
     }
@@ -96,6 +93,9 @@ impl ModelOps {
         let h = w.len();
         if rows == 0 {
             return Ok(());
+        }
+        if h > 256 * 32 {
+            return Err(CudaError::ShapeMismatch { op: "rmsnorm width (≤ 8192)", expected: 8192, got: h });
         }
         need("rmsnorm x", x.len(), (rows - 1) * ld_x + h)?;
         need("rmsnorm out", out16.len(), rows * h)?;
@@ -186,63 +186,11 @@ impl ModelOps {
         let nv = int(n_vocab)?;
         let mut l = st.launch_builder(&self.f_argmax);
         l.arg(logits).arg(&nv).arg(ids);
-        // SAFETY: matches argmax_rows(logits, n_vocab, ids); extents checked above.
-        unsafe { l.launch(rows_cfg(rows)) }.map_err(drv("argmax"))?;
+        let cfg = LaunchConfig { block_dim: (1024, 1, 1), ..rows_cfg(rows) };
+        // SAFETY: matches argmax_rows(logits, n_vocab, ids) with its 1024-thread block; extents
+        // checked above.
+        unsafe { l.launch(cfg) }.map_err(drv("argmax"))?;
         Ok(())
-    }
-
-    /// Row-major `y[n][m] = x[n][k] · w[m][k]ᵀ + beta · y` for n ≤ 8 (decode steps of a few
-    /// sequences); `None` when the operands do not suit the kernel (n > 8, k or a row stride
-    /// not a multiple of 8, a base not 16-byte aligned, beta not 0 or 1): use cuBLAS then.
-    pub fn gemv(
-        &self,
-        st: &Arc<CudaStream>,
-        n: usize,
-        m: usize,
-        k: usize,
-        x: Mat,
-        w: Mat,
-        y: Mat,
-        beta: f32,
-    ) -> Option<Result<()>> {
-        let aligned = |p: u64| p.is_multiple_of(16);
-        let fits = n >= 1
-            && n <= 8
-            && k.is_multiple_of(8)
-            && x.ld.is_multiple_of(8)
-            && w.ld.is_multiple_of(8)
-            && aligned(x.ptr)
-            && aligned(w.ptr)
-            && (beta == 0.0 || beta == 1.0)
-            && x.elem == Elem::F16
-            && w.elem == Elem::F16
-            && y.elem == Elem::F32
-            && x.ld >= k
-            && w.ld >= k
-            && y.ld >= m;
-        if !fits {
-            return None;
-        }
-        let span = |mat: &Mat, rows: usize, cols: usize| (rows - 1) * mat.ld + cols;
-        if span(&x, n, k) > x.len || span(&w, m, k) > w.len || span(&y, n, m) > y.len {
-            return Some(Err(CudaError::ShapeMismatch {
-                op: "gemv operand extent",
-                expected: span(&w, m, k),
-                got: w.len,
-            }));
-        }
-        Some((|| {
-            let (mi, ki, ni) = (int(m)?, int(k)?, int(n)?);
-            let (ldw, ldx, ldy) = (w.ld as i64, x.ld as i64, y.ld as i64);
-            let blocks = m.div_ceil(8).min(self.sm_count * 16) as u32;
-            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            let mut l = st.launch_builder(&self.f_gemv);
-            l.arg(&w.ptr).arg(&ldw).arg(&x.ptr).arg(&ldx).arg(&y.ptr).arg(&ldy).arg(&mi).arg(&ki).arg(&ni).arg(&beta);
-            // SAFETY: matches gemv16 (model.cu); every operand's extent was checked against its
-            // allocation above, bases are 16-byte aligned and k, the strides multiples of 8.
-            unsafe { l.launch(cfg) }.map_err(drv("gemv16"))?;
-            Ok(())
-        })())
     }
 
     /// Fill with `offset + scale · N(0,1)` from a counter-based generator (random weights).
