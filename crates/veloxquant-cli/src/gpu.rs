@@ -79,9 +79,6 @@ mod imp {
     pub fn bench_e2e(_: &E2eArgs) -> AnyResult {
         no_cuda()
     }
-    pub fn e2e_report(_: &E2eReportArgs) -> AnyResult {
-        no_cuda()
-    }
     pub fn eval(_: &crate::eval::EvalArgs) -> AnyResult {
         no_cuda()
     }
@@ -229,151 +226,6 @@ mod imp {
         let out = json!({"device": dev.name, "read_tbps": read_tbps, "copy_tbps": copy_tbps, "commit": a.commit, "rows": rows});
         if let Some(p) = &a.json {
             write_json(p, &out)?;
-        }
-        Ok(())
-    }
-
-    fn read_json(p: &std::path::Path) -> AnyResult<Value> {
-        Ok(serde_json::from_slice(&std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()))?)?)
-    }
-
-    pub fn e2e_report(a: &E2eReportArgs) -> AnyResult {
-        let mut rows: Vec<Value> = Vec::new();
-        let mut device = String::new();
-        let mut commit = String::new();
-        let mut read_tbps = 0.0f64;
-        for p in &a.ours {
-            let v = read_json(p)?;
-            device = v["device"].as_str().unwrap_or_default().to_string();
-            commit = v["commit"].as_str().unwrap_or_default().to_string();
-            read_tbps = read_tbps.max(v["read_tbps"].as_f64().unwrap_or(0.0));
-            rows.extend(
-                v["rows"].as_array().cloned().unwrap_or_default().into_iter().filter(|r| r.get("error").is_none()),
-            );
-        }
-        let hf = match &a.hf {
-            Some(p) => read_json(p)?["rows"].as_array().cloned().unwrap_or_default(),
-            None => Vec::new(),
-        };
-        let hf_tps = |model: &str, b: u64, s: u64, mode: &str| {
-            hf.iter()
-                .find(|r| {
-                    r["model"] == model && r["b"] == b && r["s"] == s && r["mode"] == mode && r.get("error").is_none()
-                })
-                .and_then(|r| r["tokens_per_s"].as_f64())
-        };
-        for r in rows.iter_mut() {
-            let (m, b, s) = (
-                r["model"].as_str().unwrap_or_default().to_string(),
-                r["b"].as_u64().unwrap_or(0),
-                r["s"].as_u64().unwrap_or(0),
-            );
-            r["hf_eager_tokens_per_s"] = json!(hf_tps(&m, b, s, "eager"));
-            r["hf_compiled_tokens_per_s"] = json!(hf_tps(&m, b, s, "compiled"));
-        }
-        // Ratios within one (model, b, s, fit) group against its fp16 row.
-        let fp16: Vec<(String, u64, u64, Option<f64>, f64)> = rows
-            .iter()
-            .filter(|r| r["method"] == "fp16")
-            .map(|r| {
-                (
-                    r["model"].as_str().unwrap_or_default().into(),
-                    r["b"].as_u64().unwrap_or(0),
-                    r["s"].as_u64().unwrap_or(0),
-                    r["fit_gib"].as_f64(),
-                    r["tokens_per_s"].as_f64().unwrap_or(0.0),
-                )
-            })
-            .collect();
-        let mut table = Vec::new();
-        for r in rows.iter_mut() {
-            let (m, b, s, fit) = (
-                r["model"].as_str().unwrap_or_default().to_string(),
-                r["b"].as_u64().unwrap_or(0),
-                r["s"].as_u64().unwrap_or(0),
-                r["fit_gib"].as_f64(),
-            );
-            let tps = r["tokens_per_s"].as_f64().unwrap_or(0.0);
-            let base = fp16.iter().find(|f| {
-                f.0 == m.as_str() && f.2 == s && if fit.is_some() { f.3 == fit } else { f.1 == b && f.3.is_none() }
-            });
-            let vs_fp16 = base.map(|f| tps / f.4);
-            r["vs_fp16"] = json!(vs_fp16);
-            let f = |x: Option<f64>, d: usize| x.map_or("–".to_string(), |v| format!("{v:.d$}"));
-            let sp = &r["split"];
-            table.push(vec![
-                m.clone(),
-                r["weights"].as_str().unwrap_or_default().to_string(),
-                b.to_string(),
-                s.to_string(),
-                r["method"].as_str().unwrap_or_default().to_string(),
-                fit.map_or("–".into(), |g| format!("{g}")),
-                format!("{tps:.1}"),
-                format!("{:.3}", r["step_ms"].as_f64().unwrap_or(0.0)),
-                format!("{:.3}", r["bound_ms"].as_f64().unwrap_or(0.0)),
-                format!("{:.0} %", 100.0 * r["bound_fraction"].as_f64().unwrap_or(0.0)),
-                f(sp["attention_ms"].as_f64(), 3),
-                f(sp["gemm_ms"].as_f64(), 3),
-                f(sp["rest_ms"].as_f64(), 3),
-                format!("{:.2}", (r["cache_bytes"].as_f64().unwrap_or(0.0)) / 1e9),
-                f(vs_fp16, 2),
-                f(r["hf_eager_tokens_per_s"].as_f64(), 1),
-                f(r["hf_compiled_tokens_per_s"].as_f64(), 1),
-            ]);
-        }
-        let out = json!({"device": device, "date": a.date, "commit": commit, "read_tbps": read_tbps, "rows": rows});
-        write_json(&a.json, &out)?;
-        print_table_to(
-            &[
-                "model",
-                "weights",
-                "B",
-                "S",
-                "method",
-                "fit GiB",
-                "tokens/s",
-                "step ms",
-                "bound ms",
-                "of bound",
-                "attn ms",
-                "GEMM ms",
-                "rest ms",
-                "cache GB",
-                "× fp16",
-                "HF eager tok/s",
-                "HF compiled tok/s",
-            ],
-            &table,
-            a.md.as_deref(),
-        )?;
-        if let Some(p) = &a.svg {
-            let mut series: Vec<crate::plot::Series> = Vec::new();
-            for r in &rows {
-                if r["s"].as_u64() != Some(a.svg_context as u64) {
-                    continue;
-                }
-                let label =
-                    format!("{} {}", r["model"].as_str().unwrap_or_default(), r["method"].as_str().unwrap_or_default());
-                let pt = (r["b"].as_f64().unwrap_or(0.0), r["tokens_per_s"].as_f64().unwrap_or(0.0));
-                match series.iter_mut().find(|s| s.label == label) {
-                    Some(s) => s.points.push(pt),
-                    None => series.push(crate::plot::Series { label, points: vec![pt] }),
-                }
-            }
-            for s in series.iter_mut() {
-                s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
-            }
-            let curves: Vec<(&str, Vec<(f64, f64)>)> =
-                series.iter().map(|s| (s.label.as_str(), s.points.clone())).collect();
-            crate::plot::scatter_svg(
-                p,
-                &format!("decode tokens/s vs batch at S = {} (graph replay, {device})", a.svg_context),
-                "batch (sequences per step)",
-                "tokens/s",
-                &series,
-                &curves,
-                false,
-            )?;
         }
         Ok(())
     }
@@ -547,4 +399,159 @@ mod imp {
     }
 }
 
-pub use imp::{bench_e2e, e2e_report, eval, generate};
+pub use imp::{bench_e2e, eval, generate};
+
+/// Pure JSON work: runs in any build (the results are made on the GPU machine, merged here).
+mod report {
+    use serde_json::{json, Value};
+
+    use super::*;
+    use crate::util::{print_table_to, write_json};
+
+    fn read_json(p: &std::path::Path) -> AnyResult<Value> {
+        Ok(serde_json::from_slice(&std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()))?)?)
+    }
+
+    pub fn e2e_report(a: &E2eReportArgs) -> AnyResult {
+        let mut rows: Vec<Value> = Vec::new();
+        let mut device = String::new();
+        let mut commit = String::new();
+        let mut read_tbps = 0.0f64;
+        for p in &a.ours {
+            let v = read_json(p)?;
+            device = v["device"].as_str().unwrap_or_default().to_string();
+            commit = v["commit"].as_str().unwrap_or_default().to_string();
+            read_tbps = read_tbps.max(v["read_tbps"].as_f64().unwrap_or(0.0));
+            rows.extend(
+                v["rows"].as_array().cloned().unwrap_or_default().into_iter().filter(|r| r.get("error").is_none()),
+            );
+        }
+        let hf = match &a.hf {
+            Some(p) => read_json(p)?["rows"].as_array().cloned().unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let hf_tps = |model: &str, b: u64, s: u64, mode: &str| {
+            hf.iter()
+                .find(|r| {
+                    r["model"] == model && r["b"] == b && r["s"] == s && r["mode"] == mode && r.get("error").is_none()
+                })
+                .and_then(|r| r["tokens_per_s"].as_f64())
+        };
+        for r in rows.iter_mut() {
+            let (m, b, s) = (
+                r["model"].as_str().unwrap_or_default().to_string(),
+                r["b"].as_u64().unwrap_or(0),
+                r["s"].as_u64().unwrap_or(0),
+            );
+            r["hf_eager_tokens_per_s"] = json!(hf_tps(&m, b, s, "eager"));
+            r["hf_compiled_tokens_per_s"] = json!(hf_tps(&m, b, s, "compiled"));
+        }
+        // Ratios within one (model, b, s, fit) group against its fp16 row.
+        let fp16: Vec<(String, u64, u64, Option<f64>, f64)> = rows
+            .iter()
+            .filter(|r| r["method"] == "fp16")
+            .map(|r| {
+                (
+                    r["model"].as_str().unwrap_or_default().into(),
+                    r["b"].as_u64().unwrap_or(0),
+                    r["s"].as_u64().unwrap_or(0),
+                    r["fit_gib"].as_f64(),
+                    r["tokens_per_s"].as_f64().unwrap_or(0.0),
+                )
+            })
+            .collect();
+        let mut table = Vec::new();
+        for r in rows.iter_mut() {
+            let (m, b, s, fit) = (
+                r["model"].as_str().unwrap_or_default().to_string(),
+                r["b"].as_u64().unwrap_or(0),
+                r["s"].as_u64().unwrap_or(0),
+                r["fit_gib"].as_f64(),
+            );
+            let tps = r["tokens_per_s"].as_f64().unwrap_or(0.0);
+            let base = fp16.iter().find(|f| {
+                f.0 == m.as_str() && f.2 == s && if fit.is_some() { f.3 == fit } else { f.1 == b && f.3.is_none() }
+            });
+            let vs_fp16 = base.map(|f| tps / f.4);
+            r["vs_fp16"] = json!(vs_fp16);
+            let f = |x: Option<f64>, d: usize| x.map_or("–".to_string(), |v| format!("{v:.d$}"));
+            let sp = &r["split"];
+            table.push(vec![
+                m.clone(),
+                r["weights"].as_str().unwrap_or_default().to_string(),
+                b.to_string(),
+                s.to_string(),
+                r["method"].as_str().unwrap_or_default().to_string(),
+                fit.map_or("–".into(), |g| format!("{g}")),
+                format!("{tps:.1}"),
+                format!("{:.3}", r["step_ms"].as_f64().unwrap_or(0.0)),
+                format!("{:.3}", r["bound_ms"].as_f64().unwrap_or(0.0)),
+                format!("{:.0} %", 100.0 * r["bound_fraction"].as_f64().unwrap_or(0.0)),
+                f(sp["attention_ms"].as_f64(), 3),
+                f(sp["gemm_ms"].as_f64(), 3),
+                f(sp["rest_ms"].as_f64(), 3),
+                format!("{:.2}", (r["cache_bytes"].as_f64().unwrap_or(0.0)) / 1e9),
+                f(vs_fp16, 2),
+                f(r["hf_eager_tokens_per_s"].as_f64(), 1),
+                f(r["hf_compiled_tokens_per_s"].as_f64(), 1),
+            ]);
+        }
+        let out = json!({"device": device, "date": a.date, "commit": commit, "read_tbps": read_tbps, "rows": rows});
+        write_json(&a.json, &out)?;
+        print_table_to(
+            &[
+                "model",
+                "weights",
+                "B",
+                "S",
+                "method",
+                "fit GiB",
+                "tokens/s",
+                "step ms",
+                "bound ms",
+                "of bound",
+                "attn ms",
+                "GEMM ms",
+                "rest ms",
+                "cache GB",
+                "× fp16",
+                "HF eager tok/s",
+                "HF compiled tok/s",
+            ],
+            &table,
+            a.md.as_deref(),
+        )?;
+        if let Some(p) = &a.svg {
+            let mut series: Vec<crate::plot::Series> = Vec::new();
+            for r in &rows {
+                if r["s"].as_u64() != Some(a.svg_context as u64) {
+                    continue;
+                }
+                let label =
+                    format!("{} {}", r["model"].as_str().unwrap_or_default(), r["method"].as_str().unwrap_or_default());
+                let pt = (r["b"].as_f64().unwrap_or(0.0), r["tokens_per_s"].as_f64().unwrap_or(0.0));
+                match series.iter_mut().find(|s| s.label == label) {
+                    Some(s) => s.points.push(pt),
+                    None => series.push(crate::plot::Series { label, points: vec![pt] }),
+                }
+            }
+            for s in series.iter_mut() {
+                s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            }
+            let curves: Vec<(&str, Vec<(f64, f64)>)> =
+                series.iter().map(|s| (s.label.as_str(), s.points.clone())).collect();
+            crate::plot::scatter_svg(
+                p,
+                &format!("decode tokens/s vs batch at S = {} (graph replay, {device})", a.svg_context),
+                "batch (sequences per step)",
+                "tokens/s",
+                &series,
+                &curves,
+                false,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+pub use report::e2e_report;
