@@ -22,7 +22,8 @@ use std::sync::Arc;
 use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 use half::f16;
 use veloxquant::rng::derive_seed;
-use veloxquant::{CacheConfig, FormatSpec};
+use veloxquant::cache::{CacheContents, StreamContents};
+use veloxquant::{CacheConfig, FormatSpec, PagedCache};
 
 use crate::device::{Family, GpuDevice};
 use crate::encode::{GpuEncoder, InputKind};
@@ -938,21 +939,9 @@ impl GpuKvCache {
     }
 }
 
-/// One stream of one (layer, KV head) of a slot, as the CPU's `StreamStore` holds it.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct StreamContents {
-    /// Pages in order; the open page's unwritten rows zeroed (as the CPU allocates them).
-    pub pages: Vec<Vec<u8>>,
-    /// Rows of the open last page (row mode), 0 when every page is full.
-    pub open_rows: usize,
-    /// The window's tokens, oldest first, f16 bits.
-    pub tail: Vec<u16>,
-    pub sink: Vec<u16>,
-}
-
 impl GpuKvCache {
     /// A slot's contents, `[layer][head]` × (K, V), downloaded (synchronizes the stream).
-    pub fn download(&self, slot: usize) -> Result<Vec<Vec<[StreamContents; 2]>>> {
+    pub fn download(&self, slot: usize) -> Result<CacheContents> {
         let s = self.slot(slot)?.clone();
         let (hk, d, t, sink) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.page_tokens, self.cfg.sink);
         let xs = self.exact_slots();
@@ -967,6 +956,7 @@ impl GpuKvCache {
             let mut heads = Vec::with_capacity(hk);
             for h in 0..hk {
                 let mut pair: [StreamContents; 2] = Default::default();
+                let to_f16 = |x: &[u16]| x.iter().map(|&b| f16::from_bits(b)).collect::<Vec<f16>>();
                 for (si, strm) in [&self.k, &self.v].into_iter().enumerate() {
                     let pb = strm.fmt.page_bytes;
                     let mut pages = Vec::with_capacity(s.groups.len());
@@ -984,19 +974,107 @@ impl GpuKvCache {
                     let mut ex = vec![0u16; xs * d];
                     st.memcpy_dtoh(&strm.exact[layer].slice(base..base + xs * d), &mut ex)
                         .map_err(drv("dtoh exact"))?;
-                    let sink_v = ex[..n_sink * d].to_vec();
+                    let sink_v = to_f16(&ex[..n_sink * d]);
                     let mut tail = Vec::with_capacity(n_tail * d);
                     for j in w0..w0 + n_tail {
                         let x = sink + (j - sink) % ring;
-                        tail.extend_from_slice(&ex[x * d..(x + 1) * d]);
+                        tail.extend(to_f16(&ex[x * d..(x + 1) * d]));
                     }
                     pair[si] = StreamContents { pages, open_rows: open, tail, sink: sink_v };
                 }
-                heads.push(pair);
+                let [k, v] = pair;
+                heads.push((k, v));
             }
             out.push(heads);
         }
         Ok(out)
+    }
+
+    /// A slot as a CPU cache (`PagedCache::from_contents`): save it with the cache file
+    /// format, continue it on the CPU. `cpu` must be the config this cache mirrors.
+    pub fn to_paged_cache(&self, slot: usize, cpu: &CacheConfig) -> Result<PagedCache> {
+        self.check_mirrors(cpu)?;
+        Ok(PagedCache::from_contents(cpu.clone(), self.download(slot)?)?)
+    }
+
+    /// A new slot holding what `cache` holds (e.g. one loaded from a cache file): pages
+    /// uploaded to freshly allocated pages, the window into its ring slots, the sinks.
+    pub fn upload(&mut self, cache: &PagedCache) -> Result<usize> {
+        self.check_mirrors(cache.config())?;
+        if cache.row_mode() != self.row_mode {
+            return Err(CudaError::UnsupportedFormat { format: format!("{}", cache.config().k), why: "row mode differs" });
+        }
+        let contents = cache.contents();
+        let (hk, d, t, sink) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.page_tokens, self.cfg.sink);
+        let n = cache.n_tokens(0)?;
+        let first = &contents[0][0].0;
+        let coded = first.pages.len() * t - if first.open_rows > 0 { t - first.open_rows } else { 0 };
+        let pages = first.pages.len();
+        if pages > self.cfg.max_pages_per_seq || pages > self.free.len() || n > sink + coded + self.ring_cap() {
+            return Err(CudaError::OutOfCapacity { what: "cache slot for the upload", capacity: self.cfg.max_pages_per_seq });
+        }
+        let slot = self.add_seq()?;
+        for p in 0..pages {
+            let g = self.alloc_group()?;
+            self.slots[slot].groups.push(g);
+            self.set_page(slot, p, g);
+        }
+        {
+            let sl = &mut self.slots[slot];
+            sl.n_tokens = n;
+            sl.coded = coded;
+        }
+        self.set_counts(slot);
+        let st = self.dev.stream.clone();
+        let (xs, ring) = (self.exact_slots(), self.ring_cap());
+        let groups = self.slots[slot].groups.clone();
+        let w0 = sink + coded;
+        for (layer, heads) in contents.iter().enumerate() {
+            for (h, (k, v)) in heads.iter().enumerate() {
+                for (strm, c) in [(&mut self.k, k), (&mut self.v, v)] {
+                    let pb = strm.fmt.page_bytes;
+                    for (p, bytes) in c.pages.iter().enumerate() {
+                        let phys = groups[p] as usize * hk + h;
+                        st.memcpy_htod(bytes, &mut strm.pools[layer].slice_mut(phys * pb..(phys + 1) * pb))
+                            .map_err(drv("htod page"))?;
+                    }
+                    let mut ex = vec![0u16; xs * d];
+                    for (i, x) in c.sink.iter().enumerate() {
+                        ex[i] = x.to_bits();
+                    }
+                    for (i, tok) in c.tail.chunks_exact(d).enumerate() {
+                        let x = sink + (w0 + i - sink) % ring;
+                        for (e, v) in tok.iter().enumerate() {
+                            ex[x * d + e] = v.to_bits();
+                        }
+                    }
+                    let base = (slot * hk + h) * xs * d;
+                    st.memcpy_htod(&ex, &mut strm.exact[layer].slice_mut(base..base + xs * d)).map_err(drv("htod exact"))?;
+                }
+            }
+        }
+        Ok(slot)
+    }
+
+    /// Whether `cpu` describes this cache (formats, shape, windows, seed).
+    fn check_mirrors(&self, cpu: &CacheConfig) -> Result<()> {
+        let c = &self.cfg;
+        let same = cpu.n_layers == c.n_layers
+            && cpu.n_kv_heads == c.n_kv_heads
+            && cpu.head_dim == c.head_dim
+            && cpu.page_tokens == c.page_tokens
+            && cpu.recent == c.recent
+            && cpu.sink == c.sink
+            && cpu.k == c.k
+            && cpu.v == c.v
+            && cpu.seed == c.seed;
+        if !same {
+            return Err(CudaError::UnsupportedFormat {
+                format: format!("{}/{}", cpu.k, cpu.v),
+                why: "the CPU cache's config is not the one this device cache mirrors",
+            });
+        }
+        Ok(())
     }
 }
 

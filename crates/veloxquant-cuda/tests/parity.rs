@@ -199,7 +199,7 @@ fn assert_same_contents(gpu: &GpuKvCache, slot: usize, cpu: &PagedCache, what: &
         let lc = cpu.layer(l).unwrap();
         for (h, pair) in heads.iter().enumerate() {
             for (si, s) in [&lc.keys[h], &lc.values[h]].into_iter().enumerate() {
-                let g = &pair[si];
+                let g = if si == 0 { &pair.0 } else { &pair.1 };
                 // The open page's valid rows only (a trimmed CPU page keeps stale rows past them).
                 let fmt = if si == 0 { &gpu.k.fmt } else { &gpu.v.fmt };
                 let want: Vec<Vec<u8>> = s
@@ -220,8 +220,8 @@ fn assert_same_contents(gpu: &GpuKvCache, slot: usize, cpu: &PagedCache, what: &
                 }
                 assert_eq!(g.open_rows, s.open_rows(), "{what}: open rows");
                 let bits = |x: &[half::f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
-                assert_eq!(g.tail, bits(s.tail()), "{what}: layer {l} head {h} stream {si}: window");
-                assert_eq!(g.sink, bits(s.sink()), "{what}: layer {l} head {h} stream {si}: sinks");
+                assert_eq!(bits(&g.tail), bits(s.tail()), "{what}: layer {l} head {h} stream {si}: window");
+                assert_eq!(bits(&g.sink), bits(s.sink()), "{what}: layer {l} head {h} stream {si}: sinks");
             }
         }
     }

@@ -241,6 +241,48 @@ fn gpu_fork_and_trim_continue_like_cpu() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// A sequence moves between devices through the cache file: prefilled on the GPU, exported,
+/// saved, loaded, imported into another engine, it continues exactly as the original does
+/// (bit-identical logits); loaded on the CPU, it continues as the CPU would.
+#[test]
+fn gpu_sequence_moves_through_the_cache_file() {
+    use veloxquant::cache::{LoadCheck, SaveInfo};
+    use veloxquant::PagedCache;
+    let Some(dev) = device() else { return };
+    let dir = tmp_dir("move");
+    let path = tiny_gguf(&dir, 4);
+    let cpu_model = Llama::load(&path, WeightMode::DequantF32).unwrap();
+    let gpu_model = Arc::new(GpuModel::load(&dev, &path).unwrap());
+    let cfg = EngineConfig::new(default_method(), 2, 512);
+    let mut a = GpuEngine::new(gpu_model.clone(), cfg.clone()).unwrap();
+    let mut rng = SplitMix64::new(8);
+    let mut tok = || (rng.next_u64() % VOCAB as u64) as u32;
+    let prompt: Vec<u32> = (0..101).map(|_| tok()).collect();
+    let s = a.add_sequence().unwrap();
+    a.prefill(&[(s, &prompt, prompt.len())]).unwrap();
+    let mut file = Vec::new();
+    a.export(s).unwrap().save(&mut file, &SaveInfo::default()).unwrap();
+    let (loaded, _) = PagedCache::load(&mut file.as_slice(), &LoadCheck::default()).unwrap();
+    let mut b = GpuEngine::new(gpu_model, cfg).unwrap();
+    let sb = b.import(&loaded).unwrap();
+    assert_eq!(b.n_tokens(sb).unwrap(), prompt.len());
+    let mut cpu = CompressedStore::from_cache(loaded);
+    let mut agree = Agree::default();
+    for _ in 0..12 {
+        let t = tok();
+        let la = a.step(&[(s, t)], true).unwrap().logits.unwrap();
+        let lb = b.step(&[(sb, t)], true).unwrap().logits.unwrap();
+        assert_eq!(
+            la.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            lb.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "the imported sequence continues bit-identically"
+        );
+        agree.add(&cpu_model.forward(&[t], &mut cpu, 0).unwrap(), &lb);
+    }
+    agree.check("GPU sequence continued on the CPU from its cache file");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 #[test]
 fn gpu_engine_rejects_bad_input_with_typed_errors() {
     let Some(dev) = device() else { return };

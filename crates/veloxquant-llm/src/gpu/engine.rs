@@ -256,6 +256,20 @@ impl GpuEngine {
         self.cache.n_tokens(slot).map_err(gpu)
     }
 
+    /// A sequence as a CPU cache (save it with `PagedCache::save`, continue it on the CPU).
+    pub fn export(&self, slot: usize) -> Result<veloxquant::PagedCache> {
+        self.cache.to_paged_cache(slot, &self.cfg.cpu_cache(&self.model.config)).map_err(gpu)
+    }
+
+    /// A new sequence holding a CPU cache's tokens (e.g. loaded from a cache file made by
+    /// `export` or by the CPU): decoding continues from them.
+    pub fn import(&mut self, cache: &veloxquant::PagedCache) -> Result<usize> {
+        if cache.n_tokens(0).map_err(|e| LlmError::StoreBackend(Box::new(e)))? > self.cfg.max_context {
+            return Err(LlmError::InvalidArgument("import: the cache holds more tokens than the engine's context".into()));
+        }
+        self.cache.upload(cache).map_err(gpu)
+    }
+
     fn check_tokens(&self, toks: &[u32], slot: usize, n_new: usize) -> Result<()> {
         let c = &self.model.config;
         if let Some(&id) = toks.iter().find(|&&t| t as usize >= c.n_vocab) {

@@ -311,6 +311,81 @@ impl PagedCache {
     }
 }
 
+/// One stream of one (layer, KV head) as a cache holds it: what moves a sequence between
+/// devices (a GPU cache downloads into these, `PagedCache::from_contents` rebuilds the CPU
+/// cache, and `contents` goes the other way).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StreamContents {
+    /// Pages in order, `page_bytes` each; the open page's unwritten rows zero.
+    pub pages: Vec<Vec<u8>>,
+    /// Rows of the open last page (row mode), 0 when every page is full.
+    pub open_rows: usize,
+    /// The fp16 window, oldest token first.
+    pub tail: Vec<half::f16>,
+    /// The sink tokens held so far.
+    pub sink: Vec<half::f16>,
+}
+
+/// Per layer, per KV head: (keys, values).
+pub type CacheContents = Vec<Vec<(StreamContents, StreamContents)>>;
+
+impl PagedCache {
+    /// A cache holding `contents` (as `contents()` returns them), checked like a loaded file:
+    /// page sizes, window and sink sizes, the same token count in every stream. Calibrated
+    /// formats train from `cfg.calibration` as `new` does.
+    pub fn from_contents(cfg: CacheConfig, contents: CacheContents) -> Result<Self> {
+        let built = Self::build_formats(&cfg, |_, _, _| None)?;
+        let row_mode = Self::row_mode_of(&cfg, &built);
+        if contents.len() != cfg.n_layers || contents.iter().any(|l| l.len() != cfg.n_kv_heads) {
+            return Err(VqError::InvalidConfig(format!(
+                "contents for {} layers × {} heads expected",
+                cfg.n_layers, cfg.n_kv_heads
+            )));
+        }
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for ((kf, vf), heads) in built.into_iter().zip(contents) {
+            let mut keys = Vec::with_capacity(cfg.n_kv_heads);
+            let mut values = Vec::with_capacity(cfg.n_kv_heads);
+            for ((k, v), (fk, fv)) in heads.into_iter().zip(kf.into_iter().zip(vf)) {
+                for (c, f, out) in [(k, fk, &mut keys), (v, fv, &mut values)] {
+                    let parts = stream::StreamParts {
+                        pages: c.pages.into_iter().map(Page::from).collect(),
+                        open_rows: c.open_rows,
+                        tail: c.tail,
+                        sink: c.sink,
+                    };
+                    out.push(StreamStore::from_parts(f, cfg.recent, row_mode, cfg.sink, parts)?);
+                }
+            }
+            let n_tokens = keys[0].n_tokens();
+            if keys.iter().chain(&values).any(|s| s.n_tokens() != n_tokens) {
+                return Err(VqError::FileCorrupt("streams of a layer hold different token counts".into()));
+            }
+            layers.push(LayerCache { keys, values, n_tokens });
+        }
+        let n0 = layers[0].n_tokens;
+        if layers.iter().any(|l| l.n_tokens != n0) {
+            return Err(VqError::FileCorrupt("layers hold different token counts".into()));
+        }
+        Ok(Self { cfg, layers, row_mode })
+    }
+
+    /// Every stream's contents, `[layer][head]` × (K, V) (the open page's stale rows zeroed).
+    pub fn contents(&self) -> CacheContents {
+        let one = |s: &StreamStore| {
+            let f = s.format();
+            let mut pages: Vec<Vec<u8>> = s.pages().iter().map(|p| p.to_vec()).collect();
+            if s.open_rows() > 0 {
+                if let Some(last) = pages.last_mut() {
+                    f.clear_rows_from(last, s.open_rows());
+                }
+            }
+            StreamContents { pages, open_rows: s.open_rows(), tail: s.tail().to_vec(), sink: s.sink().to_vec() }
+        };
+        self.layers.iter().map(|l| l.keys.iter().zip(&l.values).map(|(k, v)| (one(k), one(v))).collect()).collect()
+    }
+}
+
 /// Check appended data for NaN/Inf; exposed for stores outside this crate.
 pub fn check_kv_finite(k: &[f32], v: &[f32], d: usize) -> Result<()> {
     check_finite("keys", k, d)?;

@@ -392,6 +392,12 @@ pub trait Format: Send + Sync + fmt::Debug {
         Err(VqError::InvalidSpec { spec: self.spec().to_string(), why: "not row-granular".into() })
     }
 
+    /// Zero rows `from..` of a row-granular page (and their per-token side information): an
+    /// open page as a fresh one holds it. Default: nothing (page formats have no open page).
+    fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        let _ = (page, from);
+    }
+
     /// Prepare n_q queries (n_q × d) for scoring; default: used as they are.
     fn prepare_query(&self, q: &[f32], n_q: usize) -> QueryState {
         QueryState::plain(q[..n_q * self.head_dim()].to_vec(), n_q)

@@ -244,6 +244,17 @@ impl Format for RowFormat {
         true
     }
 
+    fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        let (t, rb) = (self.layout.t, self.layout.row_bytes);
+        if from >= t || page.len() < t * rb {
+            return;
+        }
+        page[from * rb..t * rb].fill(0);
+        if let Some(at) = self.layout.scales_at {
+            page[at + 2 * from..at + 2 * t].fill(0);
+        }
+    }
+
     fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
         check_len("encode_row input", self.layout.d, x.len())?;
         check_len("encode_row output", self.page_bytes(), page.len())?;
