@@ -8,6 +8,7 @@ mod eval;
 mod gpu;
 mod model;
 mod plot;
+mod serve_cmd;
 mod util;
 
 use std::path::PathBuf;
@@ -64,6 +65,8 @@ enum Cmd {
         #[command(subcommand)]
         which: cache_cmd::CacheCmd,
     },
+    /// OpenAI-compatible HTTP server with continuous batching over the compressed cache.
+    Serve(serve_cmd::ServeArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -111,6 +114,7 @@ fn main() -> ExitCode {
         Cmd::FetchModel(a) => demo::fetch(&a),
         Cmd::Distortion { d, n, formats, json, plot, md } => distortion::run(d, n, formats, json, plot, md),
         Cmd::Cache { which } => cache_cmd::run(&which),
+        Cmd::Serve(a) => serve_cmd::run(&a),
         Cmd::Bench { which: BenchCmd::Cpu(args) } => bench::run_cpu(&args),
         Cmd::Bench { which: BenchCmd::Cuda { args } } => bench_cuda(args),
         Cmd::Bench { which: BenchCmd::E2e(a) } => gpu::bench_e2e(&a),

@@ -8,6 +8,8 @@ use candle_core::{Device, Module, Tensor};
 use rayon::prelude::*;
 use std::path::Path;
 
+pub mod batch;
+
 /// Shapes and constants of a Llama model, from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {

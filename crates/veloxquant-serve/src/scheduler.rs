@@ -1,0 +1,562 @@
+//! The scheduler: one thread, one loop, continuous batching.
+//!
+//! Each turn: take new commands; drop requests whose client went away or whose time ran
+//! out (their pages are freed at once); admit waiting requests while the KV budget allows
+//! (a request reserves its prompt plus `max_tokens`; prefix hits fork cached pages
+//! instead); then one batched forward — one decode token for every decoding sequence and
+//! the next prefill chunk of prefilling ones, within a per-step prefill budget so a long
+//! prompt never stalls the others for more than a chunk — and sample, stream, finish.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
+use veloxquant_llm::Tokenizer;
+
+use crate::engine::{Engine, Out, SeqId, Want, Work};
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::prefix::{block_hashes, common_blocks, PrefixCache};
+use crate::sampling::{Sampler, SamplingParams};
+use crate::slots::{SlotAction, SlotEntry, Slots};
+use crate::text::{Detokenizer, StopMatcher};
+
+/// How the scheduler is bounded.
+#[derive(Clone, Debug)]
+pub struct SchedConfig {
+    /// Sequences prefilling or decoding at once.
+    pub max_running: usize,
+    /// KV-cache bytes for live sequences, prefix checkpoints and slots together.
+    pub kv_budget_bytes: usize,
+    /// Tokens of one prompt per forward (a multiple of the page size).
+    pub prefill_chunk: usize,
+    /// Prompt tokens over all sequences per forward.
+    pub step_prefill_tokens: usize,
+    pub request_timeout: Duration,
+    /// Checkpoints kept for prefix sharing (0: off).
+    pub max_prefixes: usize,
+    /// Ids that end generation (EOS, `<|im_end|>`); not part of the text.
+    pub stop_ids: Vec<u32>,
+    /// How long in-flight requests may run after a shutdown signal.
+    pub shutdown_grace: Duration,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Finish {
+    Stop,
+    Length,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens taken from cached pages (prefix cache or slot).
+    pub cached_tokens: usize,
+}
+
+/// What a request's stream carries.
+#[derive(Debug)]
+pub enum Event {
+    Text(String),
+    Done { finish: Finish, usage: Usage, ids: Vec<u32> },
+    Error(ApiError),
+}
+
+pub struct GenRequest {
+    pub prompt: Vec<u32>,
+    /// Already clamped to the context.
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    pub slot: Option<usize>,
+    pub events: UnboundedSender<Event>,
+    pub received: Instant,
+}
+
+pub enum Command {
+    Generate(GenRequest),
+    Slot { id: usize, action: SlotAction, reply: tokio::sync::oneshot::Sender<Result<serde_json::Value, ApiError>> },
+    /// Stop admitting; finish in-flight work within the grace period, then return.
+    Shutdown,
+}
+
+struct Active {
+    req: GenRequest,
+    seq: SeqId,
+    /// Prompt tokens in the cache.
+    fed: usize,
+    cached: usize,
+    hashes: Vec<u64>,
+    generated: Vec<u32>,
+    /// Sampled and not yet fed.
+    next: Option<u32>,
+    sampler: Sampler,
+    detok: Detokenizer,
+    stops: StopMatcher,
+}
+
+impl Active {
+    fn reserve(&self) -> usize {
+        self.req.prompt.len() + self.req.max_tokens
+    }
+}
+
+pub struct Scheduler<E: Engine> {
+    engine: E,
+    tok: Arc<Tokenizer>,
+    cfg: SchedConfig,
+    metrics: Arc<Metrics>,
+    rx: UnboundedReceiver<Command>,
+    queue: VecDeque<GenRequest>,
+    running: Vec<Active>,
+    prefix: PrefixCache,
+    slots: Slots,
+    stopping: Option<Instant>,
+}
+
+fn queue_dec(m: &Metrics) {
+    m.queue_length.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+impl<E: Engine> Scheduler<E> {
+    pub fn new(
+        engine: E,
+        tok: Arc<Tokenizer>,
+        cfg: SchedConfig,
+        metrics: Arc<Metrics>,
+        rx: UnboundedReceiver<Command>,
+        slots: Slots,
+    ) -> Self {
+        let t = engine.info().page_tokens;
+        Metrics::set(&metrics.kv_budget_bytes, cfg.kv_budget_bytes as u64);
+        let prefix = PrefixCache::new(t, cfg.max_prefixes);
+        Self { engine, tok, cfg, metrics, rx, queue: VecDeque::new(), running: Vec::new(), prefix, slots, stopping: None }
+    }
+
+    /// Runs until shut down (or every sender is gone) and in-flight work is over.
+    pub fn run(mut self) {
+        loop {
+            let idle = self.running.is_empty() && self.queue.is_empty();
+            if idle && self.stopping.is_some() {
+                break;
+            }
+            if idle {
+                match self.rx.blocking_recv() {
+                    Some(cmd) => self.handle(cmd),
+                    None => break,
+                }
+            }
+            while let Ok(cmd) = self.rx.try_recv() {
+                self.handle(cmd);
+            }
+            self.reap();
+            self.admit();
+            if !self.running.is_empty() {
+                self.step();
+            }
+            self.publish();
+        }
+        for a in std::mem::take(&mut self.running) {
+            self.engine.remove(a.seq);
+        }
+        self.publish();
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Generate(r) if self.stopping.is_some() => {
+                queue_dec(&self.metrics);
+                Metrics::inc(&self.metrics.requests_rejected_total);
+                let _ = r.events.send(Event::Error(ApiError::busy("the server is shutting down")));
+            }
+            Command::Generate(r) => self.queue.push_back(r),
+            Command::Slot { id, action, reply } => {
+                let busy = self.running.iter().any(|a| a.req.slot == Some(id));
+                let res = if busy {
+                    Err(ApiError::with_status(axum::http::StatusCode::CONFLICT, format!("slot {id} is in use")))
+                } else {
+                    let room = self.cfg.kv_budget_bytes.saturating_sub(self.used_bytes() + self.growth());
+                    self.slots.act(&mut self.engine, id, action, room)
+                };
+                let _ = reply.send(res);
+            }
+            Command::Shutdown => self.stopping = Some(Instant::now()),
+        }
+    }
+
+    /// Cancels requests whose client is gone, that ran out of time, or that outlived the
+    /// shutdown grace period.
+    fn reap(&mut self) {
+        let now = Instant::now();
+        let timeout = self.cfg.request_timeout;
+        let past_grace = self.stopping.is_some_and(|t| now.duration_since(t) > self.cfg.shutdown_grace);
+        let verdict = |r: &GenRequest| -> Option<Option<ApiError>> {
+            if r.events.is_closed() {
+                Some(None)
+            } else if now.duration_since(r.received) > timeout {
+                Some(Some(ApiError::timeout()))
+            } else if past_grace {
+                Some(Some(ApiError::busy("the server shut down before the request finished")))
+            } else {
+                None
+            }
+        };
+        let m = self.metrics.clone();
+        let drop_one = |r: &GenRequest, err: Option<ApiError>| match err {
+            None => Metrics::inc(&m.requests_cancelled_total),
+            Some(e) => {
+                Metrics::inc(&m.requests_failed_total);
+                let _ = r.events.send(Event::Error(e));
+            }
+        };
+        self.queue.retain(|r| match verdict(r) {
+            None => true,
+            Some(err) => {
+                queue_dec(&m);
+                drop_one(r, err);
+                false
+            }
+        });
+        let mut keep = Vec::with_capacity(self.running.len());
+        for a in std::mem::take(&mut self.running) {
+            match verdict(&a.req) {
+                None => keep.push(a),
+                Some(err) => {
+                    drop_one(&a.req, err);
+                    self.engine.remove(a.seq);
+                }
+            }
+        }
+        self.running = keep;
+    }
+
+    fn held_seqs(&self) -> Vec<SeqId> {
+        self.prefix.seqs().chain(self.slots.seqs()).collect()
+    }
+
+    fn live_seqs(&self) -> Vec<SeqId> {
+        self.running.iter().map(|a| a.seq).collect()
+    }
+
+    /// Bytes live sequences may still add before they end.
+    fn growth(&self) -> usize {
+        let per = |n: usize| self.engine.bytes_for_tokens(n).saturating_sub(self.engine.bytes_for_tokens(0));
+        self.running.iter().map(|a| per(a.reserve().saturating_sub(self.engine.n_tokens(a.seq)))).sum()
+    }
+
+    fn used_bytes(&self) -> usize {
+        let mut all = self.live_seqs();
+        all.extend(self.held_seqs());
+        self.engine.kv_bytes(&all)
+    }
+
+    fn seq_room(&self, extra: usize) -> bool {
+        let held = self.running.len() + self.prefix.len() + self.slots.len();
+        self.engine.info().max_seqs.is_none_or(|m| held + extra <= m)
+    }
+
+    /// Admits waiting requests in order while they fit. A request that shares a prefix with
+    /// one still prefilling waits for that one's checkpoint instead of computing it again.
+    fn admit(&mut self) {
+        let t = self.engine.info().page_tokens;
+        let mut i = 0;
+        let mut used = None;
+        while i < self.queue.len() && self.running.len() < self.cfg.max_running {
+            let (prompt, slot, max_tokens) = {
+                let r = &self.queue[i];
+                (r.prompt.clone(), r.slot, r.max_tokens)
+            };
+            let hashes = block_hashes(&prompt, t);
+            let hit = self.prefix_hit(&prompt, &hashes, slot);
+            let chunk = self.cfg.prefill_chunk;
+            let waits = self.running.iter().filter(|a| a.fed < a.req.prompt.len()).any(|a| {
+                let shared = common_blocks(&hashes, &a.hashes) * t;
+                let will = shared.min(a.req.prompt.len() - 1) / chunk * chunk;
+                will > hit.map_or(0, |h| h.1)
+            });
+            if waits {
+                i += 1;
+                continue;
+            }
+            let need = self.engine.bytes_for_tokens(prompt.len() + max_tokens - hit.map_or(0, |h| h.1));
+            let mut now = match used {
+                Some(u) => u,
+                None => self.used_bytes() + self.growth(),
+            };
+            // Make room: drop least recently used checkpoints (never a slot's cache).
+            while (now + need > self.cfg.kv_budget_bytes || !self.seq_room(2)) && !self.prefix.is_empty() {
+                if let Some(s) = self.prefix.evict_lru() {
+                    self.engine.remove(s);
+                }
+                now = self.used_bytes() + self.growth();
+            }
+            if now + need > self.cfg.kv_budget_bytes || !self.seq_room(1) {
+                if !self.running.is_empty() {
+                    break;
+                }
+                // Nothing will ever free memory for it: refuse rather than wait forever.
+                let r = self.queue.remove(i).expect("index in range");
+                queue_dec(&self.metrics);
+                Metrics::inc(&self.metrics.requests_failed_total);
+                let msg = format!(
+                    "the request needs ~{} KiB of KV cache; the budget is {} KiB (slots hold {} KiB)",
+                    need >> 10,
+                    self.cfg.kv_budget_bytes >> 10,
+                    now >> 10
+                );
+                let _ = r.events.send(Event::Error(ApiError::bad_request(msg)));
+                used = None;
+                continue;
+            }
+            let r = self.queue.remove(i).expect("index in range");
+            queue_dec(&self.metrics);
+            // Look up again: eviction may have dropped the checkpoint just found.
+            let hit = self.prefix_hit(&prompt, &hashes, slot);
+            used = match self.start(r, hashes, hit) {
+                Ok(()) => Some(now + need),
+                Err(()) => None,
+            };
+        }
+    }
+
+    /// The best cached start for a prompt: (sequence to fork, tokens it holds, tokens to trim).
+    fn prefix_hit(&mut self, prompt: &[u32], hashes: &[u64], slot: Option<usize>) -> Option<(SeqId, usize, usize)> {
+        let from_slot = slot.and_then(|s| self.slots.get(s)).and_then(|e| {
+            let n = e.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(prompt.len() - 1);
+            (n > 0).then_some((e.seq, n, e.tokens.len() - n))
+        });
+        let from_cache = self.prefix.lookup(prompt, hashes).map(|h| (h.seq, h.n_tokens, 0));
+        match (from_slot, from_cache) {
+            (Some(a), Some(b)) => Some(if a.1 >= b.1 { a } else { b }),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn start(&mut self, r: GenRequest, hashes: Vec<u64>, hit: Option<(SeqId, usize, usize)>) -> Result<(), ()> {
+        let made = match hit {
+            Some((src, _, trim)) => self.engine.fork(src).and_then(|s| {
+                if trim > 0 {
+                    self.engine.trim(s, trim).map(|_| s).inspect_err(|_| self.engine.remove(s))
+                } else {
+                    Ok(s)
+                }
+            }),
+            None => self.engine.add(),
+        };
+        let seq = match made {
+            Ok(s) => s,
+            Err(e) => {
+                Metrics::inc(&self.metrics.requests_failed_total);
+                let _ = r.events.send(Event::Error(ApiError::internal(format!("could not start the sequence: {e}"))));
+                return Err(());
+            }
+        };
+        let cached = hit.map_or(0, |h| h.1);
+        if cached > 0 {
+            Metrics::inc(&self.metrics.prefix_cache_hits_total);
+            Metrics::add(&self.metrics.prefix_cache_tokens_total, cached as u64);
+        }
+        Metrics::add(&self.metrics.prompt_tokens_total, r.prompt.len() as u64);
+        self.running.push(Active {
+            sampler: Sampler::new(r.sampling),
+            stops: StopMatcher::new(r.stop.clone()),
+            detok: Detokenizer::new(),
+            req: r,
+            seq,
+            fed: cached,
+            cached,
+            hashes,
+            generated: Vec::new(),
+            next: None,
+        });
+        Ok(())
+    }
+
+    /// Where a prefill chunk starting at `fed` ends: the next chunk boundary, the last page
+    /// boundary before the prompt's end (a checkpoint), the prompt's end, or the budget.
+    fn chunk_end(&self, a: &Active, budget: usize) -> usize {
+        let (len, c, t) = (a.req.prompt.len(), self.cfg.prefill_chunk, self.engine.info().page_tokens);
+        let last_page = (len - 1) / t * t;
+        let mut end = ((a.fed / c + 1) * c).min(len).min(a.fed + budget);
+        if a.fed < last_page && last_page < end {
+            end = last_page;
+        }
+        end
+    }
+
+    fn step(&mut self) {
+        let mut budget = self.cfg.step_prefill_tokens;
+        // (index into running, start, end) for prefill chunks; decode rows use `next`.
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, a) in self.running.iter().enumerate() {
+            if a.fed < a.req.prompt.len() {
+                if budget == 0 {
+                    continue;
+                }
+                let end = self.chunk_end(a, budget);
+                budget -= end - a.fed;
+                plan.push((i, a.fed, end));
+            } else if a.next.is_some() {
+                plan.push((i, 0, 0));
+            }
+        }
+        if plan.is_empty() {
+            return;
+        }
+        let singles: Vec<u32> = plan.iter().map(|&(i, _, _)| self.running[i].next.unwrap_or(0)).collect();
+        let work: Vec<Work<'_>> = plan
+            .iter()
+            .zip(&singles)
+            .map(|(&(i, s, e), t)| {
+                let a = &self.running[i];
+                let want = if a.sampler.is_greedy() { Want::Greedy } else { Want::Logits };
+                if e > s {
+                    let want = if e == a.req.prompt.len() { want } else { Want::Nothing };
+                    Work { seq: a.seq, tokens: &a.req.prompt[s..e], want }
+                } else {
+                    Work { seq: a.seq, tokens: std::slice::from_ref(t), want }
+                }
+            })
+            .collect();
+        let rows = work.len();
+        let prefilled: usize = plan.iter().map(|&(_, s, e)| e - s).sum();
+        let result = self.engine.forward(&work);
+        drop(work);
+        Metrics::inc(&self.metrics.steps_total);
+        Metrics::add(&self.metrics.step_rows_total, rows as u64);
+        Metrics::add(&self.metrics.prefill_tokens_total, prefilled as u64);
+        let outs = match result {
+            Ok(o) => o,
+            Err(e) => {
+                // An engine failure ends every request in the step; the server goes on.
+                let mut failed: Vec<usize> = plan.iter().map(|p| p.0).collect();
+                failed.sort_unstable();
+                for &i in failed.iter().rev() {
+                    let a = self.running.swap_remove(i);
+                    Metrics::inc(&self.metrics.requests_failed_total);
+                    let _ = a.req.events.send(Event::Error(ApiError::internal(format!("engine: {e}"))));
+                    self.engine.remove(a.seq);
+                }
+                return;
+            }
+        };
+        let mut done = Vec::new();
+        for (&(i, s, e), out) in plan.iter().zip(outs) {
+            if e > s {
+                self.running[i].fed = e;
+                self.checkpoint(i);
+                if e < self.running[i].req.prompt.len() {
+                    continue;
+                }
+            } else {
+                let a = &mut self.running[i];
+                a.generated.push(a.next.take().unwrap_or(0));
+            }
+            if let Some(f) = self.on_output(i, out) {
+                done.push((i, f));
+            }
+        }
+        done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
+        for (i, f) in done {
+            let a = self.running.swap_remove(i);
+            self.finish(a, f);
+        }
+    }
+
+    /// After a prefill chunk: leave a checkpoint if it ended on a chunk boundary or on the
+    /// prompt's last page boundary.
+    fn checkpoint(&mut self, i: usize) {
+        let (t, c) = (self.engine.info().page_tokens, self.cfg.prefill_chunk);
+        let a = &self.running[i];
+        let (n, len) = (a.fed, a.req.prompt.len());
+        let on_boundary = n % c == 0 || n == (len - 1) / t * t;
+        if self.cfg.max_prefixes == 0 || n < t || n % t != 0 || !on_boundary || n == a.cached {
+            return;
+        }
+        let hash = a.hashes[n / t - 1];
+        if self.prefix.contains(hash) || !self.seq_room(1) {
+            return;
+        }
+        let (seq, tokens) = (a.seq, a.req.prompt[..n].to_vec());
+        if let Ok(f) = self.engine.fork(seq) {
+            for s in self.prefix.insert(hash, f, tokens) {
+                self.engine.remove(s);
+            }
+        }
+    }
+
+    /// The model's output for a sequence's last position: choose, stream, maybe finish.
+    fn on_output(&mut self, i: usize, out: Out) -> Option<Finish> {
+        let n_ctx = self.engine.info().n_ctx;
+        let n_cached = self.engine.n_tokens(self.running[i].seq);
+        let tok = self.tok.clone();
+        let a = &mut self.running[i];
+        let id = match (&out.logits, out.greedy) {
+            (Some(lg), _) if !a.sampler.is_greedy() => a.sampler.sample(lg),
+            (_, Some(g)) => g,
+            (Some(lg), None) => a.sampler.sample(lg),
+            (None, None) => return Some(Finish::Length),
+        };
+        if self.cfg.stop_ids.contains(&id) {
+            return Some(Finish::Stop);
+        }
+        Metrics::inc(&self.metrics.generated_tokens_total);
+        let decode = |ids: &[u32]| tok.decode(ids).ok();
+        let piece = a.detok.push(id, &decode);
+        let emit = a.stops.push(&piece);
+        if !emit.text.is_empty() {
+            let _ = a.req.events.send(Event::Text(emit.text));
+        }
+        if emit.stopped {
+            a.generated.push(id);
+            return Some(Finish::Stop);
+        }
+        if a.generated.len() + 1 >= a.req.max_tokens || n_cached + 1 >= n_ctx {
+            a.generated.push(id);
+            return Some(Finish::Length);
+        }
+        a.next = Some(id);
+        None
+    }
+
+    fn finish(&mut self, mut a: Active, finish: Finish) {
+        let rest = a.stops.flush();
+        if !rest.is_empty() {
+            let _ = a.req.events.send(Event::Text(rest));
+        }
+        let usage =
+            Usage { prompt_tokens: a.req.prompt.len(), completion_tokens: a.generated.len(), cached_tokens: a.cached };
+        let _ = a.req.events.send(Event::Done { finish, usage, ids: a.generated.clone() });
+        match a.req.slot {
+            Some(id) => {
+                let n = self.engine.n_tokens(a.seq);
+                let mut tokens = std::mem::take(&mut a.req.prompt);
+                tokens.extend_from_slice(&a.generated);
+                tokens.truncate(n);
+                if let Some(old) = self.slots.park(id, SlotEntry { seq: a.seq, tokens }) {
+                    self.engine.remove(old);
+                }
+            }
+            None => self.engine.remove(a.seq),
+        }
+    }
+
+    fn publish(&self) {
+        let m = &self.metrics;
+        let live = self.live_seqs();
+        let in_use = self.engine.kv_bytes(&live);
+        let mut all = live;
+        all.extend(self.held_seqs());
+        let total = self.engine.kv_bytes(&all);
+        let fp16 = self.engine.info().fp16_bytes_per_token;
+        let tokens: usize = self.running.iter().map(|a| self.engine.n_tokens(a.seq)).sum();
+        Metrics::set(&m.sequences_running, self.running.len() as u64);
+        Metrics::set(&m.kv_bytes_in_use, in_use as u64);
+        Metrics::set(&m.kv_bytes_cached, total.saturating_sub(in_use) as u64);
+        Metrics::set(&m.kv_bytes_fp16_equivalent, (tokens * fp16) as u64);
+        m.kv_bytes_peak.fetch_max(total as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+}
