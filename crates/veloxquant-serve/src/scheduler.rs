@@ -241,10 +241,13 @@ impl<E: Engine> Scheduler<E> {
         self.running.iter().map(|a| a.seq).collect()
     }
 
-    /// Bytes live sequences may still add before they end.
+    /// Bytes live sequences may still add before they end: each one's bound at its
+    /// reservation (prompt + max_tokens) less what it holds now.
     fn growth(&self) -> usize {
-        let per = |n: usize| self.engine.bytes_for_tokens(n).saturating_sub(self.engine.bytes_for_tokens(0));
-        self.running.iter().map(|a| per(a.reserve().saturating_sub(self.engine.n_tokens(a.seq)))).sum()
+        self.running
+            .iter()
+            .map(|a| self.engine.bytes_for_tokens(a.reserve()).saturating_sub(self.engine.kv_bytes(&[a.seq])))
+            .sum()
     }
 
     fn used_bytes(&self) -> usize {
@@ -478,6 +481,11 @@ impl<E: Engine> Scheduler<E> {
         }
         let hash = a.hashes[n / t - 1];
         if self.prefix.contains(hash) || !self.seq_room(1) {
+            return;
+        }
+        // A fork copies the exact tail now and, later, the open page either side writes.
+        let cost = self.engine.bytes_for_tokens(0);
+        if self.used_bytes() + self.growth() + cost > self.cfg.kv_budget_bytes {
             return;
         }
         let (seq, tokens) = (a.seq, a.req.prompt[..n].to_vec());
