@@ -123,8 +123,8 @@ pub fn run(a: &ServeArgs) -> AnyResult {
         return serve_cuda(a, &method, &path, cfg, tok, bind);
     }
     let model = Arc::new(Llama::load(&path, WeightMode::DequantF32)?);
-    let engine = CpuEngine::new(model.clone(), cache_config(&method, &model.config)?)?;
-    veloxquant_serve::serve_blocking(cfg, engine, tok, bind)?;
+    let cache = cache_config(&method, &model.config)?;
+    veloxquant_serve::serve_blocking(cfg, move || CpuEngine::new(model, cache), tok, bind)?;
     Ok(())
 }
 
@@ -137,19 +137,24 @@ fn serve_cuda(
     tok: Arc<Tokenizer>,
     bind: SocketAddr,
 ) -> AnyResult {
-    use veloxquant_llm::gpu::GpuModel;
-    let dev = veloxquant_cuda::GpuDevice::new(0).map_err(|e| format!("--device cuda: {e}"))?;
-    let model = Arc::new(GpuModel::load(&dev, path)?);
-    let ctx = a.max_context.unwrap_or(model.config.n_ctx_train).min(model.config.n_ctx_train);
+    use veloxquant_llm::gpu::{GpuMethod, GpuModel};
+    use veloxquant_serve::{gpu_engine::GpuServeEngine, ServeError};
     let gm = match method {
-        Method::Fp16 => veloxquant_llm::gpu::GpuMethod::fp16(),
+        Method::Fp16 => GpuMethod::fp16(),
         Method::Compressed { k, v, recent, sink } => {
-            veloxquant_llm::gpu::GpuMethod { k: k.clone(), v: v.clone(), recent: *recent, sink: *sink }
+            GpuMethod { k: k.clone(), v: v.clone(), recent: *recent, sink: *sink }
         }
     };
-    let engine =
-        veloxquant_serve::gpu_engine::GpuServeEngine::new(model, gm, a.gpu_slots, ctx, cfg.sched.kv_budget_bytes)?;
-    veloxquant_serve::serve_blocking(cfg, engine, tok, bind)?;
+    let (path, slots, budget, max_context) =
+        (path.to_path_buf(), a.gpu_slots, cfg.sched.kv_budget_bytes, a.max_context);
+    // Device, weights and engine live on the scheduler's thread (CUDA graphs stay there).
+    let make = move || {
+        let dev = veloxquant_cuda::GpuDevice::new(0).map_err(|e| ServeError::Engine(format!("--device cuda: {e}")))?;
+        let model = Arc::new(GpuModel::load(&dev, &path)?);
+        let ctx = max_context.unwrap_or(model.config.n_ctx_train).min(model.config.n_ctx_train);
+        GpuServeEngine::new(model, gm, slots, ctx, budget)
+    };
+    veloxquant_serve::serve_blocking(cfg, make, tok, bind)?;
     Ok(())
 }
 

@@ -55,7 +55,9 @@ pub struct EngineInfo {
     pub device: &'static str,
 }
 
-pub trait Engine: Send + 'static {
+/// Not `Send`: an engine is built on the scheduler's thread and stays there (CUDA graphs
+/// and contexts are bound to it).
+pub trait Engine {
     fn info(&self) -> &EngineInfo;
     /// A new empty sequence.
     fn add(&mut self) -> Result<SeqId>;

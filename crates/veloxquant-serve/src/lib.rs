@@ -17,9 +17,9 @@
 //! let c = &model.config;
 //! let cache = veloxquant::CacheConfig::new(c.n_layers, c.n_kv_heads, c.head_dim,
 //!     veloxquant::FormatSpec::parse("turboquant_mse:4")?, veloxquant::FormatSpec::parse("turboquant_mse:3")?);
-//! let engine = CpuEngine::new(model, cache)?;
 //! let cfg = ServeConfig::new("smollm2", &tok, veloxquant_serve::chat_template(path)?);
-//! let server = Server::spawn(cfg, engine, tok, "127.0.0.1:0".parse()?)?;
+//! // The engine is built on the scheduler's thread (a GPU engine must stay on one thread).
+//! let server = Server::spawn(cfg, move || CpuEngine::new(model, cache), tok, "127.0.0.1:0".parse()?)?;
 //! println!("listening on {}", server.addr);
 //! server.shutdown()?;
 //! # Ok(()) }
@@ -126,7 +126,11 @@ pub struct Server {
 impl Server {
     /// Binds `addr` (port 0: any free port) and serves in the background until
     /// [`Server::shutdown`].
-    pub fn spawn<E: Engine>(cfg: ServeConfig, engine: E, tok: Arc<Tokenizer>, addr: SocketAddr) -> Result<Self> {
+    pub fn spawn<E, F>(cfg: ServeConfig, make: F, tok: Arc<Tokenizer>, addr: SocketAddr) -> Result<Self>
+    where
+        E: Engine,
+        F: FnOnce() -> Result<E> + Send + 'static,
+    {
         let rt = runtime()?;
         let listener = rt.block_on(tokio::net::TcpListener::bind(addr))?;
         let addr = listener.local_addr()?;
@@ -134,7 +138,7 @@ impl Server {
         let metrics = Arc::new(Metrics::default());
         let m = metrics.clone();
         let thread = std::thread::Builder::new().name("veloxquant-http".into()).spawn(move || {
-            rt.block_on(serve_on(cfg, engine, tok, listener, m, async {
+            rt.block_on(serve_on(cfg, make, tok, listener, m, async {
                 let _ = stopped.await;
             }))
         })?;
@@ -170,12 +174,16 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
 }
 
 /// Serves on `bind` until SIGINT or SIGTERM, then shuts down gracefully (the CLI's entry).
-pub fn serve_blocking<E: Engine>(cfg: ServeConfig, engine: E, tok: Arc<Tokenizer>, bind: SocketAddr) -> Result<()> {
+pub fn serve_blocking<E, F>(cfg: ServeConfig, make: F, tok: Arc<Tokenizer>, bind: SocketAddr) -> Result<()>
+where
+    E: Engine,
+    F: FnOnce() -> Result<E> + Send + 'static,
+{
     let rt = runtime()?;
     rt.block_on(async move {
         let listener = tokio::net::TcpListener::bind(bind).await?;
         eprintln!("veloxquant serve: listening on http://{}", listener.local_addr()?);
-        serve_on(cfg, engine, tok, listener, Arc::new(Metrics::default()), shutdown_signal()).await
+        serve_on(cfg, make, tok, listener, Arc::new(Metrics::default()), shutdown_signal()).await
     })
 }
 
@@ -198,28 +206,49 @@ async fn shutdown_signal() {
     eprintln!("veloxquant serve: shutting down (finishing in-flight requests)");
 }
 
-async fn serve_on<E: Engine>(
+async fn serve_on<E, F>(
     mut cfg: ServeConfig,
-    engine: E,
+    make: F,
     tok: Arc<Tokenizer>,
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
     stop: impl Future<Output = ()> + Send + 'static,
-) -> Result<()> {
-    let info = engine.info().clone();
-    let n_ctx = cfg.max_context.unwrap_or(info.n_ctx).min(info.n_ctx);
-    let t = info.page_tokens.max(1);
-    if cfg.sched.prefill_chunk == 0 || cfg.sched.prefill_chunk % t != 0 || cfg.sched.max_running == 0 {
-        return Err(ServeError::Config(format!(
-            "prefill chunk must be a positive multiple of the page size {t}; max running sequences > 0"
-        )));
+) -> Result<()>
+where
+    E: Engine,
+    F: FnOnce() -> Result<E> + Send + 'static,
+{
+    let t = cfg.sched.prefill_chunk;
+    if t == 0 || t % 32 != 0 || cfg.sched.max_running == 0 {
+        return Err(ServeError::Config(
+            "prefill chunk must be a positive multiple of 32 (the page size); max running sequences > 0".into(),
+        ));
     }
     cfg.sched.step_prefill_tokens = cfg.sched.step_prefill_tokens.max(1);
     let template = chat::ChatTemplate::new(cfg.chat_template.as_deref(), &tok)?;
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let slots = slots::Slots::new(cfg.slot_dir.clone(), cfg.fingerprint.clone());
-    let sched = scheduler::Scheduler::new(engine, tok.clone(), cfg.sched.clone(), metrics.clone(), rx, slots);
-    let worker = std::thread::Builder::new().name("veloxquant-scheduler".into()).spawn(move || sched.run())?;
+    let (info_tx, info_rx) = std::sync::mpsc::channel();
+    let (sched_cfg, m, tk) = (cfg.sched.clone(), metrics.clone(), tok.clone());
+    let worker = std::thread::Builder::new().name("veloxquant-scheduler".into()).spawn(move || {
+        let engine = match make() {
+            Ok(e) => e,
+            Err(e) => {
+                let _ = info_tx.send(Err(e));
+                return;
+            }
+        };
+        let _ = info_tx.send(Ok(engine.info().clone()));
+        scheduler::Scheduler::new(engine, tk, sched_cfg, m, rx, slots).run();
+    })?;
+    let info: EngineInfo = tokio::task::spawn_blocking(move || info_rx.recv())
+        .await
+        .map_err(|e| ServeError::Engine(e.to_string()))?
+        .map_err(|_| ServeError::Engine("the engine thread ended before starting".into()))??;
+    if cfg.sched.prefill_chunk % info.page_tokens.max(1) != 0 {
+        return Err(ServeError::Config(format!("prefill chunk must be a multiple of the page size {}", info.page_tokens)));
+    }
+    let n_ctx = cfg.max_context.unwrap_or(info.n_ctx).min(info.n_ctx);
     let state = Arc::new(http::AppState {
         tx: tx.clone(),
         tok,

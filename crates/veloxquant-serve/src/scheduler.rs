@@ -242,11 +242,13 @@ impl<E: Engine> Scheduler<E> {
     }
 
     /// Bytes live sequences may still add before they end: each one's bound at its
-    /// reservation (prompt + max_tokens) less what it holds now.
+    /// reservation (prompt + max_tokens) less what it holds now, plus one page per stream
+    /// for the copy of an open page it shares with a fork (copied on its next write).
     fn growth(&self) -> usize {
+        let page = self.engine.bytes_for_tokens(self.engine.info().page_tokens) - self.engine.bytes_for_tokens(0);
         self.running
             .iter()
-            .map(|a| self.engine.bytes_for_tokens(a.reserve()).saturating_sub(self.engine.kv_bytes(&[a.seq])))
+            .map(|a| self.engine.bytes_for_tokens(a.reserve()).saturating_sub(self.engine.kv_bytes(&[a.seq])) + page)
             .sum()
     }
 
@@ -552,19 +554,26 @@ impl<E: Engine> Scheduler<E> {
         }
     }
 
-    fn publish(&self) {
-        let m = &self.metrics;
+    fn publish(&mut self) {
+        let m = self.metrics.clone();
         let live = self.live_seqs();
         let in_use = self.engine.kv_bytes(&live);
         let mut all = live;
         all.extend(self.held_seqs());
-        let total = self.engine.kv_bytes(&all);
+        let mut total = self.engine.kv_bytes(&all);
+        m.kv_bytes_peak.fetch_max(total as u64, std::sync::atomic::Ordering::Relaxed);
+        // A safety valve: checkpoints give way before the budget is exceeded for long.
+        while total > self.cfg.kv_budget_bytes && !self.prefix.is_empty() {
+            if let Some(s) = self.prefix.evict_lru() {
+                self.engine.remove(s);
+            }
+            total = self.used_bytes();
+        }
         let fp16 = self.engine.info().fp16_bytes_per_token;
         let tokens: usize = self.running.iter().map(|a| self.engine.n_tokens(a.seq)).sum();
         Metrics::set(&m.sequences_running, self.running.len() as u64);
         Metrics::set(&m.kv_bytes_in_use, in_use as u64);
         Metrics::set(&m.kv_bytes_cached, total.saturating_sub(in_use) as u64);
         Metrics::set(&m.kv_bytes_fp16_equivalent, (tokens * fp16) as u64);
-        m.kv_bytes_peak.fetch_max(total as u64, std::sync::atomic::Ordering::Relaxed);
     }
 }

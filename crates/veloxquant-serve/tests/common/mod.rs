@@ -74,8 +74,8 @@ pub fn config(l: &Loaded) -> ServeConfig {
 }
 
 pub fn spawn(l: &Loaded, cfg: ServeConfig, fp16: bool) -> Server {
-    let engine = CpuEngine::new(l.model.clone(), cache_config(l, fp16)).unwrap();
-    Server::spawn(cfg, engine, l.tok.clone(), "127.0.0.1:0".parse().unwrap()).unwrap()
+    let (model, cache) = (l.model.clone(), cache_config(l, fp16));
+    Server::spawn(cfg, move || CpuEngine::new(model, cache), l.tok.clone(), "127.0.0.1:0".parse().unwrap()).unwrap()
 }
 
 #[derive(Debug)]
