@@ -159,6 +159,13 @@ fn serve_cuda(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn serve_cuda(_: &ServeArgs, _: &Method, _: &std::path::Path, _: ServeConfig, _: Arc<Tokenizer>, _: SocketAddr) -> AnyResult {
+fn serve_cuda(
+    _: &ServeArgs,
+    _: &Method,
+    _: &std::path::Path,
+    _: ServeConfig,
+    _: Arc<Tokenizer>,
+    _: SocketAddr,
+) -> AnyResult {
     Err("this build has no GPU support: rebuild with `--features cuda`".into())
 }

@@ -32,7 +32,10 @@ impl ChatTemplate {
     pub fn new(source: Option<&str>, tok: &Tokenizer) -> Result<Self> {
         let source = source.unwrap_or(CHATML);
         if source.len() > MAX_TEMPLATE_BYTES {
-            return Err(ServeError::Template(format!("template of {} bytes exceeds {MAX_TEMPLATE_BYTES}", source.len())));
+            return Err(ServeError::Template(format!(
+                "template of {} bytes exceeds {MAX_TEMPLATE_BYTES}",
+                source.len()
+            )));
         }
         let mut env = Environment::new();
         env.add_function("raise_exception", |msg: String| -> std::result::Result<String, JinjaError> {
@@ -68,7 +71,11 @@ impl ChatTemplate {
         let mut out = Vec::new();
         let mut rest = text;
         while !rest.is_empty() {
-            let next = self.specials.iter().filter_map(|(s, id)| rest.find(s.as_str()).map(|p| (p, s.len(), *id))).min_by_key(|&(p, len, _)| (p, usize::MAX - len));
+            let next = self
+                .specials
+                .iter()
+                .filter_map(|(s, id)| rest.find(s.as_str()).map(|p| (p, s.len(), *id)))
+                .min_by_key(|&(p, len, _)| (p, usize::MAX - len));
             match next {
                 Some((p, len, id)) => {
                     if p > 0 {

@@ -167,7 +167,11 @@ impl Engine for CpuEngine {
     }
 
     fn trim(&mut self, seq: SeqId, n: usize) -> Result<()> {
-        let s = self.seqs.get_mut(seq).and_then(Option::as_mut).ok_or_else(|| ServeError::Engine(format!("no sequence {seq}")))?;
+        let s = self
+            .seqs
+            .get_mut(seq)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| ServeError::Engine(format!("no sequence {seq}")))?;
         Ok(s.trim(n)?)
     }
 

@@ -214,8 +214,12 @@ async fn whole_response(s: Arc<AppState>, mut rx: UnboundedReceiver<Event>, kind
             Event::Done { finish, usage, ids: token_ids } => {
                 let (prefix, object, _) = ids(kind);
                 let choice = match kind {
-                    Kind::Completion => json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "token_ids": token_ids}),
-                    Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish, "token_ids": token_ids}),
+                    Kind::Completion => {
+                        json!({"index": 0, "text": text, "logprobs": null, "finish_reason": finish, "token_ids": token_ids})
+                    }
+                    Kind::Chat => {
+                        json!({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": null, "finish_reason": finish, "token_ids": token_ids})
+                    }
                 };
                 let body = json!({
                     "id": format!("{prefix}-{}", NEXT_ID.fetch_add(1, Relaxed)),
@@ -341,9 +345,11 @@ async fn slots(
 ) -> Response {
     let r = async {
         authorize(&s, &headers)?;
-        let id: usize = id.parse().ok().filter(|&i| i < s.max_slots).ok_or_else(|| {
-            ApiError::invalid_param("id_slot", format!("slot id must be in 0..{}", s.max_slots))
-        })?;
+        let id: usize = id
+            .parse()
+            .ok()
+            .filter(|&i| i < s.max_slots)
+            .ok_or_else(|| ApiError::invalid_param("id_slot", format!("slot id must be in 0..{}", s.max_slots)))?;
         let action = q.map_err(|e| ApiError::bad_request(e.body_text()))?.0.action.unwrap_or_default();
         let name = move || -> Result<String, ApiError> {
             let b: SlotBody = match body {
@@ -356,7 +362,9 @@ async fn slots(
             "save" => SlotAction::Save(name()?),
             "restore" => SlotAction::Restore(name()?),
             "erase" => SlotAction::Erase,
-            other => return Err(ApiError::invalid_param("action", format!("action {other:?}: save, restore or erase"))),
+            other => {
+                return Err(ApiError::invalid_param("action", format!("action {other:?}: save, restore or erase")))
+            }
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         s.tx.send(Command::Slot { id, action, reply: tx }).map_err(|_| ApiError::busy("shutting down"))?;

@@ -219,7 +219,7 @@ where
     F: FnOnce() -> Result<E> + Send + 'static,
 {
     let t = cfg.sched.prefill_chunk;
-    if t == 0 || t % 32 != 0 || cfg.sched.max_running == 0 {
+    if t == 0 || !t.is_multiple_of(32) || cfg.sched.max_running == 0 {
         return Err(ServeError::Config(
             "prefill chunk must be a positive multiple of 32 (the page size); max running sequences > 0".into(),
         ));
@@ -245,8 +245,11 @@ where
         .await
         .map_err(|e| ServeError::Engine(e.to_string()))?
         .map_err(|_| ServeError::Engine("the engine thread ended before starting".into()))??;
-    if cfg.sched.prefill_chunk % info.page_tokens.max(1) != 0 {
-        return Err(ServeError::Config(format!("prefill chunk must be a multiple of the page size {}", info.page_tokens)));
+    if !cfg.sched.prefill_chunk.is_multiple_of(info.page_tokens.max(1)) {
+        return Err(ServeError::Config(format!(
+            "prefill chunk must be a multiple of the page size {}",
+            info.page_tokens
+        )));
     }
     let n_ctx = cfg.max_context.unwrap_or(info.n_ctx).min(info.n_ctx);
     let state = Arc::new(http::AppState {

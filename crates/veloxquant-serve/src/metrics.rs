@@ -74,6 +74,8 @@ mod tests {
         for name in ["requests_total", "queue_length", "sequences_running", "kv_bytes_in_use", "kv_bytes_cached"] {
             assert!(s.contains(&format!("\nveloxquant_{name} 0\n")), "{name} missing");
         }
-        assert!(s.contains("veloxquant_kv_bytes_fp16_equivalent 0") && s.contains("veloxquant_prefix_cache_hits_total 0"));
+        assert!(
+            s.contains("veloxquant_kv_bytes_fp16_equivalent 0") && s.contains("veloxquant_prefix_cache_hits_total 0")
+        );
     }
 }

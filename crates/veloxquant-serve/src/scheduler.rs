@@ -78,7 +78,11 @@ pub struct GenRequest {
 
 pub enum Command {
     Generate(GenRequest),
-    Slot { id: usize, action: SlotAction, reply: tokio::sync::oneshot::Sender<Result<serde_json::Value, ApiError>> },
+    Slot {
+        id: usize,
+        action: SlotAction,
+        reply: tokio::sync::oneshot::Sender<Result<serde_json::Value, ApiError>>,
+    },
     /// Stop admitting; finish in-flight work within the grace period, then return.
     Shutdown,
 }
@@ -133,7 +137,18 @@ impl<E: Engine> Scheduler<E> {
         let t = engine.info().page_tokens;
         Metrics::set(&metrics.kv_budget_bytes, cfg.kv_budget_bytes as u64);
         let prefix = PrefixCache::new(t, cfg.max_prefixes);
-        Self { engine, tok, cfg, metrics, rx, queue: VecDeque::new(), running: Vec::new(), prefix, slots, stopping: None }
+        Self {
+            engine,
+            tok,
+            cfg,
+            metrics,
+            rx,
+            queue: VecDeque::new(),
+            running: Vec::new(),
+            prefix,
+            slots,
+            stopping: None,
+        }
     }
 
     /// Runs until shut down (or every sender is gone) and in-flight work is over.

@@ -87,7 +87,13 @@ impl Slots {
     }
 
     /// `room`: KV bytes still free under the budget (a restore must fit in it).
-    pub fn act<E: Engine>(&mut self, engine: &mut E, id: usize, action: SlotAction, room: usize) -> Result<Value, ApiError> {
+    pub fn act<E: Engine>(
+        &mut self,
+        engine: &mut E,
+        id: usize,
+        action: SlotAction,
+        room: usize,
+    ) -> Result<Value, ApiError> {
         match action {
             SlotAction::Erase => {
                 let n = self.map.remove(&id).map(|e| {

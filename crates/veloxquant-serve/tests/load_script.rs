@@ -18,7 +18,13 @@ fn load_script_short_run() {
     let url = format!("http://{}", srv.addr);
     let args = ["load", "--url", &url, "--clients", "6", "--requests", "16", "--min-prompt", "16"];
     let more = ["--max-prompt", "300", "--max-tokens", "8", "--disconnect", "0.25", "--timeout", "300"];
-    let out = Command::new("python3").arg(script).args(args).args(more).output().expect("run python3");
+    let out = Command::new("python3")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .arg(script)
+        .args(args)
+        .args(more)
+        .output()
+        .expect("run python3");
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "load script failed");

@@ -36,7 +36,9 @@ fn official_openai_client() {
     // Pages freed afterwards (/metrics needs the key here, so read the counters directly).
     let m = &srv.metrics;
     for _ in 0..100 {
-        if veloxquant_serve::Metrics::get(&m.sequences_running) == 0 && veloxquant_serve::Metrics::get(&m.kv_bytes_in_use) == 0 {
+        if veloxquant_serve::Metrics::get(&m.sequences_running) == 0
+            && veloxquant_serve::Metrics::get(&m.kv_bytes_in_use) == 0
+        {
             return;
         }
         std::thread::sleep(std::time::Duration::from_millis(50));

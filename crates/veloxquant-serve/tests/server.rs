@@ -180,7 +180,10 @@ fn errors_are_openai_objects_with_status_codes() {
     check(request(a, "POST", "/v1/completions", "{not json", &[]), 400, "invalid_request_error");
     check(post(a, "/v1/completions", &json!({"model": "gpt-4", "prompt": "x"})), 404, "not_found_error");
     check(post(a, "/v1/completions", &json!({"prompt": "word ".repeat(100)})), 400, "invalid_request_error");
-    assert_eq!(post(a, "/v1/completions", &json!({"prompt": "word ".repeat(100)})).json()["error"]["code"], "context_length_exceeded");
+    assert_eq!(
+        post(a, "/v1/completions", &json!({"prompt": "word ".repeat(100)})).json()["error"]["code"],
+        "context_length_exceeded"
+    );
     check(post(a, "/v1/completions", &json!({"prompt": "x", "n": 2})), 400, "invalid_request_error");
     check(post(a, "/v1/completions", &json!({"prompt": "x", "temperature": -1})), 400, "invalid_request_error");
     check(post(a, "/v1/completions", &json!({"prompt": ""})), 400, "invalid_request_error");
@@ -188,15 +191,30 @@ fn errors_are_openai_objects_with_status_codes() {
     check(post(a, "/v1/chat/completions", &json!({"messages": "hi"})), 400, "invalid_request_error");
     check(request(a, "POST", "/v1/completions", &"x".repeat(5000), &[]), 413, "invalid_request_error");
     check(request(a, "GET", "/v1/nothing", "", &[]), 404, "not_found_error");
-    assert_eq!(post(a, "/v1/completions", &json!({"prompt": "Hi", "max_tokens": 500})).json()["choices"][0]["finish_reason"], "length");
+    assert_eq!(
+        post(a, "/v1/completions", &json!({"prompt": "Hi", "max_tokens": 500})).json()["choices"][0]["finish_reason"],
+        "length"
+    );
     // API key: constant-time checked; /health stays open.
     let mut cfg = common::config(l);
     cfg.api_key = Some("sekret".into());
     let srv = spawn(l, cfg, false);
     check(post(srv.addr, "/v1/completions", &greedy("x", 1)), 401, "authentication_error");
-    let bad = request(srv.addr, "POST", "/v1/completions", &greedy("x", 1).to_string(), &[("Authorization", "Bearer sekreT")]);
+    let bad = request(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &greedy("x", 1).to_string(),
+        &[("Authorization", "Bearer sekreT")],
+    );
     check(bad, 401, "authentication_error");
-    let ok = request(srv.addr, "POST", "/v1/completions", &greedy("x", 1).to_string(), &[("Authorization", "Bearer sekret")]);
+    let ok = request(
+        srv.addr,
+        "POST",
+        "/v1/completions",
+        &greedy("x", 1).to_string(),
+        &[("Authorization", "Bearer sekret")],
+    );
     assert_eq!(ok.status, 200);
     assert_eq!(request(srv.addr, "GET", "/health", "", &[]).status, 200);
 }

@@ -132,14 +132,14 @@ impl Llama {
             heads_q.push(to_heads(&q[r0 * qw..r1 * qw], n, c.n_heads, hd));
         }
         // Decode rows over paged caches: one fused pass for all of them.
-        let fused: Vec<usize> =
-            (0..items.len()).filter(|&i| offsets[i + 1] - offsets[i] == 1 && items[i].store.paged().is_some()).collect();
+        let fused: Vec<usize> = (0..items.len())
+            .filter(|&i| offsets[i + 1] - offsets[i] == 1 && items[i].store.paged().is_some())
+            .collect();
         if !fused.is_empty() {
-            let seqs: Vec<(&PagedCache, &[f32])> = fused
-                .iter()
-                .filter_map(|&i| items[i].store.paged().map(|p| (p, heads_q[i].as_slice())))
-                .collect();
-            let outs = decode_attention_batch(&seqs, layer, c.n_heads).map_err(|e| LlmError::StoreBackend(Box::new(e)))?;
+            let seqs: Vec<(&PagedCache, &[f32])> =
+                fused.iter().filter_map(|&i| items[i].store.paged().map(|p| (p, heads_q[i].as_slice()))).collect();
+            let outs =
+                decode_attention_batch(&seqs, layer, c.n_heads).map_err(|e| LlmError::StoreBackend(Box::new(e)))?;
             for (&i, o) in fused.iter().zip(outs) {
                 check_len(&o, h)?;
                 out[offsets[i] * h..offsets[i + 1] * h].copy_from_slice(&o);

@@ -174,10 +174,17 @@ pub fn metric(addr: SocketAddr, name: &str) -> u64 {
 /// Polls until the server holds no live sequence and no live KV bytes (or panics).
 pub fn wait_idle(addr: SocketAddr) {
     for _ in 0..200 {
-        if metric(addr, "sequences_running") == 0 && metric(addr, "kv_bytes_in_use") == 0 && metric(addr, "queue_length") == 0 {
+        if metric(addr, "sequences_running") == 0
+            && metric(addr, "kv_bytes_in_use") == 0
+            && metric(addr, "queue_length") == 0
+        {
             return;
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    panic!("server did not return to idle: running {}, kv in use {}", metric(addr, "sequences_running"), metric(addr, "kv_bytes_in_use"));
+    panic!(
+        "server did not return to idle: running {}, kv in use {}",
+        metric(addr, "sequences_running"),
+        metric(addr, "kv_bytes_in_use")
+    );
 }
