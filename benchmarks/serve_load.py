@@ -165,12 +165,16 @@ class ServerProc:
         self.port = port
         cmd = [binary, "serve", "--port", str(port)] + extra
         print("starting:", " ".join(cmd), file=sys.stderr)
-        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        # The server's stderr goes to a file (a pipe nobody reads could fill and block it).
+        self.log_path = f"/tmp/veloxquant-serve-{port}-{os.getpid()}.log"
+        self.log = open(self.log_path, "w")
+        env = dict(os.environ, RUST_BACKTRACE="1")
+        self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=self.log, env=env)
         self.base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             if self.p.poll() is not None:
-                raise SystemExit(f"server exited: {self.p.stderr.read()}")
+                raise SystemExit(f"server exited: {self.log_tail()}")
             try:
                 http_get(self.base, "/health", timeout=1)
                 return
@@ -188,6 +192,11 @@ class ServerProc:
         except OSError:
             return None
         return None
+
+    def log_tail(self, n=4000):
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-n:]
 
     def stop(self, grace=60):
         self.p.send_signal(signal.SIGTERM)
@@ -322,9 +331,46 @@ async def mode_prefix(a, base, host, port, srv):
     }
 
 
+def markdown(out):
+    """The report as a Markdown table (what README's Serving section shows)."""
+    f = lambda x, d=2: "–" if x is None else (f"{x:.{d}f}" if isinstance(x, float) else str(x))  # noqa: E731
+    rows = []
+    if out["mode"] == "load":
+        rows.append("| run | requests | outcomes | p50 / p99 latency s | p50 / p99 TTFT s | tokens/s | max running | "
+                    "drained | RSS MiB max | SIGTERM exit |")
+        rows.append("|---|---|---|---|---|---|---|---|---|---|")
+        for r in out["runs"]:
+            oc = ", ".join(f"{k} {v}" for k, v in sorted(r["outcomes"].items()))
+            rows.append(f"| {r['label']} {r['server_args']} | {r['requests']} | {oc} | {f(r['latency_p50_s'])} / "
+                        f"{f(r['latency_p99_s'])} | {f(r['ttft_p50_s'])} / {f(r['ttft_p99_s'])} | "
+                        f"{f(r['tokens_per_s'], 1)} | {f(r.get('sequences_running_max'))} | {r['drained']} | "
+                        f"{f(r.get('rss_mib_max'), 0)} | {r.get('sigterm_exit_code')} |")
+    elif out["mode"] == "batching":
+        r = out["runs"][0]
+        rows.append("| requests | one at a time: decode tokens/s | 16 at once: decode tokens/s | decode speedup | "
+                    "total tokens/s (1 → 16) | total speedup |")
+        rows.append("|---|---|---|---|---|---|")
+        a, b = r["one_at_a_time"], r["sixteen_at_once"]
+        rows.append(f"| 16 × {a['tokens'] // 16} tokens | {f(a['decode_tokens_per_s'], 1)} | "
+                    f"{f(b['decode_tokens_per_s'], 1)} | {f(r['decode_speedup'])}× | "
+                    f"{f(a['total_tokens_per_s'], 1)} → {f(b['total_tokens_per_s'], 1)} | {f(r['total_speedup'])}× |")
+    else:
+        rows.append("| prefix sharing | prompt tokens | prefill tokens computed | prefix hits | KV bytes at peak | wall s |")
+        rows.append("|---|---|---|---|---|---|")
+        for r in out["runs"]:
+            rows.append(f"| {r['label']} | {r['prompt_tokens']} | {r['prefill_tokens']} | {r['prefix_hits']} | "
+                        f"{r['kv_bytes_peak']} | {f(r['wall_s'], 1)} |")
+        if "kv_bytes_ratio" in out:
+            rows.append("")
+            rows.append(f"on / off: KV bytes {out['kv_bytes_ratio']:.3f}, prefill tokens "
+                        f"{out['prefill_tokens_ratio']:.3f} (targets ≤ 0.25)")
+    return "\n".join(rows) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["load", "batching", "prefix"])
+    ap.add_argument("mode", choices=["load", "batching", "prefix", "md"])
+    ap.add_argument("--from-json", help="mode md: render this saved report")
     ap.add_argument("--binary", help="veloxquant binary to start (else --url)")
     ap.add_argument("--url", help="an already running server, http://127.0.0.1:PORT")
     ap.add_argument("--port", type=int, default=18123)
@@ -338,7 +384,16 @@ def main():
     ap.add_argument("--timeout", type=float, default=900, help="seconds before a request counts as hung")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="write the report here")
+    ap.add_argument("--md", help="write the report as a Markdown table here")
     a = ap.parse_args()
+    if a.mode == "md":
+        with open(a.from_json) as f:
+            text = markdown(json.load(f))
+        if a.md:
+            with open(a.md, "w") as f:
+                f.write(text)
+        print(text, end="")
+        return
     runs = []
     if a.mode == "prefix" and a.binary:
         variants = [("sharing on", a.server_args), ("sharing off", a.server_args + " --max-prefixes 0")]
@@ -356,6 +411,7 @@ def main():
         if srv:
             rep["rss_mib_end"] = srv.rss_mib()
             rep["sigterm_exit_code"] = srv.stop()
+            rep["server_log_tail"] = srv.log_tail()
         runs.append(rep)
         print(json.dumps(rep, indent=1, default=str))
     out = {"mode": a.mode, "runs": runs, "date": time.strftime("%Y-%m-%d"), "host_cpus": os.cpu_count()}
@@ -366,6 +422,9 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(markdown(out))
     ok = all(r.get("pass", True) and r.get("drained", True) for r in runs)
     sys.exit(0 if ok else 1)
 

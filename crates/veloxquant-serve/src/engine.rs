@@ -80,13 +80,23 @@ pub trait Engine {
     fn import(&mut self, cache: PagedCache) -> Result<SeqId>;
 }
 
-/// Fits `bytes(n) ≤ a + b·n` from two measurements of an empty-valued cache, with one extra
+/// Fits `bytes(n) ≤ a + b·n` for one sequence of a cache with this config, from two
+/// measured caches (constant-valued tokens: sizes do not depend on values), with one extra
 /// page per stream of slack (the open page).
-pub(crate) fn linear_bound(measure: impl Fn(usize) -> Result<usize>, page_tokens: usize) -> Result<(usize, f64)> {
-    let (n1, n2) = (4 * page_tokens, 36 * page_tokens);
+pub(crate) fn cache_bound(cfg: &CacheConfig) -> Result<(usize, f64)> {
+    let t = cfg.page_tokens;
+    let kv = |n: usize| vec![0.01f32; cfg.n_kv_heads * n * cfg.head_dim];
+    let measure = |n: usize| -> Result<usize> {
+        let mut s = CompressedStore::new(cfg.clone())?;
+        for l in 0..cfg.n_layers {
+            s.append(l, &kv(n), &kv(n), n)?;
+        }
+        Ok(s.resident_bytes())
+    };
+    let (n1, n2) = (4 * t, 36 * t);
     let (b1, b2) = (measure(n1)?, measure(n2)?);
     let slope = (b2.saturating_sub(b1)) as f64 / (n2 - n1) as f64;
-    let intercept = b1.saturating_sub((slope * n1 as f64) as usize) + (slope * page_tokens as f64) as usize;
+    let intercept = b1.saturating_sub((slope * n1 as f64) as usize) + (slope * t as f64) as usize;
     Ok((intercept, slope))
 }
 
@@ -107,15 +117,7 @@ impl CpuEngine {
             return Err(ServeError::Config("cache config does not match the model's shape".into()));
         }
         let page_tokens = cfg.page_tokens;
-        let kv = |n: usize| vec![0.01f32; c.n_kv_heads * n * c.head_dim];
-        let measure = |n: usize| -> Result<usize> {
-            let mut s = CompressedStore::new(cfg.clone())?;
-            for l in 0..c.n_layers {
-                s.append(l, &kv(n), &kv(n), n)?;
-            }
-            Ok(s.resident_bytes())
-        };
-        let bound = linear_bound(measure, page_tokens)?;
+        let bound = cache_bound(&cfg)?;
         let info = EngineInfo {
             n_ctx: c.n_ctx_train,
             page_tokens,

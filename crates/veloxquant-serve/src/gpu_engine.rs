@@ -8,9 +8,8 @@ use std::sync::Arc;
 use veloxquant::PagedCache;
 use veloxquant_llm::eval::argmax;
 use veloxquant_llm::gpu::{EngineConfig, GpuEngine, GpuMethod, GpuModel};
-use veloxquant_llm::{CompressedStore, KvStore};
 
-use crate::engine::{linear_bound, Engine, EngineInfo, Out, SeqId, Want, Work};
+use crate::engine::{cache_bound, Engine, EngineInfo, Out, SeqId, Want, Work};
 use crate::error::{Result, ServeError};
 
 pub struct GpuServeEngine {
@@ -34,15 +33,7 @@ impl GpuServeEngine {
         let mut ecfg = EngineConfig::new(method, max_seqs, max_context);
         let cpu = ecfg.cpu_cache(&c);
         let t = cpu.page_tokens;
-        let kv = |n: usize| vec![0.01f32; c.n_kv_heads * n * c.head_dim];
-        let measure = |n: usize| -> Result<usize> {
-            let mut s = CompressedStore::new(cpu.clone())?;
-            for l in 0..c.n_layers {
-                s.append(l, &kv(n), &kv(n), n)?;
-            }
-            Ok(s.resident_bytes())
-        };
-        let bound = linear_bound(measure, t)?;
+        let bound = cache_bound(&cpu)?;
         // Pool: the budget over the coded bytes per token (the exact window is per slot).
         let per_token = bound.1.max(1e-9);
         let fixed = bound.0.saturating_mul(max_seqs);

@@ -292,7 +292,8 @@ impl<E: Engine> Scheduler<E> {
             let hashes = block_hashes(&prompt, t);
             let hit = self.prefix_hit(&prompt, &hashes, slot);
             let chunk = self.cfg.prefill_chunk;
-            let waits = self.running.iter().filter(|a| a.fed < a.req.prompt.len()).any(|a| {
+            let sharing = self.cfg.max_prefixes > 0;
+            let waits = sharing && self.running.iter().filter(|a| a.fed < a.req.prompt.len()).any(|a| {
                 let shared = common_blocks(&hashes, &a.hashes) * t;
                 let will = shared.min(a.req.prompt.len() - 1) / chunk * chunk;
                 will > hit.map_or(0, |h| h.1)
