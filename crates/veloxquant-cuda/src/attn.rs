@@ -62,9 +62,16 @@ struct Pipe {
     fuse_q: bool,
 }
 
+/// Whether the device runs the Hopper-only parts: the FAST path's bulk copies and mbarrier
+/// transactions, and PDL's griddepcontrol (sm_90 and newer). Older GPUs (sm_80–89) take the
+/// generic path and plain stream order.
+pub fn hopper(cc: (i32, i32)) -> bool {
+    cc.0 >= 9
+}
+
 impl Pipe {
-    fn new(kf: &GpuFormat, vf: &GpuFormat) -> Self {
-        let fast = fast_path(kf, vf);
+    fn new(kf: &GpuFormat, vf: &GpuFormat, cc: (i32, i32), generic: bool) -> Self {
+        let fast = fast_path(kf, vf) && hopper(cc) && !generic;
         Self {
             fast,
             stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
@@ -132,6 +139,9 @@ fn decode_defines(
     defs.extend(kind_defines('K', kf));
     defs.extend(kind_defines('V', vf));
     defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
+    if !pipe.fast && fast_path(kf, vf) {
+        defs.push(("NOFAST".into(), 1)); // a pre-Hopper device: the generic path
+    }
     defs.push(("KROT".into(), kf.rotation.is_some() as i64));
     defs.push(("EXPFTZ".into(), var.expftz as i64));
     defs.push(("SLACK".into(), var.slack));
@@ -152,10 +162,10 @@ fn decode_defines(
 
 /// Every module a decode plan for `kf`/`vf` and group `g` compiles: (family, defines,
 /// kernel names), for compile-only checks (CPU-side test).
-pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize) -> Vec<(Family, Vec<(String, i64)>)> {
-    let pipe = Pipe::new(kf, vf);
+pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) -> Vec<(Family, Vec<(String, i64)>)> {
+    let pipe = Pipe::new(kf, vf, cc, false);
     let var = Variants::new();
-    let pdl = env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
+    let pdl = hopper(cc) && env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
     vec![(Family::Decode, decode_defines(kf, vf, g, &pipe, &var, pdl)), (Family::Attn, attn_defines(kf, vf, g, pdl))]
 }
 
@@ -178,11 +188,14 @@ pub struct DecodeOptions {
     pub blocks_per_sm: usize,
     /// Fewest pages per split (bounds the partials' traffic).
     pub min_pages_per_split: usize,
+    /// Take the generic path even where the Hopper-only FAST path applies (what pre-Hopper
+    /// GPUs run; tests check it on Hopper).
+    pub generic: bool,
 }
 
 impl Default for DecodeOptions {
     fn default() -> Self {
-        Self { blocks_per_sm: 4, min_pages_per_split: 16 }
+        Self { blocks_per_sm: 4, min_pages_per_split: 16, generic: false }
     }
 }
 
@@ -300,11 +313,12 @@ impl PlanCore {
         let g = n_q_heads / cfg.n_kv_heads;
         let d = cfg.head_dim;
         let (kf, vf) = (&cache.k.fmt, &cache.v.fmt);
-        let pipe = Pipe::new(kf, vf);
+        let cc = dev.compute_capability;
+        let pipe = Pipe::new(kf, vf, cc, opts.generic);
         let var = Variants::new();
         let b = batch;
         let max_pages = max_pages.clamp(1, cfg.max_pages_per_seq);
-        let pdl = env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
+        let pdl = hopper(cc) && env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
         // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
         let post = if pipe.fast { pipe.warps * 8 * d * 4 } else { 0 };
         let defs = decode_defines(kf, vf, g, &pipe, &var, pdl);
@@ -580,9 +594,21 @@ unsafe fn launch_raw(
 /// One decode step of `layer` from the host: sequence b of the batch reads cache slot
 /// `slots[b]`; q is `[batch][n_q_heads][d]`; returns the same shape.
 pub fn decode(cache: &mut GpuKvCache, slots: &[usize], layer: usize, q: &[f32], n_q_heads: usize) -> Result<Vec<f32>> {
+    decode_with(cache, slots, layer, q, n_q_heads, DecodeOptions::default())
+}
+
+/// As [`decode`], with explicit options.
+pub fn decode_with(
+    cache: &mut GpuKvCache,
+    slots: &[usize],
+    layer: usize,
+    q: &[f32],
+    n_q_heads: usize,
+    opts: DecodeOptions,
+) -> Result<Vec<f32>> {
     cache.sync_meta()?;
     let max_pages = cache.max_pages(slots);
-    let mut plan = PlanCore::new(cache, n_q_heads, slots.len(), max_pages, DecodeOptions::default())?;
+    let mut plan = PlanCore::new(cache, n_q_heads, slots.len(), max_pages, opts)?;
     let rows: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
     plan.set_rows(cache, &rows)?;
     let want = slots.len() * n_q_heads * cache.cfg.head_dim;

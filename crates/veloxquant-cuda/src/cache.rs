@@ -21,8 +21,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 use half::f16;
-use veloxquant::rng::derive_seed;
 use veloxquant::cache::{CacheContents, StreamContents};
+use veloxquant::rng::derive_seed;
 use veloxquant::{CacheConfig, FormatSpec, PagedCache};
 
 use crate::device::{Family, GpuDevice};
@@ -1002,7 +1002,10 @@ impl GpuKvCache {
     pub fn upload(&mut self, cache: &PagedCache) -> Result<usize> {
         self.check_mirrors(cache.config())?;
         if cache.row_mode() != self.row_mode {
-            return Err(CudaError::UnsupportedFormat { format: format!("{}", cache.config().k), why: "row mode differs" });
+            return Err(CudaError::UnsupportedFormat {
+                format: format!("{}", cache.config().k),
+                why: "row mode differs",
+            });
         }
         let contents = cache.contents();
         let (hk, d, t, sink) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.page_tokens, self.cfg.sink);
@@ -1011,7 +1014,10 @@ impl GpuKvCache {
         let coded = first.pages.len() * t - if first.open_rows > 0 { t - first.open_rows } else { 0 };
         let pages = first.pages.len();
         if pages > self.cfg.max_pages_per_seq || pages > self.free.len() || n > sink + coded + self.ring_cap() {
-            return Err(CudaError::OutOfCapacity { what: "cache slot for the upload", capacity: self.cfg.max_pages_per_seq });
+            return Err(CudaError::OutOfCapacity {
+                what: "cache slot for the upload",
+                capacity: self.cfg.max_pages_per_seq,
+            });
         }
         let slot = self.add_seq()?;
         for p in 0..pages {
@@ -1049,7 +1055,8 @@ impl GpuKvCache {
                         }
                     }
                     let base = (slot * hk + h) * xs * d;
-                    st.memcpy_htod(&ex, &mut strm.exact[layer].slice_mut(base..base + xs * d)).map_err(drv("htod exact"))?;
+                    st.memcpy_htod(&ex, &mut strm.exact[layer].slice_mut(base..base + xs * d))
+                        .map_err(drv("htod exact"))?;
                 }
             }
         }
