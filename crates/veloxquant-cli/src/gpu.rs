@@ -40,6 +40,9 @@ pub struct E2eArgs {
     /// Skip the attention / GEMM / rest split (three more graphs per case).
     #[arg(long)]
     pub no_split: bool,
+    /// Also time one prompt of this many tokens prefilled (chunks of 512) per method.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_tokens: usize,
     /// Write the rows (JSON).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -187,6 +190,29 @@ mod imp {
         }))
     }
 
+    /// Prefill of one random prompt of `n` tokens: seconds and tokens/s (synchronized).
+    fn run_prefill(model: &Arc<GpuModel>, name: &str, n: usize, method: &Method) -> AnyResult<Value> {
+        let c = &model.config;
+        if n + 1 > c.n_ctx_train {
+            return Err(format!("--prefill-tokens {n} exceeds the model's context {}", c.n_ctx_train).into());
+        }
+        let mut cfg = EngineConfig::new(gpu_method(method)?, 1, n + 1);
+        cfg.prefill_chunk = 512.min(n.max(1));
+        cfg.prefill_rows = cfg.prefill_chunk;
+        cfg.logits_rows = 1;
+        let mut e = GpuEngine::new(model.clone(), cfg)?;
+        let mut rng = veloxquant::rng::SplitMix64::new(23);
+        let toks: Vec<u32> = (0..n).map(|_| (rng.next_u64() % c.n_vocab as u64) as u32).collect();
+        let s = e.add_sequence()?;
+        let t0 = Instant::now();
+        e.prefill(&[(s, &toks, n - 1)])?;
+        let secs = t0.elapsed().as_secs_f64();
+        eprintln!("{name} prefill of {n} tokens, {method}: {secs:.2} s ({:.0} tokens/s)", n as f64 / secs);
+        Ok(json!({"kind": "prefill", "model": name, "weights": model.weights, "method": method.to_string(),
+                  "prefill_tokens": n, "seconds": secs, "tokens_per_s": n as f64 / secs,
+                  "workspace_bytes": e.device_bytes().workspace}))
+    }
+
     pub fn bench_e2e(a: &E2eArgs) -> AnyResult {
         if a.iters == 0 || a.batch.contains(&0) || a.context.contains(&0) {
             return Err("bench e2e: --iters, --batch and --context must be > 0".into());
@@ -223,7 +249,21 @@ mod imp {
                 }
             }
         }
-        let out = json!({"device": dev.name, "read_tbps": read_tbps, "copy_tbps": copy_tbps, "commit": a.commit, "rows": rows});
+        let mut prefill = Vec::new();
+        if a.prefill_tokens > 0 {
+            for m in &methods {
+                match run_prefill(&model, &name, a.prefill_tokens, m) {
+                    Ok(v) => prefill.push(v),
+                    Err(e) => {
+                        eprintln!("prefill {m}: {e}");
+                        prefill.push(
+                            json!({"kind": "prefill", "model": name, "method": m.to_string(), "error": e.to_string()}),
+                        );
+                    }
+                }
+            }
+        }
+        let out = json!({"device": dev.name, "read_tbps": read_tbps, "copy_tbps": copy_tbps, "commit": a.commit, "rows": rows, "prefill": prefill});
         if let Some(p) = &a.json {
             write_json(p, &out)?;
         }
