@@ -457,6 +457,7 @@ mod report {
         let mut device = String::new();
         let mut commit = String::new();
         let mut read_tbps = 0.0f64;
+        let mut prefill: Vec<Value> = Vec::new();
         for p in &a.ours {
             let v = read_json(p)?;
             device = v["device"].as_str().unwrap_or_default().to_string();
@@ -464,6 +465,9 @@ mod report {
             read_tbps = read_tbps.max(v["read_tbps"].as_f64().unwrap_or(0.0));
             rows.extend(
                 v["rows"].as_array().cloned().unwrap_or_default().into_iter().filter(|r| r.get("error").is_none()),
+            );
+            prefill.extend(
+                v["prefill"].as_array().cloned().unwrap_or_default().into_iter().filter(|r| r.get("error").is_none()),
             );
         }
         let hf = match &a.hf {
@@ -536,8 +540,31 @@ mod report {
                 f(r["hf_compiled_tokens_per_s"].as_f64(), 1),
             ]);
         }
-        let out = json!({"device": device, "date": a.date, "commit": commit, "read_tbps": read_tbps, "rows": rows});
+        let out = json!({"device": device, "date": a.date, "commit": commit, "read_tbps": read_tbps, "rows": rows, "prefill": prefill});
         write_json(&a.json, &out)?;
+        if !prefill.is_empty() {
+            let t: Vec<Vec<String>> = prefill
+                .iter()
+                .map(|r| {
+                    vec![
+                        r["model"].as_str().unwrap_or_default().to_string(),
+                        r["method"].as_str().unwrap_or_default().to_string(),
+                        r["prefill_tokens"].to_string(),
+                        format!("{:.2}", r["seconds"].as_f64().unwrap_or(0.0)),
+                        format!("{:.0}", r["tokens_per_s"].as_f64().unwrap_or(0.0)),
+                        format!("{:.2}", r["workspace_bytes"].as_f64().unwrap_or(0.0) / 1e9),
+                    ]
+                })
+                .collect();
+            let md = a.md.as_ref().map(|p| {
+                p.with_file_name(format!("{}-prefill.md", p.file_stem().unwrap_or_default().to_string_lossy()))
+            });
+            print_table_to(
+                &["model", "method", "prompt tokens", "seconds", "tokens/s", "workspace GB"],
+                &t,
+                md.as_deref(),
+            )?;
+        }
         print_table_to(
             &[
                 "model",
