@@ -151,3 +151,36 @@ fn gguf_metadata_is_bounded_and_fuzz_regressions_stay_fixed() {
     }
     assert!(n >= 1);
 }
+
+/// A tiny model whose `token_embd` dimension is off by one byte (the low byte, and the high
+/// byte that makes the size wrap around to the true byte count): a typed error before any
+/// tensor is read, never an allocation panic; and every other shape is cross-checked.
+#[test]
+fn corrupt_tensor_dimensions_are_typed_errors() {
+    use common::tiny;
+    let good = tiny::tiny_llama(1);
+    let load = |bytes: Vec<u8>, name: &str| {
+        let p = scratch("dims").join(name);
+        std::fs::write(&p, bytes).unwrap();
+        Llama::load(&p, WeightMode::DequantF32)
+    };
+    let m = load(good.clone(), "good.gguf").unwrap();
+    assert_eq!((m.config.n_vocab, m.config.hidden), (tiny::n_vocab(), tiny::HIDDEN));
+    // GGUF order is innermost first: [hidden, n_vocab].
+    let dims = tiny::tensor_dims_offset(&good, "token_embd.weight");
+    for (what, byte, xor) in [("n_vocab high byte", 15, 0x01), ("n_vocab low byte", 8, 0x01), ("hidden", 0, 0x40)] {
+        let mut bad = good.clone();
+        bad[dims + byte] ^= xor;
+        let r = load(bad, "bad.gguf");
+        assert!(
+            matches!(r, Err(LlmError::BadTensorShape { .. } | LlmError::Truncated { .. })),
+            "{what}: {:?}",
+            r.err()
+        );
+    }
+    let ffn = tiny::tensor_dims_offset(&good, "blk.1.ffn_down.weight");
+    let mut bad = good.clone();
+    bad[ffn] ^= 0x80; // [ffn, hidden] inner dim 128 → 0
+    let r = load(bad, "bad-ffn.gguf");
+    assert!(matches!(r, Err(LlmError::BadTensorShape { .. })), "{:?}", r.err());
+}

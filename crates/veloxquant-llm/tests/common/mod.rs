@@ -1,6 +1,8 @@
 //! Shared test helpers: locating the model and the WikiText text.
 #![allow(dead_code)]
 
+pub mod tiny;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 use veloxquant_llm::{Llama, Tokenizer, WeightMode};
