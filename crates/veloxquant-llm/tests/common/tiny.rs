@@ -1,5 +1,5 @@
 //! A tiny random Llama GGUF written at test time (2 layers, 4 query / 2 KV heads of size 16,
-//! context 256, a byte-level vocabulary of the 256 bytes + 2 merges + an end token), so the
+//! context 1024, a byte-level vocabulary of the 256 bytes + 2 merges + an end token), so the
 //! model's code paths run without the real model. Shared by the llm and CLI tests.
 #![allow(dead_code)]
 
@@ -8,7 +8,7 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use veloxquant::rng::SplitMix64;
 
-pub const N_CTX: usize = 256;
+pub const N_CTX: usize = 1024;
 pub const HIDDEN: usize = 64;
 const FFN: usize = 128;
 const N_HEADS: usize = 4;
