@@ -60,6 +60,8 @@ struct Run {
     method: Method,
     stats: GenStats,
     resident: usize,
+    /// Tokens the cache holds (the last generated one is never fed back).
+    held: usize,
     text: String,
 }
 
@@ -90,7 +92,7 @@ fn run_one(
         println!("{}", text.finish()?);
     }
     let text = tok.decode(&stats.tokens)?;
-    Ok(Run { method: method.clone(), stats, resident: store.resident_bytes(), text })
+    Ok(Run { method: method.clone(), stats, resident: store.resident_bytes(), held: store.len(0), text })
 }
 
 /// "3.52× smaller" or "1.20× larger": `ours` against `fp16` bytes.
@@ -108,10 +110,10 @@ pub fn generate(a: &GenerateArgs, p: &GenPlan, model_path: &Path) -> AnyResult {
     let prompt = tok.encode(&a.prompt)?;
     print!("{}", a.prompt);
     let r = run_one(&model, &tok, &prompt, &p.method, p.max_tokens, true)?;
-    let n = prompt.len() + r.stats.tokens.len();
+    let n = r.held;
     let (_, _, fp16) = Method::Fp16.resident_bits(&model.config, n, None)?;
     println!(
-        "\n{} · {} prompt + {} generated tokens · prefill {:.0} tokens/s · decode {:.1} tokens/s · KV cache {} B in use ({:.0} B/token) vs fp16 {} B ({})",
+        "\n{} · {} prompt + {} generated tokens · prefill {:.0} tokens/s · decode {:.1} tokens/s · KV cache {} B in use for {n} tokens ({:.0} B/token) vs fp16 {} B ({})",
         r.method, prompt.len(), r.stats.tokens.len(), r.stats.prefill_tokens_per_s, r.stats.decode_tokens_per_s,
         r.resident, r.resident as f64 / n as f64, fp16, vs_fp16(fp16, r.resident)
     );
@@ -178,7 +180,7 @@ pub fn demo(p: &GenPlan, model_path: &Path) -> AnyResult {
     let rows: Vec<Vec<String>> = runs
         .iter()
         .map(|r| {
-            let n = prompt.len() + r.stats.tokens.len();
+            let n = r.held;
             let (kb, vb, _) = r.method.resident_bits(c, n, None).unwrap_or((f64::NAN, f64::NAN, 0));
             vec![
                 r.method.to_string(),
@@ -195,7 +197,7 @@ pub fn demo(p: &GenPlan, model_path: &Path) -> AnyResult {
         100.0 * top1
     );
     // Both caches measured at the same length (their runs may stop at different tokens).
-    let n = ids.len();
+    let n = runs[0].held;
     let (fp16, ours) = (Method::Fp16.resident_bits(c, n, None)?.2, method.resident_bits(c, n, None)?.2);
     println!("at {n} tokens the cache is {} than fp16\n", vs_fp16(fp16, ours));
     long_context(&model, &tok, method)?;
@@ -216,9 +218,10 @@ fn long_context(model: &Llama, tok: &Tokenizer, method: &Method) -> AnyResult {
     for m in [Method::Fp16, method.clone()] {
         let mut store = m.store(&model.config, p.tokens.len() + answer, None)?;
         let g = generate_ids(model, &p.tokens, answer, &stop, store.as_mut(), &mut Greedy, &mut |_| true)?;
-        let text = tok.decode(&g.tokens)?;
+        let said: Vec<u32> = g.tokens.iter().copied().filter(|t| !stop.contains(t)).collect();
+        let text = tok.decode(&said)?;
         let right = extract_passkey(&text) == Some(p.passkey);
-        let n = p.tokens.len() + g.tokens.len();
+        let n = store.len(0);
         bytes.push(store.resident_bytes());
         rows.push(vec![
             m.to_string(),
@@ -304,4 +307,44 @@ pub fn passkey(a: &PasskeyArgs, methods: &[Method], model_path: &Path) -> AnyRes
 pub fn fetch(model_path: &Path) -> AnyResult {
     println!("{}", model_path.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The demo's KL and top-1 cover exactly the positions that predict generated tokens:
+    /// the mean over those positions computed independently, feeding the tokens one at a
+    /// time through both caches (the old code averaged one position more).
+    #[test]
+    fn agreement_scores_the_generated_positions() {
+        let path = std::env::temp_dir().join(format!("vq-demo-agree-{}.gguf", std::process::id()));
+        crate::tiny::write_tiny_llama(&path, 4);
+        let (model, tok) = load(&path).unwrap();
+        std::fs::remove_file(&path).ok();
+        let prompt = tok.encode("Hello").unwrap();
+        let generated = [40u32, 101, 7, 200, 33];
+        let ids: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
+        let method = Method::parse("method", "turboquant_mse:2").unwrap();
+        let (kl, top1, n) = agreement(&model, &ids, prompt.len() - 1, &method).unwrap();
+        assert_eq!(n, generated.len());
+        let c = &model.config;
+        let (mut a, mut b) =
+            (Method::Fp16.store(c, ids.len(), None).unwrap(), method.store(c, ids.len(), None).unwrap());
+        let (mut kls, mut agree) = (Vec::new(), 0);
+        for (i, &t) in ids[..ids.len() - 1].iter().enumerate() {
+            let mut la = model.forward(&[t], a.as_mut(), 0).unwrap();
+            let mut lb = model.forward(&[t], b.as_mut(), 0).unwrap();
+            if i + 1 >= prompt.len() {
+                log_softmax_in_place(&mut la);
+                log_softmax_in_place(&mut lb);
+                kls.push(kl_divergence(&la, &lb));
+                agree += usize::from(argmax(&la) == argmax(&lb));
+            }
+        }
+        let want = kls.iter().sum::<f64>() / kls.len() as f64;
+        println!("teacher-forced {kl:.6} vs token by token {want:.6} over {kls:?}");
+        assert!((kl - want).abs() <= 0.02 * want, "KL {kl} vs {want}");
+        assert_eq!(top1, agree as f64 / kls.len() as f64);
+    }
 }

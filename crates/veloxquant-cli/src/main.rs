@@ -11,6 +11,11 @@ mod model;
 mod plot;
 mod util;
 
+/// The tiny random GGUF of the model tests (shared with veloxquant-llm's tests).
+#[cfg(test)]
+#[path = "../../veloxquant-llm/tests/common/tiny.rs"]
+mod tiny;
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
