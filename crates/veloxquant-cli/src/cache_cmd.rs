@@ -85,7 +85,7 @@ pub fn run(cmd: &CacheCmd, plan: Option<&GenPlan>, model_path: Option<&Path>) ->
     }
 }
 
-fn save(file: &PathBuf, path: &Path, prompt: &str, p: &GenPlan) -> AnyResult {
+fn save(file: &Path, path: &Path, prompt: &str, p: &GenPlan) -> AnyResult {
     let (method, max_tokens) = (&p.method, p.max_tokens);
     let (model, tok) = crate::model::load(path)?;
     let ids = tok.encode(prompt)?;

@@ -133,7 +133,8 @@ pub fn methods(
     let mut out: Vec<Method> = Vec::new();
     for s in list {
         let m = method(arg, s, n_ctx, calibrated)?;
-        if !(drop_fp16 && m == Method::Fp16) && !out.contains(&m) {
+        let skip = out.contains(&m) || (drop_fp16 && m == Method::Fp16);
+        if !skip {
             out.push(m);
         }
     }

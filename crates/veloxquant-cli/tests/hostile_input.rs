@@ -258,7 +258,7 @@ fn reports_say_what_happened() {
         .map(|l| l.split('|').nth(4).unwrap().trim().parse().unwrap())
         .collect();
     assert_eq!(bytes.len(), 2, "{out}");
-    let last = out.lines().filter(|l| l.contains("than fp16")).last().unwrap();
+    let last = out.lines().rfind(|l| l.contains("than fp16")).unwrap();
     let (ratio, word) = (bytes[0] / bytes[1], if bytes[0] >= bytes[1] { "smaller" } else { "larger" });
     let shown = if ratio >= 1.0 { ratio } else { 1.0 / ratio };
     assert!(last.contains(&format!("{shown:.2}× {word}")), "{last} vs {bytes:?}");
