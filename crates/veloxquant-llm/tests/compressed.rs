@@ -45,6 +45,23 @@ fn step_by_step_error(
     worst
 }
 
+/// The same `n` random tokens after `base`: appended in one prefill chunk to one fork, one
+/// at a time to another; returns the worst relative difference of their attention and the
+/// two stores.
+fn chunk_vs_steps(
+    base: &CompressedStore,
+    rng: &mut SplitMix64,
+    (kv, heads, d, n): (usize, usize, usize, usize),
+) -> (f64, CompressedStore, CompressedStore) {
+    let (keys, vals, q) = (rng.gaussian_vec(kv * n * d), rng.gaussian_vec(kv * n * d), rng.gaussian_vec(heads * n * d));
+    let mut chunk = base.fork();
+    chunk.append(0, &keys, &vals, n).unwrap();
+    let all = chunk.attend(0, &q, n).unwrap();
+    let mut step = base.fork();
+    let worst = step_by_step_error(&mut step, &all, (&keys, &vals, &q), (kv, heads, d, n));
+    (worst, chunk, step)
+}
+
 /// Speculative decoding: draft tokens appended, rejected (trim), then a prefill chunk of the
 /// accepted continuation attends exactly as decoding it token by token from the same
 /// trimmed state — also when the draft pushed tokens out of the window into codes.
@@ -68,13 +85,7 @@ fn prefill_after_trim_equals_decode_after_trim() {
         if cache.row_mode() {
             assert!(coded > cache.paged_tokens(70), "{k}: the draft moved tokens into codes");
         }
-        let (keys, vals, q) =
-            (rng.gaussian_vec(kv * n * d), rng.gaussian_vec(kv * n * d), rng.gaussian_vec(heads * n * d));
-        let mut chunk = base.fork();
-        chunk.append(0, &keys, &vals, n).unwrap();
-        let all = chunk.attend(0, &q, n).unwrap();
-        let mut step = base.fork();
-        let worst = step_by_step_error(&mut step, &all, (&keys, &vals, &q), (kv, heads, d, n));
+        let (worst, _, _) = chunk_vs_steps(&base, &mut rng, (kv, heads, d, n));
         assert!(worst <= 1e-4, "K {k} V {v} R={recent} S={sink}: {worst}");
     }
 }
@@ -94,14 +105,8 @@ fn prefill_attention_equals_decode_attention() {
         ("rabitq", "q4_0:rot", 16, true, 4),
     ] {
         let mut rng = SplitMix64::new(11);
-        let keys = rng.gaussian_vec(kv * n * d);
-        let vals = rng.gaussian_vec(kv * n * d);
-        let q = rng.gaussian_vec(heads * n * d); // [head][pos][d]
-        let mut chunk = CompressedStore::new(with_sink(cfg(1, kv, d, k, v, recent, rows), sink)).unwrap();
-        chunk.append(0, &keys, &vals, n).unwrap();
-        let all = chunk.attend(0, &q, n).unwrap();
-        let mut step = CompressedStore::new(with_sink(cfg(1, kv, d, k, v, recent, rows), sink)).unwrap();
-        let worst = step_by_step_error(&mut step, &all, (&keys, &vals, &q), (kv, heads, d, n));
+        let empty = CompressedStore::new(with_sink(cfg(1, kv, d, k, v, recent, rows), sink)).unwrap();
+        let (worst, chunk, step) = chunk_vs_steps(&empty, &mut rng, (kv, heads, d, n));
         println!("K {k} V {v} R={recent} S={sink}: prefill vs decode worst rel err {worst:.2e}");
         assert!(worst <= 1e-4, "K {k} V {v} R={recent} S={sink}: {worst}");
         assert_eq!(chunk.resident_bytes(), step.resident_bytes());
@@ -172,13 +177,7 @@ fn prefill_within_partly_filled_sinks_equals_decode() {
         for _ in 0..before {
             base.append(0, &rng.gaussian_vec(kv * d), &rng.gaussian_vec(kv * d), 1).unwrap();
         }
-        let (keys, vals, q) =
-            (rng.gaussian_vec(kv * n * d), rng.gaussian_vec(kv * n * d), rng.gaussian_vec(heads * n * d));
-        let mut chunk = base.fork();
-        chunk.append(0, &keys, &vals, n).unwrap();
-        let all = chunk.attend(0, &q, n).unwrap();
-        let mut step = base.fork();
-        let worst = step_by_step_error(&mut step, &all, (&keys, &vals, &q), (kv, heads, d, n));
+        let (worst, _, _) = chunk_vs_steps(&base, &mut rng, (kv, heads, d, n));
         assert!(worst <= 1e-4, "K {k} V {v} R={recent} S={sink}, {before} then {n} tokens: {worst}");
     }
 }

@@ -270,7 +270,8 @@ impl PagedCache {
         self.clone()
     }
 
-    /// Bytes actually allocated: pages, page table, fp16 tails and per-instance state.
+    /// Bytes in use: pages, page-table entries, the fp16 tail and sink tokens held, and
+    /// per-instance state (growth slack of buffers not counted).
     pub fn resident_bytes(&self) -> usize {
         self.streams().map(StreamStore::resident_bytes).sum()
     }
