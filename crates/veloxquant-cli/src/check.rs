@@ -184,7 +184,47 @@ pub fn plan(cmd: &crate::Cmd, ctx: &Ctx) -> Result<Plan, ArgError> {
         Cmd::Bench { which: BenchCmd::Cpu(a) } => Plan::Bench(a.plan(ctx)?),
         // Parsed and checked by veloxquant-cuda's own bench driver.
         Cmd::Bench { which: BenchCmd::Cuda { .. } } => Plan::Nothing,
+        Cmd::Bench { which: BenchCmd::E2e(a) } => {
+            e2e(a, ctx)?;
+            Plan::Nothing
+        }
+        Cmd::Bench { which: BenchCmd::E2eReport(a) } => {
+            e2e_report(a, ctx)?;
+            Plan::Nothing
+        }
     })
+}
+
+/// `bench e2e`: batches, contexts, methods, replays and the fit budget, bounded.
+fn e2e(a: &crate::gpu::E2eArgs, ctx: &Ctx) -> Result<(), ArgError> {
+    for (arg, list, max) in
+        [("batch", &a.batch, 1 << 12), ("context", &a.context, veloxquant::cache::MAX_WINDOW_TOKENS)]
+    {
+        nonempty(arg, list)?;
+        for &v in list.iter() {
+            count(arg, v, 1..=max)?;
+        }
+    }
+    methods("methods", &a.methods, veloxquant::cache::MAX_WINDOW_TOKENS, false, false)?;
+    count("iters", a.iters, 1..=100_000)?;
+    if let Some(f) = a.fit.filter(|f| !(f.is_finite() && *f > 0.0)) {
+        return Err(bad("fit", f, "must be a positive number of GiB"));
+    }
+    ctx.output(a.json.as_ref(), OutputKind::Json, &[])
+}
+
+/// `bench e2e-report`: regular input files, outputs that may be written.
+fn e2e_report(a: &crate::gpu::E2eReportArgs, ctx: &Ctx) -> Result<(), ArgError> {
+    nonempty("ours", &a.ours)?;
+    let inputs: Vec<&Path> = a.ours.iter().chain(&a.hf).map(PathBuf::as_path).collect();
+    for p in &inputs {
+        crate::files::check_input(p, "bench output")?;
+    }
+    count("svg-context", a.svg_context, 1..=veloxquant::cache::MAX_WINDOW_TOKENS)?;
+    distinct(&[Some(&a.json), a.md.as_ref(), a.svg.as_ref()])?;
+    ctx.output(Some(&a.json), OutputKind::Json, &inputs)?;
+    ctx.output(a.md.as_ref(), OutputKind::Markdown, &inputs)?;
+    ctx.output(a.svg.as_ref(), OutputKind::Svg, &inputs)
 }
 
 #[cfg(test)]

@@ -34,6 +34,9 @@ pub struct GenerateArgs {
     pub method: String,
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
+    /// Where the model runs (cuda: builds with `--features cuda`).
+    #[arg(long, value_enum, default_value_t = crate::gpu::Device::Cpu)]
+    pub device: crate::gpu::Device,
 }
 
 /// A generation's checked method and length.
@@ -106,6 +109,9 @@ fn vs_fp16(fp16: usize, ours: usize) -> String {
 }
 
 pub fn generate(a: &GenerateArgs, p: &GenPlan, model_path: &Path) -> AnyResult {
+    if a.device == crate::gpu::Device::Cuda {
+        return crate::gpu::generate(a);
+    }
     let (model, tok) = load(model_path)?;
     let prompt = tok.encode(&a.prompt)?;
     print!("{}", a.prompt);

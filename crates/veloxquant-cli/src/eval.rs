@@ -31,29 +31,35 @@ pub const DEFAULT_METHODS: &str = "q8_0:rot,q8_0:rot/q4_0:rot,q4_0:rot,q4_0,turb
 #[derive(clap::Args)]
 pub struct EvalArgs {
     #[command(flatten)]
-    model: ModelArgs,
+    pub(crate) model: ModelArgs,
     /// Text to score (default: ../shared/data/wikitext-2-raw-test.txt when present).
     #[arg(long)]
-    text: Option<PathBuf>,
+    pub(crate) text: Option<PathBuf>,
     /// Window size n_ctx; the second half of each window is scored.
     #[arg(long, default_value_t = 512)]
-    ctx: usize,
+    pub(crate) ctx: usize,
     /// Windows to evaluate (0 = all the text holds).
     #[arg(long, default_value_t = 80)]
-    windows: usize,
+    pub(crate) windows: usize,
     /// Methods `fp16` or `KSPEC[/VSPEC][@R]`, comma-separated (fp16 is always the reference).
     #[arg(long, value_delimiter = ',', default_value = DEFAULT_METHODS)]
-    methods: Vec<String>,
+    pub(crate) methods: Vec<String>,
     /// Calibration tokens for calibrated formats, taken after the evaluated windows.
     #[arg(long, default_value_t = 2048)]
     calib_tokens: usize,
     #[arg(long)]
-    json: Option<PathBuf>,
+    pub(crate) json: Option<PathBuf>,
     /// SVG: ΔPPL vs bits/value (K and V averaged), with llama.cpp's published peers.
     #[arg(long)]
     plot: Option<PathBuf>,
     #[arg(long)]
-    md: Option<PathBuf>,
+    pub(crate) md: Option<PathBuf>,
+    /// Where the model runs (cuda: builds with `--features cuda`).
+    #[arg(long, value_enum, default_value_t = crate::gpu::Device::Cpu)]
+    pub(crate) device: crate::gpu::Device,
+    /// Windows per batched prefill on the GPU.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) batch: usize,
 }
 
 /// Checked `eval` arguments: the methods (fp16, always the reference, and duplicates
@@ -64,14 +70,11 @@ pub struct EvalPlan {
 }
 
 impl EvalArgs {
-    pub fn model_args(&self) -> &ModelArgs {
-        &self.model
-    }
-
     /// Windows of 4..=n_ctx tokens, methods whose R and S fit the context, calibration within
     /// it, a regular text file of bounded size, outputs that may be written.
     pub fn plan(&self, ctx: &Ctx) -> Result<EvalPlan, ArgError> {
         ctx.within_context("ctx", self.ctx, 4, 0)?;
+        crate::check::count("batch", self.batch, 1..=1024)?;
         // R and S beyond a window are valid (the window stays exact): bounded by the model.
         let methods = methods("methods", &self.methods, ctx.n_ctx(), true, true)?;
         if methods.iter().any(Method::needs_calibration) {
@@ -93,6 +96,9 @@ impl EvalArgs {
 }
 
 pub fn run(a: &EvalArgs, p: &EvalPlan, model_path: &Path) -> AnyResult {
+    if a.device == crate::gpu::Device::Cuda {
+        return crate::gpu::eval(a);
+    }
     let (methods, text_path) = (&p.methods, &p.text);
     let bytes = read_bounded(text_path, "text", MAX_TEXT_BYTES)?;
     let text = String::from_utf8_lossy(&bytes);

@@ -7,6 +7,7 @@ mod demo;
 mod distortion;
 mod eval;
 mod files;
+mod gpu;
 mod model;
 mod plot;
 mod util;
@@ -85,6 +86,11 @@ enum Cmd {
 enum BenchCmd {
     /// Encode throughput and decode attention on this CPU, each format vs the fp16 cache.
     Cpu(bench::CpuArgs),
+    /// The model's decode step on the GPU, end to end (graph replay), per batch × context ×
+    /// method: tokens/s, the step's split, memory, the bandwidth bound (feature `cuda`).
+    E2e(gpu::E2eArgs),
+    /// Merge `bench e2e` outputs with the Hugging Face peer's into the results table and plot.
+    E2eReport(gpu::E2eReportArgs),
     /// GPU decode attention and encode vs PyTorch SDPA (`run`, then `report`; feature `cuda`).
     Cuda {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
@@ -125,6 +131,8 @@ fn run(cli: Cli) -> util::AnyResult {
         (Cmd::Cache { which }, check::Plan::Cache(p)) => cache_cmd::run(&which, p.as_ref(), model),
         (Cmd::Bench { which: BenchCmd::Cpu(args) }, check::Plan::Bench(p)) => bench::run_cpu(&args, &p),
         (Cmd::Bench { which: BenchCmd::Cuda { args } }, _) => bench_cuda(args),
+        (Cmd::Bench { which: BenchCmd::E2e(a) }, _) => gpu::bench_e2e(&a),
+        (Cmd::Bench { which: BenchCmd::E2eReport(a) }, _) => gpu::e2e_report(&a),
         _ => Err("internal: the plan does not match the command".into()),
     }
 }
@@ -134,7 +142,7 @@ impl Cmd {
     fn model_args(&self) -> Option<&model::ModelArgs> {
         match self {
             Cmd::Demo(a) => Some(&a.model),
-            Cmd::Eval(a) => Some(a.model_args()),
+            Cmd::Eval(a) => Some(&a.model),
             Cmd::Generate(a) => Some(&a.model),
             Cmd::Passkey(a) => Some(&a.model),
             Cmd::FetchModel(a) => Some(a),

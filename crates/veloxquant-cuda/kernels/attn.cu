@@ -2,7 +2,7 @@
 // prep_query: q · log2(e)/√d, rotated once by the key rotation (the rotated-query trick).
 // combine: merge the split partials (16 splits per L2 round trip, no block barrier), one
 // inverse value rotation on the merged accumulator,
-// then the exact fp16 tail, then normalize. Defines: D, G, KROT, VROT, PDL (combine launched
+// then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, VROT, PDL (combine launched
 // as a programmatic dependent of decode_pages: it scores the tail while decode_pages runs).
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -39,11 +39,12 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
 
 extern "C" __global__ void combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
                                    int n_splits, int n_kv, const float* __restrict__ q,
-                                   const u16* __restrict__ ktail, const u16* __restrict__ vtail,
-                                   const int* __restrict__ n_tail, int tail_cap,
+                                   const u16* __restrict__ kx, const u16* __restrict__ vx,
+                                   const int* __restrict__ slot_of, const int* __restrict__ seq_len,
+                                   const int* __restrict__ n_coded, int n_sink, int ring_cap,
                                    const float* __restrict__ vsigns, float vrot_scale,
-                                   float* __restrict__ out) {
-    extern __shared__ float ts[];  // tail_cap tail scores
+                                   float* __restrict__ out, u16* __restrict__ out16) {
+    extern __shared__ float ts[];  // scores of the exact tokens (n_sink + ring_cap)
     __shared__ float s[D];
     __shared__ float qs[D];
     const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, n_q = gridDim.x;
@@ -51,19 +52,29 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
     const int warp = tid >> 5, lane = tid & 31;
     const int row = b * n_kv + hkv;
     const size_t base = (size_t)row * n_splits * G + gi;
-    // The tail's scores first: they need only q and the tail, not decode_pages' partials.
-    const int nt = n_tail[b];
-    const u16* const kt = ktail + ((size_t)row * tail_cap) * D;
-    const u16* const vt = vtail + ((size_t)row * tail_cap) * D;
+    // The exact tokens of slot_of[b] (cache.rs): the sinks [0, min(S, n)) at slots 0.., the
+    // window [S + coded, n) in the ring at slot S + (j − S) mod ring_cap. Their scores first:
+    // they need only q and the exact rows, not decode_pages' partials.
+    const int slot = slot_of[b];
+    const int n = slot < 0 ? 0 : seq_len[slot];
+    const int ns = min(n, n_sink);
+    const int w0 = slot < 0 ? 0 : n_sink + n_coded[slot];
+    const int nw = max(n - w0, 0);
+    const int nt = ns + nw;
+    const int xs = n_sink + ring_cap;
+    const size_t xrow = (size_t)((slot < 0 ? 0 : slot) * n_kv + hkv) * xs;
+    const u16* const kt = kx + xrow * D;
+    const u16* const vt = vx + xrow * D;
     if (nt > 0) {
         qs[tid] = q[((size_t)b * n_q + hq) * D + tid] * (LOG2E / sqrtf((float)D));
         __syncthreads();
-        for (int tok = warp; tok < nt; tok += D / 32) {
+        for (int i = warp; i < nt; i += D / 32) {
+            const int sl = i < ns ? i : n_sink + (w0 + i - ns - n_sink) % ring_cap;
             float a = 0.0f;
-            for (int i = lane; i < D; i += 32) a += qs[i] * h2f(kt[(size_t)tok * D + i]);
+            for (int e = lane; e < D; e += 32) a += qs[e] * h2f(kt[(size_t)sl * D + e]);
 #pragma unroll
             for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(FULL_MASK, a, off);
-            if (lane == 0) ts[tok] = a;
+            if (lane == 0) ts[i] = a;
         }
     }
 #if PDL
@@ -105,18 +116,22 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
     A = fwht_block(A, s, tid) * (vsigns[hkv * D + tid] * vrot_scale);
 #endif
     if (nt > 0) {
-        __syncthreads();  // the tail scores are in ts
+        __syncthreads();  // the exact tokens' scores are in ts
         float mt = NEG_INF;
-        for (int tok = 0; tok < nt; tok++) mt = fmaxf(mt, ts[tok]);
+        for (int i = 0; i < nt; i++) mt = fmaxf(mt, ts[i]);
         const float m2 = fmaxf(M, mt);
         const float sc = M == NEG_INF ? 0.0f : exp2f(M - m2);
         L *= sc;
         A *= sc;
-        for (int tok = 0; tok < nt; tok++) {
-            const float w = exp2f(ts[tok] - m2);
+        for (int i = 0; i < nt; i++) {
+            const int sl = i < ns ? i : n_sink + (w0 + i - ns - n_sink) % ring_cap;
+            const float w = exp2f(ts[i] - m2);
             L += w;
-            A += w * h2f(vt[(size_t)tok * D + tid]);
+            A += w * h2f(vt[(size_t)sl * D + tid]);
         }
     }
-    out[((size_t)b * n_q + hq) * D + tid] = L > 0.0f ? A / L : 0.0f;
+    const float r = L > 0.0f ? A / L : 0.0f;
+    const size_t at = ((size_t)b * n_q + hq) * D + tid;
+    if (out16) out16[at] = f2h(r);
+    else out[at] = r;
 }

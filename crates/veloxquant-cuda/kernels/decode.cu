@@ -408,6 +408,17 @@ __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u
 #endif
 }
 
+// Scores of the page's rows >= `valid` (unwritten rows of a partly filled page) to −inf:
+// their softmax weights are exactly 0, so whatever those rows hold is never added.
+__device__ __forceinline__ void mask_rows(float (*s)[4], int valid, int g) {
+    if (valid >= T) return;
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++) {
+        if (16 * mt + g >= valid) s[mt][0] = s[mt][1] = NEG_INF;
+        if (16 * mt + g + 8 >= valid) s[mt][2] = s[mt][3] = NEG_INF;
+    }
+}
+
 // A format's 16 centroids (f16), passed by value: the table build needs no global load.
 struct Tab16 { u16 v[16]; };
 
@@ -422,7 +433,8 @@ struct Tab16 { u16 v[16]; };
 #endif
 extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const float* __restrict__ qprep, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
-    const int* __restrict__ page_table, const int* __restrict__ n_pages, int max_pages,
+    const int* __restrict__ page_table, const int* __restrict__ slot_of, const int* __restrict__ n_coded,
+    int max_pages,
     int pages_per_split, int n_splits, int n_kv, const Tab16 ktab_p, const Tab16 vtab_p,
     float* __restrict__ part_acc, float* __restrict__ part_ml,
     const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
@@ -462,9 +474,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         for (int k = 0; k < D / 32; k++) q0[k] = q[((size_t)(b * n_kv + h) * G + warp) * D + lane + 32 * k];
     }
 #endif
-    const int np = n_pages[b];
+    // Row b of the step reads cache slot slot_of[b] (< 0: an idle row, no pages); the slot's
+    // n_coded tokens fill ⌈n_coded / T⌉ pages, the last one possibly in part (row mode).
+    const int cslot = slot_of[b];
+    const int nc = cslot < 0 ? 0 : n_coded[cslot];
+    const int np = (nc + T - 1) / T;
     const int p0 = split * pages_per_split;
-    const int* pt = page_table + (size_t)(b * n_kv + h) * max_pages;
+    const int* pt = page_table + (size_t)((cslot < 0 ? 0 : cslot) * n_kv + h) * max_pages;
 #if FAST
     // The first pages go in flight before anything else: this warp's pages are first + NWARPS·j,
     // j < nmine; lane i holds the physical index of page j = i (mod 32) of the chunk being
@@ -657,6 +673,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             const float n0 = h2f(knp[16 * mt + g]), n1 = h2f(knp[16 * mt + g + 8]);
             s[mt][0] = c[0] * n0; s[mt][1] = c[1] * n0; s[mt][2] = c[2] * n1; s[mt][3] = c[3] * n1;
         }
+        mask_rows(s, nc - (first + NWARPS * j) * T, g);
 #else
     for (int p = p0 + warp; p < p1; p += NWARPS) {
         float s[2][4];
@@ -678,6 +695,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
             s[mt][0] = c[0]; s[mt][1] = c[1]; s[mt][2] = c[2]; s[mt][3] = c[3];
         }
+        mask_rows(s, nc - p * T, g);
 #endif  // FAST
         // update state: online softmax per head column. The running max m may trail the
         // scores by up to SLACK (log2 units): weights stay <= 2^SLACK (exact enough in f16, far

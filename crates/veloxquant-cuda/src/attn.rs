@@ -6,9 +6,12 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    sys, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig,
+    PushKernelArg,
+};
 
-use crate::cache::GpuPagedCache;
+use crate::cache::GpuKvCache;
 use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
 use crate::format::{GpuFormat, KernelKind};
@@ -101,6 +104,62 @@ impl Variants {
     }
 }
 
+/// The decode module's defines for K/V formats `kf`/`vf` and GQA group `g` (`Pipe`,
+/// `Variants` and PDL as the plan picks them).
+fn decode_defines(
+    kf: &GpuFormat,
+    vf: &GpuFormat,
+    g: usize,
+    pipe: &Pipe,
+    var: &Variants,
+    pdl: bool,
+) -> Vec<(String, i64)> {
+    let d = kf.d;
+    let mut defs: Vec<(String, i64)> =
+        vec![("D".into(), d as i64), ("T".into(), 32), ("G".into(), g as i64), ("NWARPS".into(), pipe.warps as i64)];
+    defs.extend(kind_defines('K', kf));
+    defs.extend(kind_defines('V', vf));
+    defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
+    defs.push(("KROT".into(), kf.rotation.is_some() as i64));
+    defs.push(("EXPFTZ".into(), var.expftz as i64));
+    defs.push(("SLACK".into(), var.slack));
+    if pipe.fuse_q {
+        defs.push(("FUSEQ".into(), 1));
+    }
+    if pdl {
+        defs.push(("PDL".into(), 1));
+    }
+    if pipe.fast {
+        defs.push(("STAGES".into(), pipe.stages as i64));
+        if pipe.minb > 0 {
+            defs.push(("PMINB".into(), pipe.minb));
+        }
+    }
+    defs
+}
+
+/// Every module a decode plan for `kf`/`vf` and group `g` compiles: (family, defines,
+/// kernel names), for compile-only checks (CPU-side test).
+pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize) -> Vec<(Family, Vec<(String, i64)>)> {
+    let pipe = Pipe::new(kf, vf);
+    let var = Variants::new();
+    let pdl = env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
+    vec![(Family::Decode, decode_defines(kf, vf, g, &pipe, &var, pdl)), (Family::Attn, attn_defines(kf, vf, g, pdl))]
+}
+
+fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(String, i64)> {
+    [
+        ("D", kf.d as i64),
+        ("G", g as i64),
+        ("KROT", kf.rotation.is_some() as i64),
+        ("VROT", vf.rotation.is_some() as i64),
+        ("PDL", pdl as i64),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), *v))
+    .collect()
+}
+
 #[derive(Clone, Copy, Debug)]
 pub struct DecodeOptions {
     /// Blocks per SM the split count aims for (flash-decoding fills the GPU at batch 1).
@@ -115,25 +174,84 @@ impl Default for DecodeOptions {
     }
 }
 
+/// A decode plan with its own query and output buffers (tests, benchmarks); `core` alone
+/// serves callers with their own buffers (the engine).
 pub struct DecodePlan {
+    /// `[batch][n_q_heads][d]` f32.
+    pub q: CudaSlice<f32>,
+    pub out: CudaSlice<f32>,
+    pub core: PlanCore,
+}
+
+impl std::ops::Deref for DecodePlan {
+    type Target = PlanCore;
+    fn deref(&self) -> &PlanCore {
+        &self.core
+    }
+}
+impl std::ops::DerefMut for DecodePlan {
+    fn deref_mut(&mut self) -> &mut PlanCore {
+        &mut self.core
+    }
+}
+
+impl DecodePlan {
+    pub fn new(
+        cache: &GpuKvCache,
+        n_q_heads: usize,
+        batch: usize,
+        max_pages: usize,
+        opts: DecodeOptions,
+    ) -> Result<Self> {
+        let core = PlanCore::new(cache, n_q_heads, batch, max_pages, opts)?;
+        let nq = batch * n_q_heads * cache.cfg.head_dim;
+        let s = &cache.dev.stream;
+        Ok(Self { q: s.alloc_zeros(nq).map_err(drv("alloc"))?, out: s.alloc_zeros(nq).map_err(drv("alloc"))?, core })
+    }
+
+    /// Launch one decode step of layer 0 over `self.q` into `self.out` (no synchronization).
+    pub fn run(&mut self, cache: &GpuKvCache) -> Result<()> {
+        let s = self.core.dev.stream.clone();
+        self.run_on_stream(cache, &s)
+    }
+
+    /// As `run`, on `stream` (e.g. one being captured into a graph).
+    pub fn run_on_stream(&mut self, cache: &GpuKvCache, s: &Arc<CudaStream>) -> Result<()> {
+        self.core.run_on(cache, 0, &self.q.slice(..), DecodeOut::F32(&mut self.out.slice_mut(..)), s)
+    }
+}
+
+/// Kernels, split layout and work buffers of decode steps over one cache.
+pub struct PlanCore {
     pub dev: Arc<GpuDevice>,
     pub n_q_heads: usize,
     pub group: usize,
+    /// Step rows (sequences per step).
+    pub batch: usize,
     pub n_splits: usize,
     pub pages_per_split: usize,
     /// combine launched as a programmatic dependent (`VELOXQUANT_DECODE_PDL`, default 1).
     pdl: bool,
-    pub q: CudaSlice<f32>,
-    pub out: CudaSlice<f32>,
     pub nwarps: usize,
     smem: u32,
     fuse_q: bool,
+    /// Row b of a step reads cache slot rows[b] (−1: idle); host copy and device copy.
+    rows_host: Vec<i32>,
+    rows: CudaSlice<i32>,
+    cache_id: u64,
     qprep: CudaSlice<f32>,
     part_acc: CudaSlice<f32>,
     part_ml: CudaSlice<f32>,
     f_prep: CudaFunction,
     f_decode: CudaFunction,
     f_combine: CudaFunction,
+}
+
+/// Where a decode step writes `[batch][n_q_heads][d]`: f32, or f16 (the next matrix
+/// product's input).
+pub enum DecodeOut<'a, 'b> {
+    F32(&'a mut CudaViewMut<'b, f32>),
+    F16(&'a mut CudaViewMut<'b, u16>),
 }
 
 fn kind_defines(prefix: char, f: &GpuFormat) -> [(String, i64); 4] {
@@ -145,8 +263,16 @@ fn kind_defines(prefix: char, f: &GpuFormat) -> [(String, i64); 4] {
     ]
 }
 
-impl DecodePlan {
-    pub fn new(cache: &GpuPagedCache, n_q_heads: usize, opts: DecodeOptions) -> Result<Self> {
+impl PlanCore {
+    /// A plan for steps of `batch` rows over `cache`, covering sequences of up to `max_pages`
+    /// coded pages (the split layout is chosen for that length; `run_on` refuses longer).
+    pub fn new(
+        cache: &GpuKvCache,
+        n_q_heads: usize,
+        batch: usize,
+        max_pages: usize,
+        opts: DecodeOptions,
+    ) -> Result<Self> {
         let cfg = &cache.cfg;
         let dev = cache.dev.clone();
         if n_q_heads == 0 || !n_q_heads.is_multiple_of(cfg.n_kv_heads) || n_q_heads / cfg.n_kv_heads > 8 {
@@ -156,46 +282,20 @@ impl DecodePlan {
                 got: n_q_heads,
             });
         }
-        if cfg.page_tokens != 32 {
-            return Err(CudaError::UnsupportedFormat {
-                format: format!("page size {}", cfg.page_tokens),
-                why: "the decode kernel tiles pages of 32 tokens",
-            });
+        if batch == 0 || batch > 65535 {
+            return Err(CudaError::ShapeMismatch { op: "decode plan batch (1..=65535)", expected: 1, got: batch });
         }
         let g = n_q_heads / cfg.n_kv_heads;
         let d = cfg.head_dim;
         let (kf, vf) = (&cache.k.fmt, &cache.v.fmt);
         let pipe = Pipe::new(kf, vf);
         let var = Variants::new();
-        let b = cfg.n_seqs;
-        let max_pages = cache.max_pages().max(1);
+        let b = batch;
+        let max_pages = max_pages.clamp(1, cfg.max_pages_per_seq);
         let pdl = env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
         // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
         let post = if pipe.fast { pipe.warps * 8 * d * 4 } else { 0 };
-        let mut defs: Vec<(String, i64)> = vec![
-            ("D".into(), d as i64),
-            ("T".into(), 32),
-            ("G".into(), g as i64),
-            ("NWARPS".into(), pipe.warps as i64),
-        ];
-        defs.extend(kind_defines('K', kf));
-        defs.extend(kind_defines('V', vf));
-        defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
-        defs.push(("KROT".into(), kf.rotation.is_some() as i64));
-        defs.push(("EXPFTZ".into(), var.expftz as i64));
-        defs.push(("SLACK".into(), var.slack));
-        if pipe.fuse_q {
-            defs.push(("FUSEQ".into(), 1));
-        }
-        if pdl {
-            defs.push(("PDL".into(), 1));
-        }
-        if pipe.fast {
-            defs.push(("STAGES".into(), pipe.stages as i64));
-            if pipe.minb > 0 {
-                defs.push(("PMINB".into(), pipe.minb));
-            }
-        }
+        let defs = decode_defines(kf, vf, g, &pipe, &var, pdl);
         let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
         let static_bytes = f_decode.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
@@ -211,13 +311,8 @@ impl DecodePlan {
                 )
                 .map_err(drv("set_attribute"))?;
         }
-        let adefs = [
-            ("D", d as i64),
-            ("G", g as i64),
-            ("KROT", kf.rotation.is_some() as i64),
-            ("VROT", vf.rotation.is_some() as i64),
-            ("PDL", pdl as i64),
-        ];
+        let adefs = attn_defines(kf, vf, g, pdl);
+        let adefs: Vec<(&str, i64)> = adefs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_prep = dev.function(Family::Attn, &adefs, "prep_query")?;
         let f_combine = dev.function(Family::Attn, &adefs, "combine")?;
 
@@ -235,17 +330,20 @@ impl DecodePlan {
         let n_splits = max_pages.div_ceil(pps).max(1);
         let s = &dev.stream;
         let nq = b * n_q_heads * d;
+        let rows_host: Vec<i32> = (0..b).map(|i| if i < cfg.max_seqs { i as i32 } else { -1 }).collect();
         Ok(Self {
             n_q_heads,
             group: g,
+            batch: b,
             n_splits,
             pages_per_split: pps,
             pdl,
             nwarps: pipe.warps,
             smem: smem as u32,
             fuse_q: pipe.fuse_q,
-            q: s.alloc_zeros(nq).map_err(drv("alloc"))?,
-            out: s.alloc_zeros(nq).map_err(drv("alloc"))?,
+            rows: s.clone_htod(&rows_host).map_err(drv("htod"))?,
+            rows_host,
+            cache_id: cache.id,
             qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
             part_acc: s.alloc_zeros(rows * n_splits * g * d).map_err(drv("alloc"))?,
             part_ml: s.alloc_zeros(rows * n_splits * g * 2).map_err(drv("alloc"))?,
@@ -256,39 +354,100 @@ impl DecodePlan {
         })
     }
 
-    /// Launch one decode step over `self.q` into `self.out` (no synchronization).
-    pub fn run(&mut self, cache: &GpuPagedCache) -> Result<()> {
-        let s = self.dev.stream.clone();
-        self.run_on(cache, &s)
+    /// Pages per sequence the split layout covers.
+    pub fn covered_pages(&self) -> usize {
+        self.pages_per_split * self.n_splits
     }
 
-    /// As `run`, on `stream` (e.g. one being captured into a CUDA graph: a step is only
-    /// kernel launches over the plan's and the cache's buffers, so a captured step replays
-    /// correctly while those buffers live). The caller orders `stream` after the writes of
-    /// `q` and the cache. A cache grown past the pages per sequence the plan was made for is
-    /// refused (`ShapeMismatch`: make a new plan), never read in part.
-    pub fn run_on(&mut self, cache: &GpuPagedCache, stream: &Arc<CudaStream>) -> Result<()> {
+    /// The slot each step row reads (`batch` entries; −1: an idle row, output zero).
+    pub fn set_rows(&mut self, cache: &GpuKvCache, rows: &[i32]) -> Result<()> {
+        if rows.len() != self.batch {
+            return Err(CudaError::ShapeMismatch { op: "decode rows", expected: self.batch, got: rows.len() });
+        }
+        if let Some(&bad) = rows.iter().find(|&&r| r >= 0 && !cache.is_active(r as usize)) {
+            return Err(CudaError::ShapeMismatch {
+                op: "decode row's slot (active)",
+                expected: cache.cfg.max_seqs,
+                got: bad as usize,
+            });
+        }
+        self.rows_host = rows.to_vec();
+        let s = self.dev.stream.clone();
+        s.memcpy_htod(rows, &mut self.rows).map_err(drv("htod rows"))
+    }
+
+    /// The step's rows on the device (e.g. the target of a step upload).
+    pub fn rows_mut(&mut self) -> &mut CudaSlice<i32> {
+        &mut self.rows
+    }
+
+    /// Record that the device rows were written (by a step upload) with `rows`.
+    pub fn note_rows(&mut self, rows: &[i32]) {
+        self.rows_host.clear();
+        self.rows_host.extend_from_slice(rows);
+    }
+
+    /// One decode step of `layer`: q `[batch][n_q_heads][d]` f32 → `out`, on `stream` (e.g.
+    /// one being captured into a CUDA graph: a step is kernel launches over the plan's and
+    /// the cache's buffers, so a captured step replays correctly while those live and the
+    /// device tables are current). Refused: another cache than the plan's, short buffers,
+    /// table writes not yet applied, a sequence longer than the plan covers.
+    pub fn run_on(
+        &mut self,
+        cache: &GpuKvCache,
+        layer: usize,
+        q: &CudaView<'_, f32>,
+        out: DecodeOut<'_, '_>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
         let cfg = &cache.cfg;
-        let covered = self.pages_per_split * self.n_splits;
-        if cache.max_pages() > covered {
+        if cache.id != self.cache_id {
+            return Err(CudaError::ShapeMismatch { op: "decode plan used with another cache", expected: 0, got: 1 });
+        }
+        if layer >= cfg.n_layers {
+            return Err(CudaError::ShapeMismatch { op: "decode layer", expected: cfg.n_layers, got: layer });
+        }
+        if cache.has_pending_deltas() {
+            return Err(CudaError::ShapeMismatch {
+                op: "decode with table writes not applied (sync_meta)",
+                expected: 0,
+                got: 1,
+            });
+        }
+        let nq = self.batch * self.n_q_heads * cfg.head_dim;
+        let out_len = match &out {
+            DecodeOut::F32(o) => o.len(),
+            DecodeOut::F16(o) => o.len(),
+        };
+        if q.len() < nq || out_len < nq {
+            return Err(CudaError::ShapeMismatch {
+                op: "decode q/out length",
+                expected: nq,
+                got: q.len().min(out_len),
+            });
+        }
+        let slots: Vec<usize> = self.rows_host.iter().filter(|&&r| r >= 0).map(|&r| r as usize).collect();
+        let covered = self.covered_pages();
+        if cache.max_pages(&slots) > covered {
             return Err(CudaError::ShapeMismatch {
                 op: "decode plan's pages per sequence (the cache grew: make a new plan)",
                 expected: covered,
-                got: cache.max_pages(),
+                got: cache.max_pages(&slots),
             });
         }
-        let (b, d, hk) = (cfg.n_seqs as u32, cfg.head_dim as u32, cfg.n_kv_heads as i32);
+        let (b, d, hk) = (self.batch as u32, cfg.head_dim as u32, cfg.n_kv_heads as i32);
         let s = stream.clone();
+        let ksigns = cache.k.layer_signs(layer, cfg.n_kv_heads, cfg.head_dim);
+        let vsigns = cache.v.layer_signs(layer, cfg.n_kv_heads, cfg.head_dim);
         let per_q = LaunchConfig { grid_dim: (self.n_q_heads as u32, b, 1), block_dim: (d, 1, 1), shared_mem_bytes: 0 };
         if !self.fuse_q {
             let mut l = s.launch_builder(&self.f_prep);
-            l.arg(&self.q).arg(&mut self.qprep).arg(&cache.k.signs).arg(&cache.k.rot_scale);
+            l.arg(q).arg(&mut self.qprep).arg(&ksigns).arg(&cache.k.rot_scale);
             // SAFETY: matches prep_query(q, qprep, ksigns, krot_scale); sizes from the plan.
             unsafe { l.launch(per_q) }.map_err(drv("prep_query"))?;
         }
 
         let max_pages = cfg.max_pages_per_seq as i32;
-        let tail_cap = cache.tail_cap() as i32;
         let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
         let cfg_dec = LaunchConfig {
             grid_dim: (self.n_splits as u32, hk as u32, b),
@@ -296,12 +455,16 @@ impl DecodePlan {
             shared_mem_bytes: self.smem,
         };
         let (ktab, vtab) = (Tab16(cache.k.fmt.table_f16), Tab16(cache.v.fmt.table_f16));
+        let table = cache.meta.slice(..cache.n_table());
+        let coded = cache.meta.slice(cache.coded_at()..cache.coded_at() + cfg.max_seqs);
+        let seq_len = cache.meta.slice(cache.seq_len_at()..cache.seq_len_at() + cfg.max_seqs);
         let mut l = s.launch_builder(&self.f_decode);
         l.arg(&self.qprep)
-            .arg(&cache.k.pool)
-            .arg(&cache.v.pool)
-            .arg(&cache.page_table_dev)
-            .arg(&cache.n_pages_dev)
+            .arg(&cache.k.pools[layer])
+            .arg(&cache.v.pools[layer])
+            .arg(&table)
+            .arg(&self.rows)
+            .arg(&coded)
             .arg(&max_pages)
             .arg(&pps)
             .arg(&ns)
@@ -310,35 +473,48 @@ impl DecodePlan {
             .arg(&vtab)
             .arg(&mut self.part_acc)
             .arg(&mut self.part_ml)
-            .arg(&self.q)
-            .arg(&cache.k.signs)
+            .arg(q)
+            .arg(&ksigns)
             .arg(&cache.k.rot_scale);
-        // SAFETY: matches decode_pages in kernels/decode.cu; the page table holds valid
-        // physical pages for the first n_pages[b] entries of every row.
+        // SAFETY: matches decode_pages in kernels/decode.cu; the rows name active slots (or −1)
+        // whose table rows hold valid physical pages for their coded tokens (the device tables
+        // are current: no pending deltas), and the split layout covers every row's pages.
         unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
 
-        let cfg_comb = LaunchConfig { shared_mem_bytes: tail_cap as u32 * 4, ..per_q };
+        let (n_sink, ring) = (cfg.sink as i32, cache.ring_cap() as i32);
+        let cfg_comb = LaunchConfig { shared_mem_bytes: cache.exact_slots() as u32 * 4, ..per_q };
         let ptr = |x: &CudaSlice<f32>| x.device_ptr(&s).0;
-        let (acc, ml, q, out) = (ptr(&self.part_acc), ptr(&self.part_ml), ptr(&self.q), ptr(&self.out));
-        let vsigns = ptr(&cache.v.signs);
-        let (kt, vt, nt) =
-            (cache.k.tail.device_ptr(&s).0, cache.v.tail.device_ptr(&s).0, cache.n_tail_dev.device_ptr(&s).0);
-        let mut params: [*mut c_void; 12] = [
+        let vptr = |x: &CudaView<'_, f32>| x.device_ptr(&s).0;
+        let (acc, ml) = (ptr(&self.part_acc), ptr(&self.part_ml));
+        let qp = vptr(q);
+        let vs = vptr(&vsigns);
+        let rows = self.rows.device_ptr(&s).0;
+        let (kx, vx) = (cache.k.exact[layer].device_ptr(&s).0, cache.v.exact[layer].device_ptr(&s).0);
+        let (sl, cd) = (seq_len.device_ptr(&s).0, coded.device_ptr(&s).0);
+        let (o32, o16) = match out {
+            DecodeOut::F32(o) => (o.device_ptr_mut(&s).0, 0u64),
+            DecodeOut::F16(o) => (0u64, o.device_ptr_mut(&s).0),
+        };
+        let mut params: [*mut c_void; 16] = [
             arg(&acc),
             arg(&ml),
             arg(&ns),
             arg(&hk),
-            arg(&q),
-            arg(&kt),
-            arg(&vt),
-            arg(&nt),
-            arg(&tail_cap),
-            arg(&vsigns),
+            arg(&qp),
+            arg(&kx),
+            arg(&vx),
+            arg(&rows),
+            arg(&sl),
+            arg(&cd),
+            arg(&n_sink),
+            arg(&ring),
+            arg(&vs),
             arg(&cache.v.rot_scale),
-            arg(&out),
+            arg(&o32),
+            arg(&o16),
         ];
         // SAFETY: params point at live values in combine's parameter order and types
-        // (kernels/attn.cu); dynamic smem holds tail_cap scores.
+        // (kernels/attn.cu); dynamic smem holds the exact tokens' scores (S + C).
         unsafe { launch_raw(&self.f_combine, cfg_comb, &s, &mut params, self.pdl) }.map_err(drv("combine"))
     }
 }
@@ -389,18 +565,23 @@ unsafe fn launch_raw(
     unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) }.result()
 }
 
-/// One decode step from the host: q is [n_seqs][n_q_heads][d]; returns the same shape.
-pub fn decode(cache: &mut GpuPagedCache, q: &[f32], n_q_heads: usize) -> Result<Vec<f32>> {
-    cache.sync_tables()?;
-    let mut plan = DecodePlan::new(cache, n_q_heads, DecodeOptions::default())?;
-    let want = cache.cfg.n_seqs * n_q_heads * cache.cfg.head_dim;
+/// One decode step of `layer` from the host: sequence b of the batch reads cache slot
+/// `slots[b]`; q is `[batch][n_q_heads][d]`; returns the same shape.
+pub fn decode(cache: &mut GpuKvCache, slots: &[usize], layer: usize, q: &[f32], n_q_heads: usize) -> Result<Vec<f32>> {
+    cache.sync_meta()?;
+    let max_pages = cache.max_pages(slots);
+    let mut plan = PlanCore::new(cache, n_q_heads, slots.len(), max_pages, DecodeOptions::default())?;
+    let rows: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
+    plan.set_rows(cache, &rows)?;
+    let want = slots.len() * n_q_heads * cache.cfg.head_dim;
     if q.len() != want {
         return Err(CudaError::ShapeMismatch { op: "gpu decode query", expected: want, got: q.len() });
     }
     let s = cache.dev.stream.clone();
-    s.memcpy_htod(q, &mut plan.q).map_err(drv("htod q"))?;
-    plan.run(cache)?;
-    s.clone_dtoh(&plan.out).map_err(drv("dtoh out"))
+    let qd = s.clone_htod(q).map_err(drv("htod q"))?;
+    let mut out = s.alloc_zeros::<f32>(want).map_err(drv("alloc"))?;
+    plan.run_on(cache, layer, &qd.slice(..), DecodeOut::F32(&mut out.slice_mut(..)), &s)?;
+    s.clone_dtoh(&out).map_err(drv("dtoh out"))
 }
 
 #[cfg(test)]

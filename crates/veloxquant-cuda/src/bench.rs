@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use crate::attn::{DecodeOptions, DecodePlan};
 use crate::bench_util::{fill_normal_f16, read_probe};
-use crate::{GpuCacheConfig, GpuDevice, GpuEncoder, GpuFormat, GpuPagedCache, InputKind, Result};
+use crate::{GpuCacheConfig, GpuDevice, GpuEncoder, GpuFormat, GpuKvCache, InputKind, Result};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaStream;
 use serde_json::{json, Value};
@@ -114,7 +114,8 @@ fn time_us_graph(
     })
 }
 
-fn bandwidth(dev: &Arc<GpuDevice>) -> Result<(f64, f64)> {
+/// Measured (read, copy) bandwidth in TB/s: the read probe over 1 GiB and a device copy.
+pub fn bandwidth(dev: &Arc<GpuDevice>) -> Result<(f64, f64)> {
     let bytes = 2usize << 30;
     let s = dev.stream.clone();
     let buf = s.alloc_zeros::<u8>(bytes).expect("alloc");
@@ -147,7 +148,7 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
         let mut pool = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
         let (signs, sc) = gf.signs_or_ones();
         let sd = s.clone_htod(&signs).expect("htod");
-        let us = time_us(dev, 3, 20, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd, sc))?;
+        let us = time_us(dev, 3, 20, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd.slice(..), sc))?;
         // The warp-per-row kernel (bit-identical to the CPU): its time, and whether the pages
         // match byte for byte on these 2M f16 vectors.
         let (mut us_warp, mut mismatched_pages) = (us, 0usize);
@@ -155,7 +156,7 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
             let mut legacy = GpuEncoder::new(dev, &gf, InputKind::F16)?;
             legacy.force_warp_per_row();
             let mut pool2 = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
-            us_warp = time_us(dev, 3, 20, |_| legacy.launch(&x, jobs, &pid, &hid, &mut pool2, &sd, sc))?;
+            us_warp = time_us(dev, 3, 20, |_| legacy.launch(&x, jobs, &pid, &hid, &mut pool2, &sd.slice(..), sc))?;
             let a = s.clone_dtoh(&pool).expect("dtoh");
             let b = s.clone_dtoh(&pool2).expect("dtoh");
             mismatched_pages =
@@ -198,7 +199,7 @@ fn encode_only(args: &[String]) -> Result<()> {
     let mut pool = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
     let (signs, sc) = gf.signs_or_ones();
     let sd = s.clone_htod(&signs).expect("htod");
-    let us = time_us(&dev, 1, reps, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd, sc))?;
+    let us = time_us(&dev, 1, reps, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd.slice(..), sc))?;
     eprintln!("encode {f}: {us:.1} µs (median of {reps}) [{}]", enc.kernel());
     Ok(())
 }
@@ -232,27 +233,19 @@ fn decode_rows(
                 continue;
             }
             let spec = FormatSpec::parse(f)?;
-            let cfg = GpuCacheConfig {
-                n_seqs: b,
-                n_kv_heads: hkv,
-                head_dim: D,
-                page_tokens: 32,
-                recent: 0,
-                k: spec.clone(),
-                v: spec.clone(),
-                seed: 0x5EED,
-                layer: 0,
-                max_pages_per_seq: sl / 32,
-            };
+            let mut cpu = veloxquant::CacheConfig::new(1, hkv, D, spec.clone(), spec.clone());
+            cpu.encode_rows = true;
+            let cfg = GpuCacheConfig::from_cpu(&cpu, b, sl, b * sl);
             let gf = GpuFormat::new(&spec, D, 32, 1)?;
             let bytes_one = b * hkv * (sl / 32) * gf.page_bytes * 2;
             let n_sets = (256usize << 20).div_ceil(bytes_one).clamp(1, 4);
             let mut caches = Vec::new();
             let mut plans = Vec::new();
+            let slots: Vec<usize> = (0..b).collect();
             for i in 0..n_sets {
-                let mut c = GpuPagedCache::new(dev, cfg.clone())?;
+                let mut c = GpuKvCache::new(dev, cfg.clone())?;
                 c.fill_random(&vec![sl; b], 100 + i as u64)?;
-                let mut p = DecodePlan::new(&c, hq, opts)?;
+                let mut p = DecodePlan::new(&c, hq, b, c.max_pages(&slots), opts)?;
                 let mut qd = dev.stream.alloc_zeros::<u16>(b * hq * D).expect("alloc");
                 fill_normal_f16(dev, &mut qd, b * hq * D, 5 + i as u64)?;
                 let qh: Vec<f32> = dev
@@ -276,11 +269,11 @@ fn decode_rows(
             })?;
             let graph_us = time_us_graph(dev, iters, 10, |i, st| {
                 let k = i % n_sets;
-                plans[k].run_on(&caches[k], st)
+                plans[k].run_on_stream(&caches[k], st)
             })?;
             let out: Vec<f32> = dev.stream.clone_dtoh(&plans[0].out).expect("dtoh");
             let finite = out.iter().all(|v| v.is_finite());
-            let bytes = caches[0].bytes_read() as f64;
+            let bytes = caches[0].bytes_read(&slots) as f64;
             let tbps = bytes / us / 1e6;
             eprintln!(
                 "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs graph {graph_us:7.1} µs splits={} finite={finite}",

@@ -1,323 +1,1016 @@
-//! A device-resident paged cache for one layer and a batch of sequences.
+//! The device-resident paged cache: every layer, a set of sequence slots, the CPU cache's
+//! semantics (`veloxquant::cache`): sinks S, the fp16 window R, row or page mode, pages shared
+//! by reference count between forks.
 //!
-//! Page table = metadata (host copy + device copy, `[seq][kv_head][page]` → physical page);
-//! stores = one device allocation of pages per stream (K, V); the fp16 tail of each
-//! (sequence, KV head) lives on device in `[seq][kv_head][R + T][d]`. Tokens flush to pages
-//! exactly as in the CPU cache (`paged_tokens(n) = T·⌊max(0, n − R)/T⌋`), encoded on the GPU
-//! from the same f16 values the CPU encodes, so pages are byte-identical to the CPU's.
+//! - One page table for all layers, `[slot][kv_head][page]` → physical page: every layer
+//!   appends the same tokens, so a logical page of a slot is one *group* id `g` for all layers,
+//!   head h's page being `g · n_kv_heads + h` in each layer's pool. The allocator (free list,
+//!   reference counts) is over groups; the host holds the truth and the device gets deltas.
+//! - Per layer and stream (K, V): a pool of pages in the format's canonical layout
+//!   (byte-identical to the CPU's), and the exact buffer `[slot][kv_head][S + C][d]` f16: the
+//!   sinks, then the window as a ring of C = R + 1 (row mode) or R + T (page mode) slots.
+//! - Device metadata `meta` = [page table | seq_len per slot | coded per slot] (i32), written
+//!   only by `apply_deltas` (kernels/model.cu) from an uploaded list, so a captured step
+//!   replays with fresh tables.
+//!
+//! An append of n tokens (`AppendRow`) is planned on the host (pages allocated, deltas
+//! recorded), then executed per layer by `kv_append` (kernels/kv.cu), which encodes the tokens
+//! leaving the window from the same f16 values the CPU encodes.
 
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 use half::f16;
 use veloxquant::rng::derive_seed;
-use veloxquant::FormatSpec;
+use veloxquant::{CacheConfig, FormatSpec};
 
-use crate::device::GpuDevice;
+use crate::device::{Family, GpuDevice};
 use crate::encode::{GpuEncoder, InputKind};
 use crate::error::{drv, CudaError, Result};
 use crate::format::GpuFormat;
 
+/// Shape of a device cache. Sizes are fixed at creation (see [`GpuCacheConfig::device_bytes`]).
 #[derive(Clone, Debug)]
 pub struct GpuCacheConfig {
-    pub n_seqs: usize,
+    pub n_layers: usize,
+    /// Sequence slots.
+    pub max_seqs: usize,
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub page_tokens: usize,
+    /// Newest tokens kept exact (R).
     pub recent: usize,
+    /// First tokens kept exact (S).
+    pub sink: usize,
     pub k: FormatSpec,
     pub v: FormatSpec,
-    /// Base seed and layer index: rotations match `PagedCache` with the same seed.
+    /// Base seed: rotations match `PagedCache` built with the same seed.
     pub seed: u64,
-    pub layer: usize,
-    /// Page-table width per (sequence, KV head).
+    /// Row mode when both formats allow it (as `CacheConfig::encode_rows`).
+    pub encode_rows: bool,
+    /// Logical pages per slot (page-table width): bounds a sequence's coded tokens.
     pub max_pages_per_seq: usize,
+    /// Page groups in the pool (one page per KV head each), shared by all slots.
+    pub pool_groups: usize,
 }
 
+/// The device's exact-window bound (the combine kernel scores sinks + ring in shared memory).
+pub const MAX_EXACT_TOKENS: usize = 8192;
+
 impl GpuCacheConfig {
-    pub fn paged_tokens(&self, n: usize) -> usize {
-        n.saturating_sub(self.recent) / self.page_tokens * self.page_tokens
+    /// The device twin of a CPU cache config, with `max_seqs` slots of up to `max_tokens`
+    /// tokens each and a pool for `pool_tokens` coded tokens in all (per KV head).
+    pub fn from_cpu(cpu: &CacheConfig, max_seqs: usize, max_tokens: usize, pool_tokens: usize) -> Self {
+        let t = cpu.page_tokens.max(1);
+        Self {
+            n_layers: cpu.n_layers,
+            max_seqs,
+            n_kv_heads: cpu.n_kv_heads,
+            head_dim: cpu.head_dim,
+            page_tokens: cpu.page_tokens,
+            recent: cpu.recent,
+            sink: cpu.sink,
+            k: cpu.k.clone(),
+            v: cpu.v.clone(),
+            seed: cpu.seed,
+            encode_rows: cpu.encode_rows,
+            max_pages_per_seq: max_tokens.div_ceil(t) + 1,
+            pool_groups: pool_tokens.div_ceil(t) + max_seqs,
+        }
+    }
+
+    /// Ring slots of the exact window.
+    pub fn ring_cap(&self, row_mode: bool) -> usize {
+        self.recent + if row_mode { 1 } else { self.page_tokens }
+    }
+
+    fn check(&self) -> Result<()> {
+        let bad = |op: &'static str, expected: usize, got: usize| Err(CudaError::ShapeMismatch { op, expected, got });
+        if self.n_layers == 0 || self.max_seqs == 0 || self.n_kv_heads == 0 || self.pool_groups == 0 {
+            return bad("cache config: layers, slots, KV heads and pool groups must be > 0", 1, 0);
+        }
+        if self.page_tokens != 32 {
+            return bad("cache config: page tokens (the GPU kernels tile pages of 32)", 32, self.page_tokens);
+        }
+        if self.max_pages_per_seq == 0 || self.max_pages_per_seq > 1 << 20 {
+            return bad("cache config: pages per sequence in 1..=2^20", 1 << 20, self.max_pages_per_seq);
+        }
+        if self.sink + self.recent + self.page_tokens > MAX_EXACT_TOKENS {
+            return bad("cache config: S + R + T exact tokens", MAX_EXACT_TOKENS, self.sink + self.recent + 32);
+        }
+        let groups = self.pool_groups.checked_mul(self.n_kv_heads).filter(|&p| p < i32::MAX as usize);
+        if groups.is_none()
+            || self.max_seqs.saturating_mul(self.n_kv_heads * self.max_pages_per_seq) >= i32::MAX as usize
+        {
+            return bad("cache config: page ids must fit i32", i32::MAX as usize, self.pool_groups);
+        }
+        Ok(())
+    }
+
+    /// Device bytes `GpuKvCache::new` allocates, computed before allocating anything.
+    pub fn device_bytes(&self) -> Result<usize> {
+        self.check()?;
+        let d = self.head_dim;
+        let kf = GpuFormat::new(&self.k, d, self.page_tokens, 0)?;
+        let vf = GpuFormat::new(&self.v, d, self.page_tokens, 0)?;
+        let row_mode = self.encode_rows;
+        let xs = self.sink + self.ring_cap(row_mode);
+        let pages = self.pool_groups * self.n_kv_heads;
+        let per_layer = pages * (kf.page_bytes + vf.page_bytes) + 2 * self.max_seqs * self.n_kv_heads * xs * d * 2;
+        let meta = (self.max_seqs * self.n_kv_heads * self.max_pages_per_seq + 2 * self.max_seqs) * 4;
+        let signs = 2 * self.n_layers * self.n_kv_heads * d * 4;
+        per_layer.checked_mul(self.n_layers).and_then(|b| b.checked_add(meta + signs)).ok_or(CudaError::ShapeMismatch {
+            op: "cache bytes overflow",
+            expected: 0,
+            got: usize::MAX,
+        })
     }
 }
 
-pub struct Stream {
-    pub fmt: GpuFormat,
-    pub enc: GpuEncoder,
-    pub pool: CudaSlice<u8>,
-    pub signs: CudaSlice<f32>,
-    pub rot_scale: f32,
-    pub tail: CudaSlice<u16>,
+/// One sequence's append, as the kernels read it (kernels/kv.cu `AppendRow`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AppendRow {
+    /// Cache slot; −1: an idle row (the kernels skip it).
+    pub slot: i32,
+    /// Tokens before the append.
+    pub pos0: i32,
+    pub n: i32,
+    /// Tokens in pages (after the sinks) before and after.
+    pub coded0: i32,
+    pub coded1: i32,
+    /// Row of the first new token in the source buffer.
+    pub src_row: i32,
+}
+// SAFETY: plain i32 fields, `#[repr(C)]`, the layout of kv.cu's struct AppendRow.
+unsafe impl DeviceRepr for AppendRow {}
+// SAFETY: all-zero bits are a valid AppendRow.
+unsafe impl ValidAsZeroBits for AppendRow {}
+
+impl AppendRow {
+    pub const IDLE: AppendRow = AppendRow { slot: -1, pos0: 0, n: 0, coded0: 0, coded1: 0, src_row: 0 };
 }
 
-pub struct GpuPagedCache {
+/// One stream (K or V) on the device.
+pub struct Stream {
+    pub fmt: GpuFormat,
+    /// Whole-page encoder (benchmark fills, uploads).
+    pub enc: GpuEncoder,
+    f_append: CudaFunction,
+    f_window: CudaFunction,
+    f_dense: CudaFunction,
+    thresholds: CudaSlice<f32>,
+    centroids: CudaSlice<f32>,
+    /// Per layer: `pool_groups · n_kv_heads` pages.
+    pub pools: Vec<CudaSlice<u8>>,
+    /// Per layer: `[slot][kv_head][S + C][d]` f16 bits.
+    pub exact: Vec<CudaSlice<u16>>,
+    /// Rotation signs `[layer][kv_head][d]` (ones when the format does not rotate).
+    pub signs: CudaSlice<f32>,
+    pub rot_scale: f32,
+}
+
+impl Stream {
+    /// The signs of `layer` (offset view for the kernels).
+    pub fn layer_signs(&self, layer: usize, n_kv: usize, d: usize) -> cudarc::driver::CudaView<'_, f32> {
+        self.signs.slice(layer * n_kv * d..(layer + 1) * n_kv * d)
+    }
+}
+
+#[derive(Clone, Debug, Default)]
+struct Slot {
+    active: bool,
+    n_tokens: usize,
+    coded: usize,
+    /// Group id of each logical page.
+    groups: Vec<u32>,
+}
+
+pub struct GpuKvCache {
     pub dev: Arc<GpuDevice>,
+    /// Unique per cache: plans made for one refuse another.
+    pub id: u64,
     pub cfg: GpuCacheConfig,
+    pub row_mode: bool,
     pub k: Stream,
     pub v: Stream,
-    pub capacity_pages: usize,
-    next_page: usize,
-    page_table: Vec<i32>,
-    n_pages: Vec<i32>,
-    n_tail: Vec<i32>,
-    pub page_table_dev: CudaSlice<i32>,
-    pub n_pages_dev: CudaSlice<i32>,
-    pub n_tail_dev: CudaSlice<i32>,
-    host_tails: Vec<[Vec<u16>; 2]>,
-    n_tokens: Vec<usize>,
-    dirty: bool,
+    /// [page table | seq_len | coded] on the device.
+    pub meta: CudaSlice<i32>,
+    table: Vec<i32>,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    refs: Vec<u32>,
+    /// (meta index, value) writes not yet on the device.
+    deltas: Vec<(i32, i32)>,
+    f_deltas: CudaFunction,
+    delta_buf: CudaSlice<i32>,
 }
 
 fn make_stream(
     dev: &Arc<GpuDevice>,
     cfg: &GpuCacheConfig,
     spec: &FormatSpec,
-    stream_id: u64,
-    capacity_pages: usize,
+    sid: u64,
+    row_mode: bool,
 ) -> Result<Stream> {
     let (d, t) = (cfg.head_dim, cfg.page_tokens);
-    let mut signs = Vec::with_capacity(cfg.n_kv_heads * d);
+    let mut signs = Vec::with_capacity(cfg.n_layers * cfg.n_kv_heads * d);
     let mut fmt0 = None;
     let mut rot_scale = 1.0;
-    for h in 0..cfg.n_kv_heads {
-        let seed = derive_seed(cfg.seed, &[cfg.layer as u64, h as u64, stream_id]);
-        let f = GpuFormat::new(spec, d, t, seed)?;
-        let (s, sc) = f.signs_or_ones();
-        signs.extend(s);
-        rot_scale = sc;
-        fmt0.get_or_insert(f);
+    for l in 0..cfg.n_layers {
+        for h in 0..cfg.n_kv_heads {
+            let f = GpuFormat::new(spec, d, t, derive_seed(cfg.seed, &[l as u64, h as u64, sid]))?;
+            let (s, sc) = f.signs_or_ones();
+            signs.extend(s);
+            rot_scale = sc;
+            fmt0.get_or_insert(f);
+        }
     }
     let fmt = fmt0.ok_or(CudaError::ShapeMismatch { op: "cache heads", expected: 1, got: 0 })?;
     let enc = GpuEncoder::new(dev, &fmt, InputKind::F16)?;
+    let ring = cfg.ring_cap(row_mode);
+    let defines = kv_defines(cfg, &fmt, row_mode);
+    let defines: Vec<(&str, i64)> = defines.iter().map(|(k, v)| (*k, *v)).collect();
     let s = &dev.stream;
-    let tail_cap = cfg.recent + t;
+    let xs = cfg.sink + ring;
+    let pages = cfg.pool_groups * cfg.n_kv_heads;
+    let mut pools = Vec::with_capacity(cfg.n_layers);
+    let mut exact = Vec::with_capacity(cfg.n_layers);
+    for _ in 0..cfg.n_layers {
+        pools.push(s.alloc_zeros::<u8>(pages * fmt.page_bytes).map_err(drv("alloc pool"))?);
+        exact.push(s.alloc_zeros::<u16>(cfg.max_seqs * cfg.n_kv_heads * xs * d).map_err(drv("alloc exact"))?);
+    }
     Ok(Stream {
-        pool: s.alloc_zeros::<u8>(capacity_pages.max(1) * fmt.page_bytes).map_err(drv("alloc pool"))?,
+        f_append: dev.function(Family::Kv, &defines, "kv_append")?,
+        f_window: dev.function(Family::Kv, &defines, "kv_window")?,
+        f_dense: dev.function(Family::Kv, &defines, "kv_dense")?,
+        thresholds: s.clone_htod(&fmt.thresholds).map_err(drv("htod"))?,
+        centroids: s.clone_htod(&fmt.centroids).map_err(drv("htod"))?,
         signs: s.clone_htod(&signs).map_err(drv("htod"))?,
+        pools,
+        exact,
         rot_scale,
-        tail: s.alloc_zeros::<u16>(cfg.n_seqs * cfg.n_kv_heads * tail_cap * d).map_err(drv("alloc tail"))?,
         fmt,
         enc,
     })
 }
 
-impl GpuPagedCache {
+/// The defines of a stream's kv.cu module (its format's, the cache's shape).
+pub fn kv_defines(cfg: &GpuCacheConfig, fmt: &GpuFormat, row_mode: bool) -> Vec<(&'static str, i64)> {
+    vec![
+        ("D", fmt.d as i64),
+        ("T", fmt.t as i64),
+        ("KIND", fmt.kind as i64),
+        ("BITS", fmt.bits.max(1) as i64),
+        ("ROT", fmt.rotation.is_some() as i64),
+        ("EDEN", fmt.eden as i64),
+        ("IN_KIND", 1),
+        ("ROW_BYTES", fmt.row_bytes as i64),
+        ("PAGE_BYTES", fmt.page_bytes as i64),
+        ("NKV", cfg.n_kv_heads as i64),
+        ("NSINK", cfg.sink as i64),
+        ("RING", cfg.ring_cap(row_mode) as i64),
+    ]
+}
+
+/// Kernel arguments of one stream's append (the source rows: f32, `stride` elements per token).
+pub struct AppendSrc<'a> {
+    pub data: cudarc::driver::CudaView<'a, f32>,
+    pub stride: usize,
+}
+
+impl GpuKvCache {
     pub fn new(dev: &Arc<GpuDevice>, cfg: GpuCacheConfig) -> Result<Self> {
-        let capacity_pages = cfg.n_seqs * cfg.n_kv_heads * cfg.max_pages_per_seq;
-        let k = make_stream(dev, &cfg, &cfg.k, 0, capacity_pages)?;
-        let v = make_stream(dev, &cfg, &cfg.v, 1, capacity_pages)?;
+        cfg.device_bytes()?;
+        let row_mode = cfg.encode_rows; // every GPU format is row-granular
+        let k = make_stream(dev, &cfg, &cfg.k, 0, row_mode)?;
+        let v = make_stream(dev, &cfg, &cfg.v, 1, row_mode)?;
+        let n_table = cfg.max_seqs * cfg.n_kv_heads * cfg.max_pages_per_seq;
         let s = &dev.stream;
-        let n_rows = cfg.n_seqs * cfg.n_kv_heads;
-        let page_table = vec![0i32; n_rows * cfg.max_pages_per_seq.max(1)];
+        let max_deltas = 1 + 2 * Self::max_deltas_per_step(&cfg);
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Ok(Self {
             dev: dev.clone(),
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            row_mode,
             k,
             v,
-            capacity_pages,
-            next_page: 0,
-            page_table_dev: s.clone_htod(&page_table).map_err(drv("htod"))?,
-            n_pages_dev: s.alloc_zeros::<i32>(cfg.n_seqs).map_err(drv("alloc"))?,
-            n_tail_dev: s.alloc_zeros::<i32>(cfg.n_seqs).map_err(drv("alloc"))?,
-            page_table,
-            n_pages: vec![0; cfg.n_seqs],
-            n_tail: vec![0; cfg.n_seqs],
-            host_tails: (0..n_rows).map(|_| [Vec::new(), Vec::new()]).collect(),
-            n_tokens: vec![0; cfg.n_seqs],
-            dirty: false,
+            meta: s.alloc_zeros::<i32>(n_table + 2 * cfg.max_seqs).map_err(drv("alloc meta"))?,
+            table: vec![0; n_table],
+            slots: vec![Slot::default(); cfg.max_seqs],
+            free: (0..cfg.pool_groups as u32).rev().collect(),
+            refs: vec![0; cfg.pool_groups],
+            deltas: Vec::new(),
+            f_deltas: dev.function(Family::Model, &[], "apply_deltas")?,
+            delta_buf: s.alloc_zeros::<i32>(max_deltas).map_err(drv("alloc deltas"))?,
             cfg,
         })
     }
 
-    pub fn tail_cap(&self) -> usize {
-        self.cfg.recent + self.cfg.page_tokens
-    }
-    pub fn n_tokens(&self, seq: usize) -> usize {
-        self.n_tokens[seq]
-    }
-    pub fn n_pages(&self, seq: usize) -> usize {
-        self.n_pages[seq] as usize
-    }
-    pub fn max_pages(&self) -> usize {
-        self.n_pages.iter().copied().max().unwrap_or(0) as usize
+    /// Delta capacity of one uploaded batch: a page and two counters per head of every slot.
+    fn max_deltas_per_step(cfg: &GpuCacheConfig) -> usize {
+        cfg.max_seqs * (cfg.n_kv_heads * 2 + 2)
     }
 
-    fn alloc_page(&mut self) -> Result<i32> {
-        if self.next_page >= self.capacity_pages {
-            return Err(CudaError::ShapeMismatch {
-                op: "page pool capacity",
-                expected: self.capacity_pages,
-                got: self.next_page + 1,
+    pub fn n_table(&self) -> usize {
+        self.table.len()
+    }
+    /// Offsets of seq_len and coded in `meta`.
+    pub fn seq_len_at(&self) -> usize {
+        self.table.len()
+    }
+    pub fn coded_at(&self) -> usize {
+        self.table.len() + self.cfg.max_seqs
+    }
+    pub fn exact_slots(&self) -> usize {
+        self.cfg.sink + self.cfg.ring_cap(self.row_mode)
+    }
+    pub fn ring_cap(&self) -> usize {
+        self.cfg.ring_cap(self.row_mode)
+    }
+
+    fn slot(&self, slot: usize) -> Result<&Slot> {
+        self.slots.get(slot).filter(|s| s.active).ok_or(CudaError::ShapeMismatch {
+            op: "active cache slot",
+            expected: self.cfg.max_seqs,
+            got: slot,
+        })
+    }
+
+    pub fn n_tokens(&self, slot: usize) -> Result<usize> {
+        Ok(self.slot(slot)?.n_tokens)
+    }
+    /// Tokens held as codes (after the sinks).
+    pub fn coded(&self, slot: usize) -> Result<usize> {
+        Ok(self.slot(slot)?.coded)
+    }
+    pub fn is_active(&self, slot: usize) -> bool {
+        self.slots.get(slot).is_some_and(|s| s.active)
+    }
+    pub fn free_groups(&self) -> usize {
+        self.free.len()
+    }
+
+    /// A free slot, empty; `OutOfSlots` when all are in use.
+    pub fn add_seq(&mut self) -> Result<usize> {
+        let i = self
+            .slots
+            .iter()
+            .position(|s| !s.active)
+            .ok_or(CudaError::OutOfCapacity { what: "sequence slots", capacity: self.cfg.max_seqs })?;
+        self.slots[i] = Slot { active: true, ..Slot::default() };
+        self.set_counts(i);
+        Ok(i)
+    }
+
+    /// Free a slot and release its pages (shared pages stay while a fork holds them).
+    pub fn remove_seq(&mut self, slot: usize) -> Result<()> {
+        self.slot(slot)?;
+        let groups = std::mem::take(&mut self.slots[slot].groups);
+        for g in groups {
+            self.release(g);
+        }
+        self.slots[slot] = Slot::default();
+        self.set_counts(slot);
+        Ok(())
+    }
+
+    fn release(&mut self, g: u32) {
+        let r = &mut self.refs[g as usize];
+        *r -= 1;
+        if *r == 0 {
+            self.free.push(g);
+        }
+    }
+
+    fn set_counts(&mut self, slot: usize) {
+        let s = &self.slots[slot];
+        let (n, c) = (s.n_tokens as i32, s.coded as i32);
+        self.deltas.push(((self.seq_len_at() + slot) as i32, n));
+        self.deltas.push(((self.coded_at() + slot) as i32, c));
+    }
+
+    fn set_page(&mut self, slot: usize, page: usize, group: u32) {
+        let hk = self.cfg.n_kv_heads;
+        for h in 0..hk {
+            let idx = (slot * hk + h) * self.cfg.max_pages_per_seq + page;
+            let phys = (group as usize * hk + h) as i32;
+            self.table[idx] = phys;
+            self.deltas.push((idx as i32, phys));
+        }
+    }
+
+    fn alloc_group(&mut self) -> Result<u32> {
+        let g = self
+            .free
+            .pop()
+            .ok_or(CudaError::OutOfCapacity { what: "cache page pool", capacity: self.cfg.pool_groups })?;
+        self.refs[g as usize] = 1;
+        Ok(g)
+    }
+
+    /// Tokens held as codes after `n` tokens, from `coded0` (the CPU's window rule).
+    pub fn coded_after(&self, n: usize, coded0: usize) -> usize {
+        let (s, r, t) = (self.cfg.sink, self.cfg.recent, self.cfg.page_tokens);
+        let old = n.saturating_sub(s);
+        if self.row_mode {
+            coded0.max(old.saturating_sub(r))
+        } else {
+            let ex = old.saturating_sub(coded0);
+            if ex >= r + t {
+                coded0 + (ex - r) / t * t
+            } else {
+                coded0
+            }
+        }
+    }
+
+    /// Plan appending `n` tokens to `slot` (same for every layer): pages allocated, the page
+    /// table and counters recorded as deltas, a shared open page copied first (copy on
+    /// write, on the stream now). The kernels must then run for every layer.
+    pub fn plan_append(&mut self, slot: usize, n: usize, src_row: usize) -> Result<AppendRow> {
+        let s = self.slot(slot)?.clone();
+        let n1 = s.n_tokens + n;
+        let coded1 = self.coded_after(n1, s.coded);
+        let t = self.cfg.page_tokens;
+        let pages1 = coded1.div_ceil(t);
+        if pages1 > self.cfg.max_pages_per_seq {
+            return Err(CudaError::OutOfCapacity { what: "pages per sequence", capacity: self.cfg.max_pages_per_seq });
+        }
+        let new_pages = pages1.saturating_sub(s.groups.len());
+        if new_pages > self.free.len() {
+            return Err(CudaError::OutOfCapacity { what: "cache page pool", capacity: self.cfg.pool_groups });
+        }
+        // The open page, shared with a fork, is written: give this slot its own copy.
+        if coded1 > s.coded && s.coded % t != 0 {
+            let p = s.coded / t;
+            let g = s.groups[p];
+            if self.refs[g as usize] > 1 {
+                let ng = self.alloc_group()?;
+                self.copy_group(g, ng)?;
+                self.release(g);
+                self.slots[slot].groups[p] = ng;
+                self.set_page(slot, p, ng);
+            }
+        }
+        for p in s.groups.len()..pages1 {
+            let g = self.alloc_group()?;
+            self.slots[slot].groups.push(g);
+            self.set_page(slot, p, g);
+        }
+        let sl = &mut self.slots[slot];
+        sl.n_tokens = n1;
+        sl.coded = coded1;
+        self.set_counts(slot);
+        let i32c = |x: usize| i32::try_from(x).map_err(|_| CudaError::ShapeMismatch { op: "i32", expected: 0, got: x });
+        Ok(AppendRow {
+            slot: slot as i32,
+            pos0: i32c(s.n_tokens)?,
+            n: i32c(n)?,
+            coded0: i32c(s.coded)?,
+            coded1: i32c(coded1)?,
+            src_row: i32c(src_row)?,
+        })
+    }
+
+    /// Copy group `from`'s pages (every layer, both streams) to group `to`.
+    fn copy_group(&mut self, from: u32, to: u32) -> Result<()> {
+        let hk = self.cfg.n_kv_heads;
+        let st = self.dev.stream.clone();
+        for strm in [&mut self.k, &mut self.v] {
+            let pb = strm.fmt.page_bytes * hk;
+            for pool in strm.pools.iter_mut() {
+                let (a, b) = (from as usize * pb, to as usize * pb);
+                let src = pool.slice(a..a + pb);
+                let tmp = st.clone_dtod(&src).map_err(drv("dtod"))?;
+                st.memcpy_dtod(&tmp, &mut pool.slice_mut(b..b + pb)).map_err(drv("dtod"))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A new slot holding the same tokens: pages shared (reference counts), the exact
+    /// buffers copied.
+    pub fn fork(&mut self, slot: usize) -> Result<usize> {
+        let src = self.slot(slot)?.clone();
+        let dst = self.add_seq()?;
+        for &g in &src.groups {
+            self.refs[g as usize] += 1;
+        }
+        for (p, &g) in src.groups.iter().enumerate() {
+            self.set_page(dst, p, g);
+        }
+        let n = self.cfg.n_kv_heads * self.exact_slots() * self.cfg.head_dim;
+        let st = self.dev.stream.clone();
+        for strm in [&mut self.k, &mut self.v] {
+            for ex in strm.exact.iter_mut() {
+                let tmp = st.clone_dtod(&ex.slice(slot * n..(slot + 1) * n)).map_err(drv("dtod"))?;
+                st.memcpy_dtod(&tmp, &mut ex.slice_mut(dst * n..(dst + 1) * n)).map_err(drv("dtod"))?;
+            }
+        }
+        self.slots[dst] = Slot { active: true, ..src };
+        self.set_counts(dst);
+        Ok(dst)
+    }
+
+    /// Drop the `n` newest tokens. Surviving tokens keep their stored form (the window's
+    /// ring slots do not move; a partly kept page stays open in row mode). Page mode cannot
+    /// keep a partly trimmed page on the device: refused, as the CPU would decode it back.
+    pub fn trim(&mut self, slot: usize, n: usize) -> Result<()> {
+        let s = self.slot(slot)?.clone();
+        if n > s.n_tokens {
+            return Err(CudaError::ShapeMismatch { op: "trim: tokens held", expected: s.n_tokens, got: n });
+        }
+        let n1 = s.n_tokens - n;
+        let (sink, t) = (self.cfg.sink, self.cfg.page_tokens);
+        let coded1 = s.coded.min(n1.saturating_sub(sink));
+        if !self.row_mode && coded1 % t != 0 {
+            return Err(CudaError::UnsupportedFormat {
+                format: format!("{}/{}", self.cfg.k, self.cfg.v),
+                why: "trimming into a page in page mode (the CPU decodes it back to fp16)",
             });
         }
-        self.next_page += 1;
-        Ok((self.next_page - 1) as i32)
+        let keep = coded1.div_ceil(t);
+        let dropped: Vec<u32> = self.slots[slot].groups.drain(keep..).collect();
+        for g in dropped {
+            self.release(g);
+        }
+        let sl = &mut self.slots[slot];
+        sl.n_tokens = n1;
+        sl.coded = coded1;
+        self.set_counts(slot);
+        Ok(())
     }
 
-    /// Append `n` tokens to sequence `seq`: k and v are [n_kv_heads][n][d] f32 (finite).
-    pub fn append(&mut self, seq: usize, k: &[f32], v: &[f32], n: usize) -> Result<()> {
-        let (hk, d, t, r) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.page_tokens, self.cfg.recent);
-        for x in [k, v] {
-            if x.len() != hk * n * d {
-                return Err(CudaError::ShapeMismatch { op: "gpu append", expected: hk * n * d, got: x.len() });
+    /// Upload the pending deltas and apply them on the stream (outside captured graphs).
+    pub fn sync_meta(&mut self) -> Result<()> {
+        let cap = (self.delta_buf.len() - 1) / 2;
+        while !self.deltas.is_empty() {
+            let take = self.deltas.len().min(cap);
+            let buf = encode_deltas(&self.deltas[..take]);
+            self.deltas.drain(..take);
+            let st = self.dev.stream.clone();
+            st.memcpy_htod(&buf, &mut self.delta_buf.slice_mut(..buf.len())).map_err(drv("htod deltas"))?;
+            self.launch_deltas(&st)?;
+        }
+        Ok(())
+    }
+
+    /// Table and counter writes waiting for `sync_meta` (or a step's upload).
+    pub fn pending_deltas(&self) -> usize {
+        self.deltas.len()
+    }
+
+    /// Whether table or counter writes wait for `sync_meta` (or a step's upload).
+    pub fn has_pending_deltas(&self) -> bool {
+        !self.deltas.is_empty()
+    }
+
+    /// The pending deltas as [count, (index, value)…] for a step's upload; the caller applies
+    /// them with [`Self::launch_deltas_from`] inside its step.
+    pub fn take_deltas(&mut self) -> Vec<(i32, i32)> {
+        std::mem::take(&mut self.deltas)
+    }
+
+    fn launch_deltas(&mut self, st: &Arc<cudarc::driver::CudaStream>) -> Result<()> {
+        let mut l = st.launch_builder(&self.f_deltas);
+        l.arg(&self.delta_buf).arg(&mut self.meta);
+        // SAFETY: apply_deltas(d, meta) reads d[0] ≤ capacity pairs; every index was produced
+        // by set_page/set_counts, < meta.len().
+        unsafe { l.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
+            .map_err(drv("apply_deltas"))?;
+        Ok(())
+    }
+
+    /// Apply an uploaded delta list (`encode_deltas` layout) on `st` (graph-capturable).
+    pub fn launch_deltas_from(
+        &mut self,
+        buf: &cudarc::driver::CudaView<'_, i32>,
+        st: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<()> {
+        let mut l = st.launch_builder(&self.f_deltas);
+        l.arg(buf).arg(&mut self.meta);
+        // SAFETY: as launch_deltas; the caller's buffer holds a count and that many pairs
+        // (checked by encode_deltas_into).
+        unsafe { l.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
+            .map_err(drv("apply_deltas"))?;
+        Ok(())
+    }
+
+    /// Run the appends `rows` (device array of `n_rows`) for `layer`, both streams, on `st`.
+    /// `max_new` bounds every row's n (grid size); rows of ≤ 4 tokens use the one-launch path.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_append(
+        &mut self,
+        layer: usize,
+        rows: &cudarc::driver::CudaView<'_, AppendRow>,
+        n_rows: usize,
+        max_new: usize,
+        max_enc: usize,
+        ksrc: &AppendSrc<'_>,
+        vsrc: &AppendSrc<'_>,
+        st: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        if n_rows == 0 || rows.len() < n_rows {
+            return Err(CudaError::ShapeMismatch { op: "append rows", expected: n_rows, got: rows.len() });
+        }
+        let hk = self.cfg.n_kv_heads;
+        let max_pages = self.cfg.max_pages_per_seq as i32;
+        let table = self.meta.slice(..self.table.len());
+        let few = max_new <= 4 && max_enc <= 4 * self.cfg.page_tokens;
+        let phases: &[i32] = if few { &[2] } else { &[0, 1] };
+        for &phase in phases {
+            for (strm, src) in [(&mut self.k, ksrc), (&mut self.v, vsrc)] {
+                let items = if phase == 0 { max_enc } else { max_new } * hk;
+                let cfg = if phase == 2 {
+                    LaunchConfig {
+                        grid_dim: (1, n_rows as u32, 1),
+                        block_dim: (32 * hk.min(32) as u32, 1, 1),
+                        shared_mem_bytes: 0,
+                    }
+                } else {
+                    LaunchConfig {
+                        grid_dim: (items.div_ceil(8).max(1) as u32, n_rows as u32, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    }
+                };
+                let dd = self.cfg.head_dim;
+                let signs = strm.signs.slice(layer * hk * dd..(layer + 1) * hk * dd);
+                let stride = src.stride as i64;
+                let mut l = st.launch_builder(&strm.f_append);
+                l.arg(rows)
+                    .arg(&phase)
+                    .arg(&src.data)
+                    .arg(&stride)
+                    .arg(&mut strm.exact[layer])
+                    .arg(&mut strm.pools[layer])
+                    .arg(&table)
+                    .arg(&max_pages)
+                    .arg(&signs)
+                    .arg(&strm.rot_scale)
+                    .arg(&strm.thresholds)
+                    .arg(&strm.centroids);
+                // SAFETY: matches kv_append (kernels/kv.cu). Every row was planned by
+                // plan_append against this cache (slots, pages allocated in the table), the
+                // source holds src_row + n rows of `stride` f32 with n_kv·d used per row
+                // (checked by the callers through source_rows).
+                unsafe { l.launch(cfg) }.map_err(drv("kv_append"))?;
             }
         }
-        veloxquant::cache::check_kv_finite(k, v, d)?;
-        let mut jobs: Vec<(i32, i32)> = Vec::new();
-        let (mut kx, mut vx) = (Vec::<u16>::new(), Vec::<u16>::new());
-        let mut new_pages = 0usize;
-        for h in 0..hk {
-            let row = seq * hk + h;
-            for (si, x) in [k, v].into_iter().enumerate() {
-                self.host_tails[row][si]
-                    .extend(x[h * n * d..(h + 1) * n * d].iter().map(|&y| f16::from_f32(y).to_bits()));
-            }
-            let mut flushed = 0;
-            while self.host_tails[row][0].len() / d >= r + t {
-                let pidx = self.n_pages[seq] as usize + flushed;
-                if pidx >= self.cfg.max_pages_per_seq {
+        Ok(())
+    }
+
+    /// The exact window before an append and its new tokens, `[kv][ld][d]` f16 per stream
+    /// (prefill's band). Must run before `launch_append`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_window(
+        &self,
+        layer: usize,
+        rows: &cudarc::driver::CudaView<'_, AppendRow>,
+        width: usize,
+        ksrc: &AppendSrc<'_>,
+        vsrc: &AppendSrc<'_>,
+        kout: &mut CudaSlice<u16>,
+        vout: &mut CudaSlice<u16>,
+        ld: usize,
+        st: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        let hk = self.cfg.n_kv_heads;
+        let need = hk * ld * self.cfg.head_dim;
+        if kout.len() < need || vout.len() < need || width > ld {
+            return Err(CudaError::ShapeMismatch {
+                op: "window buffers",
+                expected: need,
+                got: kout.len().min(vout.len()),
+            });
+        }
+        for (strm, src, out) in [(&self.k, ksrc, kout), (&self.v, vsrc, vout)] {
+            let cfg = LaunchConfig {
+                grid_dim: ((width * hk).div_ceil(8).max(1) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let (stride, ldl) = (src.stride as i64, ld as i64);
+            let mut l = st.launch_builder(&strm.f_window);
+            l.arg(rows).arg(&src.data).arg(&stride).arg(&strm.exact[layer]).arg(out).arg(&ldl);
+            // SAFETY: matches kv_window; the row was planned against this cache, `out` holds
+            // hk·ld·d ≥ hk·width·d values (checked above).
+            unsafe { l.launch(cfg) }.map_err(drv("kv_window"))?;
+        }
+        Ok(())
+    }
+
+    /// Positions [0, n_end) of `slot` decoded to dense f16 `[kv][ld][d]` per stream, in the
+    /// original domain (prefill's keys and values).
+    #[allow(clippy::too_many_arguments)]
+    pub fn launch_dense(
+        &self,
+        layer: usize,
+        slot: usize,
+        kout: &mut CudaSlice<u16>,
+        vout: &mut CudaSlice<u16>,
+        ld: usize,
+        st: &Arc<cudarc::driver::CudaStream>,
+    ) -> Result<()> {
+        self.check_layer(layer)?;
+        let s = self.slot(slot)?;
+        let (n_end, coded) = (s.n_tokens, s.coded);
+        let hk = self.cfg.n_kv_heads;
+        let need = hk * ld * self.cfg.head_dim;
+        if kout.len() < need || vout.len() < need || n_end > ld {
+            return Err(CudaError::ShapeMismatch {
+                op: "dense buffers",
+                expected: need,
+                got: kout.len().min(vout.len()),
+            });
+        }
+        let table = self.meta.slice(..self.table.len());
+        let max_pages = self.cfg.max_pages_per_seq as i32;
+        for (strm, out) in [(&self.k, kout), (&self.v, vout)] {
+            let cfg = LaunchConfig {
+                grid_dim: ((n_end * hk).div_ceil(8).max(1) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let dd = self.cfg.head_dim;
+            let signs = strm.signs.slice(layer * hk * dd..(layer + 1) * hk * dd);
+            let (sl, ne, cd, ldl) = (slot as i32, n_end as i32, coded as i32, ld as i64);
+            let mut l = st.launch_builder(&strm.f_dense);
+            l.arg(&sl)
+                .arg(&ne)
+                .arg(&cd)
+                .arg(&strm.exact[layer])
+                .arg(&strm.pools[layer])
+                .arg(&table)
+                .arg(&max_pages)
+                .arg(&signs)
+                .arg(&strm.rot_scale)
+                .arg(&strm.centroids)
+                .arg(out)
+                .arg(&ldl);
+            // SAFETY: matches kv_dense; the slot's table rows cover its coded tokens, `out`
+            // holds hk·ld·d ≥ hk·n_end·d values (checked above).
+            unsafe { l.launch(cfg) }.map_err(drv("kv_dense"))?;
+        }
+        Ok(())
+    }
+
+    fn check_layer(&self, layer: usize) -> Result<()> {
+        if layer >= self.cfg.n_layers {
+            return Err(CudaError::ShapeMismatch { op: "cache layer", expected: self.cfg.n_layers, got: layer });
+        }
+        Ok(())
+    }
+
+    /// Host convenience (tests, uploads): append `n` tokens to `slot`, one `(k, v)` pair per
+    /// layer, each `[kv_head][n][d]` f32 (the CPU cache's layout), finite.
+    pub fn append(&mut self, slot: usize, kv: &[(&[f32], &[f32])], n: usize) -> Result<()> {
+        let (hk, d) = (self.cfg.n_kv_heads, self.cfg.head_dim);
+        if kv.len() != self.cfg.n_layers {
+            return Err(CudaError::ShapeMismatch { op: "append: layers", expected: self.cfg.n_layers, got: kv.len() });
+        }
+        for (k, v) in kv {
+            for x in [k, v] {
+                if x.len() != hk * n * d {
                     return Err(CudaError::ShapeMismatch {
-                        op: "max_pages_per_seq",
-                        expected: self.cfg.max_pages_per_seq,
-                        got: pidx + 1,
+                        op: "append: [kv][n][d]",
+                        expected: hk * n * d,
+                        got: x.len(),
                     });
                 }
-                let phys = self.alloc_page()?;
-                self.page_table[row * self.cfg.max_pages_per_seq + pidx] = phys;
-                jobs.push((phys, h as i32));
-                kx.extend(self.host_tails[row][0].drain(..t * d));
-                vx.extend(self.host_tails[row][1].drain(..t * d));
-                flushed += 1;
             }
-            new_pages = flushed;
+            veloxquant::cache::check_kv_finite(k, v, d)?;
         }
-        self.n_pages[seq] += new_pages as i32;
-        self.n_tokens[seq] += n;
-        self.n_tail[seq] = (self.host_tails[seq * hk][0].len() / d) as i32;
-        if !jobs.is_empty() {
-            self.encode_jobs(&jobs, &kx, &vx)?;
+        if n == 0 {
+            return Ok(());
         }
-        self.upload_tail(seq)?;
-        self.dirty = true;
+        let row = self.plan_append(slot, n, 0)?;
+        self.sync_meta()?;
+        let st = self.dev.stream.clone();
+        let rows = st.clone_htod(&[row]).map_err(drv("htod"))?;
+        let tok_major = |x: &[f32]| -> Vec<f32> {
+            let mut o = vec![0f32; x.len()];
+            for h in 0..hk {
+                for t in 0..n {
+                    o[(t * hk + h) * d..(t * hk + h + 1) * d].copy_from_slice(&x[(h * n + t) * d..(h * n + t + 1) * d]);
+                }
+            }
+            o
+        };
+        for (layer, (k, v)) in kv.iter().enumerate() {
+            let kd = st.clone_htod(&tok_major(k)).map_err(drv("htod"))?;
+            let vd = st.clone_htod(&tok_major(v)).map_err(drv("htod"))?;
+            let ks = AppendSrc { data: kd.slice(..), stride: hk * d };
+            let vs = AppendSrc { data: vd.slice(..), stride: hk * d };
+            let enc = (row.coded1 - row.coded0) as usize;
+            self.launch_append(layer, &rows.slice(..), 1, n, enc, &ks, &vs, &st)?;
+        }
         Ok(())
     }
 
-    fn encode_jobs(&mut self, jobs: &[(i32, i32)], kx: &[u16], vx: &[u16]) -> Result<()> {
-        let s = self.dev.stream.clone();
-        let pid: Vec<i32> = jobs.iter().map(|j| j.0).collect();
-        let hid: Vec<i32> = jobs.iter().map(|j| j.1).collect();
-        let pid = s.clone_htod(&pid).map_err(drv("htod"))?;
-        let hid = s.clone_htod(&hid).map_err(drv("htod"))?;
-        let kd = s.clone_htod(kx).map_err(drv("htod"))?;
-        let vd = s.clone_htod(vx).map_err(drv("htod"))?;
-        let k = &mut self.k;
-        k.enc.launch(&kd, jobs.len(), &pid, &hid, &mut k.pool, &k.signs, k.rot_scale)?;
-        let v = &mut self.v;
-        v.enc.launch(&vd, jobs.len(), &pid, &hid, &mut v.pool, &v.signs, v.rot_scale)?;
-        Ok(())
-    }
-
-    fn upload_tail(&mut self, seq: usize) -> Result<()> {
-        let (hk, d, cap) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.tail_cap());
-        let mut kbuf = vec![0u16; hk * cap * d];
-        let mut vbuf = vec![0u16; hk * cap * d];
-        for h in 0..hk {
-            let tails = &self.host_tails[seq * hk + h];
-            kbuf[h * cap * d..h * cap * d + tails[0].len()].copy_from_slice(&tails[0]);
-            vbuf[h * cap * d..h * cap * d + tails[1].len()].copy_from_slice(&tails[1]);
-        }
-        let at = seq * hk * cap * d;
-        let s = self.dev.stream.clone();
-        s.memcpy_htod(&kbuf, &mut self.k.tail.slice_mut(at..at + kbuf.len())).map_err(drv("htod tail"))?;
-        s.memcpy_htod(&vbuf, &mut self.v.tail.slice_mut(at..at + vbuf.len())).map_err(drv("htod tail"))?;
-        Ok(())
-    }
-
-    /// Benchmark fill: every sequence gets `lens[b]` tokens of N(0,1) data generated on the
-    /// device and encoded in one launch per stream; physical pages are shuffled so the page
-    /// table really scatters. Returns the encode time of the K stream in ms (one launch).
+    /// Benchmark fill: every slot `b < lens.len()` becomes a sequence of `lens[b]` tokens of
+    /// N(0,1) data generated on the device (pages shuffled across the pool so the page table
+    /// really scatters), for every layer. Returns the K encode time of layer 0's first chunk in ms.
     pub fn fill_random(&mut self, lens: &[usize], seed: u64) -> Result<f32> {
         let (hk, d, t) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.page_tokens);
-        let mut jobs = Vec::new();
-        for (b, &n) in lens.iter().enumerate() {
-            let np = self.cfg.paged_tokens(n) / t;
-            for h in 0..hk {
-                for p in 0..np {
-                    let phys = self.alloc_page()?;
-                    self.page_table[(b * hk + h) * self.cfg.max_pages_per_seq + p] = phys;
-                    jobs.push((b, h, p));
-                }
-            }
-            self.n_pages[b] = np as i32;
-            self.n_tokens[b] = n;
+        let mut slots = Vec::new();
+        for &n in lens {
+            let s = self.add_seq()?;
+            slots.push((s, n));
         }
-        // Shuffle physical pages (Fisher–Yates over the used table entries).
+        // Shuffle the free list so consecutive logical pages land far apart.
         let mut rng = veloxquant::rng::SplitMix64::new(seed ^ 0xABCD);
-        let slots: Vec<usize> = jobs.iter().map(|&(b, h, p)| (b * hk + h) * self.cfg.max_pages_per_seq + p).collect();
-        for i in (1..slots.len()).rev() {
+        for i in (1..self.free.len()).rev() {
             let j = (rng.next_u64() % (i as u64 + 1)) as usize;
-            self.page_table.swap(slots[i], slots[j]);
+            self.free.swap(i, j);
         }
-        let s = self.dev.stream.clone();
-        let pid: Vec<i32> = slots.iter().map(|&i| self.page_table[i]).collect();
-        let hid: Vec<i32> = jobs.iter().map(|j| j.1 as i32).collect();
-        let pid = s.clone_htod(&pid).map_err(drv("htod"))?;
-        let hid = s.clone_htod(&hid).map_err(drv("htod"))?;
-        let n_vals = jobs.len() * t * d;
-        let mut x = s.alloc_zeros::<u16>(n_vals.max(1)).map_err(drv("alloc"))?;
-        let mut ms = 0.0;
-        for (si, st) in [&mut self.k, &mut self.v].into_iter().enumerate() {
-            crate::bench_util::fill_normal_f16(&self.dev, &mut x, n_vals, seed.wrapping_add(si as u64 * 7919))?;
-            let e0 = self
-                .dev
-                .ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(drv("event"))?;
-            let e1 = self
-                .dev
-                .ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(drv("event"))?;
-            e0.record(&s).map_err(drv("record"))?;
-            st.enc.launch(&x, jobs.len(), &pid, &hid, &mut st.pool, &st.signs, st.rot_scale)?;
-            e1.record(&s).map_err(drv("record"))?;
-            e1.synchronize().map_err(drv("sync"))?;
-            if si == 0 {
-                ms = e0.elapsed_ms(&e1).map_err(drv("elapsed"))?;
-            }
-        }
-        // Tails: the tokens after the last full page, random on the host.
-        let mut hrng = veloxquant::rng::SplitMix64::new(seed ^ 0x7A11);
-        for (b, &n) in lens.iter().enumerate() {
-            let nt = n - self.cfg.paged_tokens(n);
-            for h in 0..hk {
-                for si in 0..2 {
-                    self.host_tails[b * hk + h][si] =
-                        (0..nt * d).map(|_| f16::from_f32(hrng.next_gaussian() as f32).to_bits()).collect();
+        let mut jobs = Vec::new(); // (slot, head, physical page)
+        for &(s, n) in &slots {
+            let coded = self.coded_after(n, 0);
+            let full = coded.div_ceil(t);
+            for p in 0..full {
+                let g = self.alloc_group()?;
+                self.slots[s].groups.push(g);
+                self.set_page(s, p, g);
+                for h in 0..hk {
+                    jobs.push((s, h, g as usize * hk + h));
                 }
             }
-            self.n_tail[b] = nt as i32;
-            self.upload_tail(b)?;
+            let sl = &mut self.slots[s];
+            sl.n_tokens = n;
+            sl.coded = coded;
+            self.set_counts(s);
         }
-        self.dirty = true;
-        self.sync_tables()?;
+        self.sync_meta()?;
+        let st = self.dev.stream.clone();
+        // Encoded in chunks of at most CHUNK pages (the N(0,1) input is generated per chunk).
+        const CHUNK: usize = 1 << 15;
+        let n_chunk = jobs.len().min(CHUNK).max(1);
+        let mut x = st.alloc_zeros::<u16>(n_chunk * t * d).map_err(drv("alloc"))?;
+        let mut ms = 0.0;
+        let xs = self.exact_slots();
+        for layer in 0..self.cfg.n_layers {
+            for (si, strm) in [&mut self.k, &mut self.v].into_iter().enumerate() {
+                let lseed = seed.wrapping_add((layer * 2 + si) as u64 * 7919);
+                for (ci, chunk) in jobs.chunks(CHUNK).enumerate() {
+                    let pid: Vec<i32> = chunk.iter().map(|j| j.2 as i32).collect();
+                    let hid: Vec<i32> = chunk.iter().map(|j| j.1 as i32).collect();
+                    let pid = st.clone_htod(&pid).map_err(drv("htod"))?;
+                    let hid = st.clone_htod(&hid).map_err(drv("htod"))?;
+                    let n_vals = chunk.len() * t * d;
+                    crate::bench_util::fill_normal_f16(&self.dev, &mut x, n_vals, lseed.wrapping_add(ci as u64))?;
+                    let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                    let e0 = self.dev.ctx.new_event(timing).map_err(drv("event"))?;
+                    let e1 = self.dev.ctx.new_event(timing).map_err(drv("event"))?;
+                    e0.record(&st).map_err(drv("record"))?;
+                    let signs = strm.signs.slice(layer * hk * d..(layer + 1) * hk * d);
+                    strm.enc.launch(&x, chunk.len(), &pid, &hid, &mut strm.pools[layer], &signs, strm.rot_scale)?;
+                    e1.record(&st).map_err(drv("record"))?;
+                    if layer == 0 && si == 0 && ci == 0 {
+                        e1.synchronize().map_err(drv("sync"))?;
+                        ms = e0.elapsed_ms(&e1).map_err(drv("elapsed"))?;
+                    }
+                }
+                // The exact tokens (sinks and window): random, from the host.
+                let mut buf = vec![0u16; self.cfg.max_seqs * hk * xs * d];
+                let mut hr = veloxquant::rng::SplitMix64::new(lseed ^ 0x7A11);
+                for &(s, _) in &slots {
+                    for v in &mut buf[s * hk * xs * d..(s + 1) * hk * xs * d] {
+                        *v = f16::from_f32(hr.next_gaussian() as f32).to_bits();
+                    }
+                }
+                st.memcpy_htod(&buf, &mut strm.exact[layer]).map_err(drv("htod exact"))?;
+            }
+        }
+        st.synchronize().map_err(drv("sync"))?;
         Ok(ms)
     }
 
-    /// Upload the page table and counts if they changed.
-    pub fn sync_tables(&mut self) -> Result<()> {
-        if self.dirty {
-            let s = self.dev.stream.clone();
-            s.memcpy_htod(&self.page_table, &mut self.page_table_dev).map_err(drv("htod"))?;
-            s.memcpy_htod(&self.n_pages, &mut self.n_pages_dev).map_err(drv("htod"))?;
-            s.memcpy_htod(&self.n_tail, &mut self.n_tail_dev).map_err(drv("htod"))?;
-            self.dirty = false;
-        }
-        Ok(())
+    /// Bytes one decode step of `slots` reads from layer `0`'s cache: pages and exact tokens.
+    pub fn bytes_read(&self, slots: &[usize]) -> usize {
+        let (hk, d, t) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.page_tokens);
+        let pb = self.k.fmt.page_bytes + self.v.fmt.page_bytes;
+        slots
+            .iter()
+            .filter_map(|&s| self.slots.get(s).filter(|x| x.active))
+            .map(|s| {
+                let exact = s.n_tokens - s.coded;
+                hk * (s.coded.div_ceil(t) * pb + exact * d * 4)
+            })
+            .sum()
     }
 
-    /// Bytes a decode step reads from the cache: all pages plus the tails.
-    pub fn bytes_read(&self) -> usize {
-        let pages: usize = self.n_pages.iter().map(|&n| n as usize).sum::<usize>() * self.cfg.n_kv_heads;
-        let tail: usize = self.n_tail.iter().map(|&n| n as usize).sum::<usize>() * self.cfg.n_kv_heads;
-        pages * (self.k.fmt.page_bytes + self.v.fmt.page_bytes) + tail * self.cfg.head_dim * 4
+    /// Longest coded page count over `slots` (what a decode plan must cover).
+    pub fn max_pages(&self, slots: &[usize]) -> usize {
+        let t = self.cfg.page_tokens;
+        slots.iter().filter_map(|&s| self.slots.get(s)).map(|s| s.coded.div_ceil(t)).max().unwrap_or(0)
     }
+
+    /// Device bytes in use by `slot` alone, counted like the CPU's `resident_bytes` (pages,
+    /// the page table's entries, the exact window and sinks, the rotation state).
+    pub fn slot_bytes(&self, slot: usize) -> Result<usize> {
+        let s = self.slot(slot)?;
+        let (hk, d, l) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.n_layers);
+        let pb = self.k.fmt.page_bytes + self.v.fmt.page_bytes;
+        let pages = s.groups.len() * hk * pb;
+        let table = s.groups.len() * hk * 4;
+        let exact = 2 * hk * self.exact_slots() * d * 2;
+        let state = [&self.k.fmt, &self.v.fmt].iter().map(|f| f.state_bytes()).sum::<usize>() * hk;
+        Ok(l * (pages + exact + state) + table)
+    }
+
+    /// Pages in use (groups held by some slot) and in the pool.
+    pub fn pool_usage(&self) -> (usize, usize) {
+        (self.cfg.pool_groups - self.free.len(), self.cfg.pool_groups)
+    }
+
+    /// The host's page table entry (tests).
+    pub fn table_entry(&self, slot: usize, head: usize, page: usize) -> i32 {
+        self.table[(slot * self.cfg.n_kv_heads + head) * self.cfg.max_pages_per_seq + page]
+    }
+
+    /// Shared group count (tests of fork).
+    pub fn group_refs(&self, slot: usize) -> Result<Vec<u32>> {
+        Ok(self.slot(slot)?.groups.iter().map(|&g| self.refs[g as usize]).collect())
+    }
+}
+
+/// One stream of one (layer, KV head) of a slot, as the CPU's `StreamStore` holds it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StreamContents {
+    /// Pages in order; the open page's unwritten rows zeroed (as the CPU allocates them).
+    pub pages: Vec<Vec<u8>>,
+    /// Rows of the open last page (row mode), 0 when every page is full.
+    pub open_rows: usize,
+    /// The window's tokens, oldest first, f16 bits.
+    pub tail: Vec<u16>,
+    pub sink: Vec<u16>,
+}
+
+impl GpuKvCache {
+    /// A slot's contents, `[layer][head]` × (K, V), downloaded (synchronizes the stream).
+    pub fn download(&self, slot: usize) -> Result<Vec<Vec<[StreamContents; 2]>>> {
+        let s = self.slot(slot)?.clone();
+        let (hk, d, t, sink) = (self.cfg.n_kv_heads, self.cfg.head_dim, self.cfg.page_tokens, self.cfg.sink);
+        let xs = self.exact_slots();
+        let ring = self.ring_cap();
+        let st = self.dev.stream.clone();
+        let n_sink = s.n_tokens.min(sink);
+        let w0 = sink + s.coded;
+        let n_tail = s.n_tokens.saturating_sub(w0);
+        let open = if self.row_mode { s.coded % t } else { 0 };
+        let mut out = Vec::with_capacity(self.cfg.n_layers);
+        for layer in 0..self.cfg.n_layers {
+            let mut heads = Vec::with_capacity(hk);
+            for h in 0..hk {
+                let mut pair: [StreamContents; 2] = Default::default();
+                for (si, strm) in [&self.k, &self.v].into_iter().enumerate() {
+                    let pb = strm.fmt.page_bytes;
+                    let mut pages = Vec::with_capacity(s.groups.len());
+                    for (p, &g) in s.groups.iter().enumerate() {
+                        let phys = g as usize * hk + h;
+                        let mut bytes = vec![0u8; pb];
+                        st.memcpy_dtoh(&strm.pools[layer].slice(phys * pb..(phys + 1) * pb), &mut bytes)
+                            .map_err(drv("dtoh page"))?;
+                        if open > 0 && p + 1 == s.groups.len() {
+                            strm.fmt.clear_rows_from(&mut bytes, open);
+                        }
+                        pages.push(bytes);
+                    }
+                    let base = (slot * hk + h) * xs * d;
+                    let mut ex = vec![0u16; xs * d];
+                    st.memcpy_dtoh(&strm.exact[layer].slice(base..base + xs * d), &mut ex)
+                        .map_err(drv("dtoh exact"))?;
+                    let sink_v = ex[..n_sink * d].to_vec();
+                    let mut tail = Vec::with_capacity(n_tail * d);
+                    for j in w0..w0 + n_tail {
+                        let x = sink + (j - sink) % ring;
+                        tail.extend_from_slice(&ex[x * d..(x + 1) * d]);
+                    }
+                    pair[si] = StreamContents { pages, open_rows: open, tail, sink: sink_v };
+                }
+                heads.push(pair);
+            }
+            out.push(heads);
+        }
+        Ok(out)
+    }
+}
+
+/// Deltas as the device reads them: [count, index₀, value₀, …], the last write to each index
+/// only (the kernel applies them in parallel).
+pub fn encode_deltas(d: &[(i32, i32)]) -> Vec<i32> {
+    let mut seen = std::collections::HashSet::new();
+    let mut last: Vec<(i32, i32)> = d.iter().rev().filter(|(i, _)| seen.insert(*i)).copied().collect();
+    last.reverse();
+    let mut out = Vec::with_capacity(1 + 2 * last.len());
+    out.push(last.len() as i32);
+    for (i, v) in last {
+        out.push(i);
+        out.push(v);
+    }
+    out
 }

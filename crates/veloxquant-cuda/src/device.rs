@@ -16,29 +16,122 @@ use crate::error::{drv, CudaError, Result};
 
 const COMMON: &str = include_str!("../kernels/common.cuh");
 
-/// Kernel families: one CUDA C file each.
+/// Kernel families: one CUDA C file each (plus the headers they share).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Family {
     Encode,
     Decode,
     Attn,
+    /// The device cache's appends and reads (kv.cu), per stream format.
+    Kv,
+    /// The model's element-wise kernels (model.cu).
+    Model,
+    /// Prefill attention's band and softmax (prefill.cu).
+    Prefill,
 }
 
+const ENCODE_ROW: &str = include_str!("../kernels/encode_row.cuh");
+
 impl Family {
-    fn source(self) -> &'static str {
+    pub const ALL: [Family; 6] =
+        [Family::Encode, Family::Decode, Family::Attn, Family::Kv, Family::Model, Family::Prefill];
+
+    /// The family's source after the common header.
+    pub fn sources(self) -> [&'static str; 2] {
         match self {
-            Family::Encode => include_str!("../kernels/encode.cu"),
-            Family::Decode => include_str!("../kernels/decode.cu"),
-            Family::Attn => include_str!("../kernels/attn.cu"),
+            Family::Encode => [ENCODE_ROW, include_str!("../kernels/encode.cu")],
+            Family::Decode => ["", include_str!("../kernels/decode.cu")],
+            Family::Attn => ["", include_str!("../kernels/attn.cu")],
+            Family::Kv => [ENCODE_ROW, include_str!("../kernels/kv.cu")],
+            Family::Model => ["", include_str!("../kernels/model.cu")],
+            Family::Prefill => ["", include_str!("../kernels/prefill.cu")],
         }
     }
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             Family::Encode => "encode",
             Family::Decode => "decode",
             Family::Attn => "attn",
+            Family::Kv => "kv",
+            Family::Model => "model",
+            Family::Prefill => "prefill",
         }
     }
+}
+
+/// The module key (and name) of `family` compiled with `defines`.
+pub fn module_key(family: Family, defines: &[(&str, i64)]) -> String {
+    let mut key = family.name().to_string();
+    for (k, v) in defines {
+        key.push_str(&format!("_{k}{v}"));
+    }
+    key
+}
+
+/// Compile `family` with `defines` to PTX for `arch` (e.g. "compute_90"): needs libnvrtc
+/// only, no device (the CPU-side test compiles every configuration for each target).
+pub fn compile_ptx(family: Family, defines: &[(&str, i64)], arch: &'static str) -> Result<cudarc::nvrtc::Ptx> {
+    libraries_present_nvrtc()?;
+    let key = module_key(family, defines);
+    let mut src = String::new();
+    for (k, v) in defines {
+        src.push_str(&format!("#define {k} {v}\n"));
+    }
+    src.push_str(COMMON);
+    for part in family.sources() {
+        src.push_str(part);
+    }
+    let opts = CompileOptions {
+        // Encode must round exactly like the CPU (no contraction); so must the cache's appends.
+        fmad: Some(!matches!(family, Family::Encode | Family::Kv)),
+        prec_div: Some(true),
+        prec_sqrt: Some(true),
+        ftz: Some(false),
+        arch: Some(arch),
+        options: vec!["--std=c++17".into()],
+        name: Some(format!("{key}.cu")),
+        ..Default::default()
+    };
+    catch_unwind(AssertUnwindSafe(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts)))
+        .map_err(|_| CudaError::CudaUnavailable { lib: "libnvrtc", why: "panicked while compiling".into() })?
+        .map_err(|e| CudaError::Nvrtc {
+            key,
+            log: match e {
+                CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
+                other => format!("{other:?}"),
+            },
+        })
+}
+
+/// Whether libnvrtc alone can be loaded.
+pub fn libraries_present_nvrtc() -> Result<()> {
+    // SAFETY: only tries dlopen on the candidate names; no NVRTC call is made.
+    let nvrtc = catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }).unwrap_or(false);
+    if !nvrtc {
+        return Err(CudaError::CudaUnavailable { lib: "libnvrtc", why: "not found by the dynamic loader".into() });
+    }
+    Ok(())
+}
+
+/// The NVRTC target of a compute capability (the kernels need sm_80 or newer: m16n8k16 mma,
+/// movmatrix, cp.async; the 2/4-bit decode path and PDL use Hopper's bulk copies and
+/// griddepcontrol, so they are tuned and tested on sm_90 only).
+pub fn arch_name(cc: (i32, i32)) -> Result<&'static str> {
+    Ok(match cc {
+        (8, 0) => "compute_80",
+        (8, 6) => "compute_86",
+        (8, 7) => "compute_87",
+        (8, 9) => "compute_89",
+        (9, 0) => "compute_90",
+        (10, 0) => "compute_100",
+        (12, 0) => "compute_120",
+        _ => {
+            return Err(CudaError::CudaUnavailable {
+                lib: "libcuda (driver)",
+                why: format!("compute capability {}.{} is not supported (sm_80 or newer)", cc.0, cc.1),
+            })
+        }
+    })
 }
 
 pub struct GpuDevice {
@@ -47,6 +140,8 @@ pub struct GpuDevice {
     pub compute_capability: (i32, i32),
     pub sm_count: usize,
     pub name: String,
+    /// NVRTC target, `compute_{major}{minor}`.
+    pub arch: &'static str,
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
 }
 
@@ -92,16 +187,24 @@ impl GpuDevice {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("attribute"))? as usize;
         let name = ctx.name().map_err(drv("name"))?;
-        let stream = ctx.default_stream();
-        Ok(Arc::new(Self { ctx, stream, compute_capability: cc, sm_count, name, modules: Mutex::new(HashMap::new()) }))
+        // One created stream for all work (the legacy default stream cannot be captured
+        // into a graph, and one stream orders everything without events).
+        let stream = ctx.new_stream().map_err(drv("new_stream"))?;
+        let arch = arch_name(cc)?;
+        Ok(Arc::new(Self {
+            ctx,
+            stream,
+            compute_capability: cc,
+            sm_count,
+            name,
+            arch,
+            modules: Mutex::new(HashMap::new()),
+        }))
     }
 
     /// The function `name` of `family` compiled with `defines`, compiling on first use.
     pub fn function(&self, family: Family, defines: &[(&str, i64)], name: &str) -> Result<CudaFunction> {
-        let mut key = family.name().to_string();
-        for (k, v) in defines {
-            key.push_str(&format!("_{k}{v}"));
-        }
+        let key = module_key(family, defines);
         let module = {
             let mut cache = self.modules.lock().expect("module cache poisoned");
             match cache.get(&key) {
@@ -117,34 +220,7 @@ impl GpuDevice {
     }
 
     fn compile(&self, family: Family, defines: &[(&str, i64)], key: &str) -> Result<Arc<CudaModule>> {
-        let mut src = String::new();
-        for (k, v) in defines {
-            src.push_str(&format!("#define {k} {v}\n"));
-        }
-        src.push_str(COMMON);
-        src.push_str(family.source());
-        let arch: &'static str =
-            Box::leak(format!("compute_{}{}", self.compute_capability.0, self.compute_capability.1).into_boxed_str());
-        let opts = CompileOptions {
-            // Encode must round exactly like the CPU (no contraction); decode may fuse.
-            fmad: Some(family != Family::Encode),
-            prec_div: Some(true),
-            prec_sqrt: Some(true),
-            ftz: Some(false),
-            arch: Some(arch),
-            options: vec!["--std=c++17".into()],
-            name: Some(format!("{key}.cu")),
-            ..Default::default()
-        };
-        let ptx = catch_unwind(AssertUnwindSafe(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts)))
-            .map_err(|_| CudaError::CudaUnavailable { lib: "libnvrtc", why: "panicked while compiling".into() })?
-            .map_err(|e| CudaError::Nvrtc {
-                key: key.to_string(),
-                log: match e {
-                    CompileError::CompileError { log, .. } => log.to_string_lossy().into_owned(),
-                    other => format!("{other:?}"),
-                },
-            })?;
+        let ptx = compile_ptx(family, defines, self.arch)?;
         // Development aid: VELOXQUANT_PTX_DIR=dir keeps each module's PTX (for ptxas -v / SASS).
         if let Some(dir) = std::env::var_os("VELOXQUANT_PTX_DIR") {
             let _ = std::fs::write(std::path::Path::new(&dir).join(format!("{key}.ptx")), ptx.to_src());

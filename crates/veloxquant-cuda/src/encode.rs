@@ -30,6 +30,32 @@ pub enum InputKind {
     Bf16 = 2,
 }
 
+/// The encode module's defines for `fmt` and `input` (`pf`: the cp.async prefetch, sm_80+).
+pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64) -> [(&'static str, i64); 17] {
+    [
+        ("D", fmt.d as i64),
+        ("T", fmt.t as i64),
+        ("KIND", fmt.kind as i64),
+        ("BITS", fmt.bits.max(1) as i64),
+        ("ROT", fmt.rotation.is_some() as i64),
+        ("EDEN", fmt.eden as i64),
+        ("IN_KIND", input as i64),
+        ("ROW_BYTES", fmt.row_bytes as i64),
+        ("PAGE_BYTES", fmt.page_bytes as i64),
+        ("WARPS", tpr_warps() as i64),
+        // Keep a block's warps in step (one barrier per page) to share instruction fetch.
+        ("LOCKSTEP", env_knob("VELOXQUANT_ENCODE_LOCKSTEP", 0)),
+        // Blocks per SM the register allocation must allow (2: up to 255 registers, 8 warps).
+        ("MINB", env_knob("VELOXQUANT_ENCODE_MINB", 2)),
+        // Prefetch the next page's rows by cp.async into a second stage (sm_80+).
+        ("PF", pf),
+        ("WARPS2", env_knob("VELOXQUANT_ENCODE_WARPS2", 8).clamp(1, 16)),
+        ("MINB2", env_knob("VELOXQUANT_ENCODE_MINB2", 2)),
+        ("QK", BIN_QK as i64),
+        ("QS", BIN_QS as i64),
+    ]
+}
+
 pub struct GpuEncoder {
     pub dev: Arc<GpuDevice>,
     pub fmt: GpuFormat,
@@ -49,28 +75,7 @@ impl GpuEncoder {
         // turboquant_mse codes: two threads per row (half the registers, twice the warps).
         let two_per_row = fmt.kind == KernelKind::Codes && pf != 0 && env_knob("VELOXQUANT_ENCODE_TPR2", 1) != 0;
         let warps2 = env_knob("VELOXQUANT_ENCODE_WARPS2", 8).clamp(1, 16) as usize;
-        let defines = [
-            ("D", fmt.d as i64),
-            ("T", fmt.t as i64),
-            ("KIND", fmt.kind as i64),
-            ("BITS", fmt.bits.max(1) as i64),
-            ("ROT", fmt.rotation.is_some() as i64),
-            ("EDEN", fmt.eden as i64),
-            ("IN_KIND", input as i64),
-            ("ROW_BYTES", fmt.row_bytes as i64),
-            ("PAGE_BYTES", fmt.page_bytes as i64),
-            ("WARPS", self_warps as i64),
-            // Keep a block's warps in step (one barrier per page) to share instruction fetch.
-            ("LOCKSTEP", env_knob("VELOXQUANT_ENCODE_LOCKSTEP", 0)),
-            // Blocks per SM the register allocation must allow (2: up to 255 registers, 8 warps).
-            ("MINB", env_knob("VELOXQUANT_ENCODE_MINB", 2)),
-            // Prefetch the next page's rows by cp.async into a second stage (sm_80+).
-            ("PF", pf),
-            ("WARPS2", warps2 as i64),
-            ("MINB2", env_knob("VELOXQUANT_ENCODE_MINB2", 2)),
-            ("QK", BIN_QK as i64),
-            ("QS", BIN_QS as i64),
-        ];
+        let defines = encode_defines(fmt, input, pf);
         let func = dev.function(Family::Encode, &defines, "encode_rows")?;
         let s = &dev.stream;
         let use_tpr = fmt.t == 32
@@ -148,7 +153,7 @@ impl GpuEncoder {
         page_idx: &CudaSlice<i32>,
         head_idx: &CudaSlice<i32>,
         pool: &mut CudaSlice<u8>,
-        signs: &CudaSlice<f32>,
+        signs: &cudarc::driver::CudaView<'_, f32>,
         rot_scale: f32,
     ) -> Result<()> {
         let n_rows = (n_jobs * self.fmt.t) as i32;
@@ -241,7 +246,7 @@ impl GpuEncoder {
         let mut pool = s.alloc_zeros::<u8>(n * self.fmt.page_bytes).map_err(drv("alloc"))?;
         let (signs, sc) = self.fmt.signs_or_ones();
         let sd = s.clone_htod(&signs).map_err(drv("htod"))?;
-        self.launch(&xd, n, &pid, &hid, &mut pool, &sd, sc)?;
+        self.launch(&xd, n, &pid, &hid, &mut pool, &sd.slice(..), sc)?;
         s.clone_dtoh(&pool).map_err(drv("dtoh"))
     }
 }

@@ -15,6 +15,15 @@ pub enum CudaError {
     UnsupportedFormat { format: String, why: &'static str },
     #[error("shape mismatch in {op}: expected {expected}, got {got}")]
     ShapeMismatch { op: &'static str, expected: usize, got: usize },
+    /// A fixed-size resource (slots, the page pool, a plan's capacity) is full.
+    #[error("out of {what}: capacity {capacity}")]
+    OutOfCapacity { what: &'static str, capacity: usize },
+    /// What was planned does not fit the device's free memory (checked before allocating).
+    #[error("{what} needs {need} bytes of device memory; {free} are free")]
+    OutOfDeviceMemory { what: String, need: usize, free: usize },
+    /// cuBLAS failed or could not be loaded.
+    #[error("cuBLAS failed in {op}: {err}")]
+    Cublas { op: &'static str, err: String },
     #[error(transparent)]
     Core(#[from] veloxquant::VqError),
 }

@@ -134,6 +134,27 @@ impl GpuFormat {
         })
     }
 
+    /// Zero rows `from..` of a page (and their per-token scales): an open page as the CPU
+    /// holds it.
+    pub fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        if from >= self.t {
+            return;
+        }
+        page[from * self.row_bytes..self.t * self.row_bytes].fill(0);
+        if self.kind == KernelKind::Codes {
+            let at = self.t * self.row_bytes;
+            page[at + 2 * from..at + 2 * self.t].fill(0);
+        }
+    }
+
+    /// Per-instance state as the CPU counts it (`Format::state_bytes`): rotation signs and
+    /// the codebook.
+    pub fn state_bytes(&self) -> usize {
+        let rot = self.rotation.as_ref().map_or(0, |(s, _)| s.len() * 4);
+        let cb = if self.kind == KernelKind::Codes { (self.centroids.len() + self.thresholds.len()) * 4 } else { 0 };
+        rot + cb
+    }
+
     pub fn bits_per_value(&self) -> f64 {
         (self.page_bytes * 8) as f64 / (self.t * self.d) as f64
     }

@@ -101,3 +101,75 @@ fn markstein_division_is_correctly_rounded() {
     }
     assert!(checked > 1_000_000);
 }
+
+/// Every module configuration the host can request compiles with NVRTC for sm_90 (no GPU
+/// needed: CI installs libnvrtc from the `nvidia-cuda-nvrtc` wheel). Skips, saying so, where
+/// libnvrtc cannot be loaded.
+#[test]
+fn every_kernel_configuration_compiles() {
+    use veloxquant::CacheConfig;
+    use veloxquant_cuda::device::{compile_ptx, libraries_present_nvrtc, Family};
+    use veloxquant_cuda::encode::encode_defines;
+    use veloxquant_cuda::{cache::kv_defines, prefill::prefill_defines, GpuCacheConfig, InputKind};
+    if let Err(e) = libraries_present_nvrtc() {
+        eprintln!("SKIPPED: {e} (set LD_LIBRARY_PATH to a libnvrtc, e.g. from the nvidia-cuda-nvrtc wheel)");
+        return;
+    }
+    let arch = "compute_90";
+    let specs = [
+        "fp16",
+        "q8_0",
+        "q8_0:rot",
+        "q4_0",
+        "q4_0:rot",
+        "turboquant_mse:1",
+        "turboquant_mse:2",
+        "turboquant_mse:3",
+        "turboquant_mse:3:eden",
+        "turboquant_mse:4",
+        "turboquant_mse:4:eden",
+    ];
+    let mut built: Vec<String> = Vec::new();
+    let mut compile = |fam: Family, defs: Vec<(String, i64)>| {
+        let d: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let key = veloxquant_cuda::device::module_key(fam, &d);
+        if built.contains(&key) {
+            return;
+        }
+        if let Err(e) = compile_ptx(fam, &d, arch) {
+            panic!("{key}: {e}");
+        }
+        built.push(key);
+    };
+    let owned = |d: &[(&str, i64)]| d.iter().map(|(k, v)| (k.to_string(), *v)).collect::<Vec<_>>();
+    compile(Family::Model, Vec::new());
+    for d in [64usize, 128] {
+        let fmts: Vec<GpuFormat> =
+            specs.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();
+        for f in &fmts {
+            for input in [InputKind::F32, InputKind::F16] {
+                compile(Family::Encode, owned(&encode_defines(f, input, 1)));
+            }
+            for (sink, recent, rows) in [(0, 0, true), (4, 8, true), (0, 32, false)] {
+                let mut cpu = CacheConfig::new(1, 2, d, f.spec.clone(), f.spec.clone());
+                (cpu.sink, cpu.recent) = (sink, recent);
+                let cfg = GpuCacheConfig::from_cpu(&cpu, 2, 1024, 2048);
+                compile(Family::Kv, owned(&kv_defines(&cfg, f, rows)));
+                for g in [1, 3, 4] {
+                    compile(Family::Prefill, owned(&prefill_defines(&cfg, g, rows)));
+                }
+            }
+        }
+        // Decode: every same-format pair and the mixed pairs the engine's methods use.
+        let mut pairs: Vec<(usize, usize)> = (0..fmts.len()).map(|i| (i, i)).collect();
+        pairs.extend([(10, 7), (9, 6), (8, 6), (9, 1), (2, 4)]);
+        for (ki, vi) in pairs {
+            for g in [1, 2, 3, 4, 8] {
+                for (fam, defs) in veloxquant_cuda::attn::decode_modules(&fmts[ki], &fmts[vi], g) {
+                    compile(fam, defs);
+                }
+            }
+        }
+    }
+    eprintln!("compiled {} module configurations for {arch}:\n{}", built.len(), built.join("\n"));
+}

@@ -8,7 +8,7 @@ use veloxquant::attn::decode_attention_ref;
 use veloxquant::format::{FormatCtx, FormatSpec, Stream, REGISTRY};
 use veloxquant::rng::SplitMix64;
 use veloxquant::{CacheConfig, PagedCache};
-use veloxquant_cuda::{attn, GpuCacheConfig, GpuDevice, GpuEncoder, GpuFormat, GpuPagedCache, InputKind};
+use veloxquant_cuda::{attn, GpuCacheConfig, GpuDevice, GpuEncoder, GpuFormat, GpuKvCache, InputKind};
 
 fn device() -> Option<Arc<GpuDevice>> {
     match GpuDevice::new(0) {
@@ -168,6 +168,8 @@ struct Case {
     d: usize,
     gqa: usize,
     recent: usize,
+    sink: usize,
+    page_mode: bool,
     lens: &'static [usize],
 }
 
@@ -176,38 +178,73 @@ fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs())) / scale
 }
 
+fn cpu_config(c: &Case, n_kv: usize) -> CacheConfig {
+    let mut cfg = CacheConfig::new(1, n_kv, c.d, FormatSpec::parse(c.k).unwrap(), FormatSpec::parse(c.v).unwrap());
+    cfg.recent = c.recent;
+    cfg.sink = c.sink;
+    cfg.encode_rows = !c.page_mode;
+    cfg
+}
+
+/// `[kv][lo..hi][d]` of x laid out `[kv][n][d]`.
+fn per_head(x: &[f32], n_kv: usize, n: usize, d: usize, lo: usize, hi: usize) -> Vec<f32> {
+    (0..n_kv).flat_map(|h| x[(h * n + lo) * d..(h * n + hi) * d].to_vec()).collect()
+}
+
+/// The GPU slot holds what the CPU cache holds: every page byte-identical (the open page's
+/// valid rows), the window and sinks bit-identical.
+fn assert_same_contents(gpu: &GpuKvCache, slot: usize, cpu: &PagedCache, what: &str) {
+    let got = gpu.download(slot).unwrap();
+    for (l, heads) in got.iter().enumerate() {
+        let lc = cpu.layer(l).unwrap();
+        for (h, pair) in heads.iter().enumerate() {
+            for (si, s) in [&lc.keys[h], &lc.values[h]].into_iter().enumerate() {
+                let g = &pair[si];
+                // The open page's valid rows only (a trimmed CPU page keeps stale rows past them).
+                let fmt = if si == 0 { &gpu.k.fmt } else { &gpu.v.fmt };
+                let want: Vec<Vec<u8>> = s
+                    .pages()
+                    .iter()
+                    .enumerate()
+                    .map(|(p, pg)| {
+                        let mut x = pg.to_vec();
+                        if s.open_rows() > 0 && p + 1 == s.pages().len() {
+                            fmt.clear_rows_from(&mut x, s.open_rows());
+                        }
+                        x
+                    })
+                    .collect();
+                assert_eq!(g.pages.len(), want.len(), "{what}: layer {l} head {h} stream {si}: page count");
+                for (p, (a, b)) in g.pages.iter().zip(&want).enumerate() {
+                    assert!(a[..] == b[..], "{what}: layer {l} head {h} stream {si}: page {p} differs");
+                }
+                assert_eq!(g.open_rows, s.open_rows(), "{what}: open rows");
+                let bits = |x: &[half::f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
+                assert_eq!(g.tail, bits(s.tail()), "{what}: layer {l} head {h} stream {si}: window");
+                assert_eq!(g.sink, bits(s.sink()), "{what}: layer {l} head {h} stream {si}: sinks");
+            }
+        }
+    }
+}
+
 fn run_case(dev: &Arc<GpuDevice>, c: &Case, seed: u64) -> f64 {
-    let (kspec, vspec) = (FormatSpec::parse(c.k).unwrap(), FormatSpec::parse(c.v).unwrap());
     let n_kv = 2;
     let d = c.d;
     let hq = n_kv * c.gqa;
     let max_len = *c.lens.iter().max().unwrap();
-    let gcfg = GpuCacheConfig {
-        n_seqs: c.lens.len(),
-        n_kv_heads: n_kv,
-        head_dim: d,
-        page_tokens: 32,
-        recent: c.recent,
-        k: kspec.clone(),
-        v: vspec.clone(),
-        seed: 0x5EED,
-        layer: 0,
-        max_pages_per_seq: max_len / 32 + 2,
-    };
-    let mut gpu = GpuPagedCache::new(dev, gcfg).unwrap();
+    let cfg = cpu_config(c, n_kv);
+    let total: usize = c.lens.iter().sum();
+    let mut gpu = GpuKvCache::new(dev, GpuCacheConfig::from_cpu(&cfg, c.lens.len(), max_len, total)).unwrap();
     let mut cpus = Vec::new();
+    let mut slots = Vec::new();
     let mut rng = SplitMix64::new(seed);
-    for (b, &n) in c.lens.iter().enumerate() {
-        let mut cfg = CacheConfig::new(1, n_kv, d, kspec.clone(), vspec.clone());
-        cfg.recent = c.recent;
-        cfg.encode_rows = false; // the GPU cache flushes whole pages (page mode)
-        let mut cpu = PagedCache::new(cfg).unwrap();
+    for &n in c.lens {
+        let slot = gpu.add_seq().unwrap();
+        let mut cpu = PagedCache::new(cfg.clone()).unwrap();
         let keys: Vec<f32> =
             (0..n_kv * n * d).map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 }).collect();
         let vals = rng.gaussian_vec(n_kv * n * d);
-        let per = |x: &[f32], lo: usize, hi: usize| -> Vec<f32> {
-            (0..n_kv).flat_map(|h| x[(h * n + lo) * d..(h * n + hi) * d].to_vec()).collect()
-        };
+        // A prefill-sized chunk (two-phase append), then token by token (one-launch append).
         let first = n * 2 / 3;
         let mut chunks = vec![(0, first)];
         chunks.extend((first..n).map(|t| (t, t + 1)));
@@ -215,14 +252,16 @@ fn run_case(dev: &Arc<GpuDevice>, c: &Case, seed: u64) -> f64 {
             if hi == lo {
                 continue;
             }
-            let (kk, vv) = (per(&keys, lo, hi), per(&vals, lo, hi));
+            let (kk, vv) = (per_head(&keys, n_kv, n, d, lo, hi), per_head(&vals, n_kv, n, d, lo, hi));
             cpu.append(0, &kk, &vv, hi - lo).unwrap();
-            gpu.append(b, &kk, &vv, hi - lo).unwrap();
+            gpu.append(slot, &[(&kk, &vv)], hi - lo).unwrap();
         }
+        assert_same_contents(&gpu, slot, &cpu, &format!("{}/{} d={d} n={n}", c.k, c.v));
         cpus.push(cpu);
+        slots.push(slot);
     }
     let q = rng.gaussian_vec(c.lens.len() * hq * d);
-    let out = attn::decode(&mut gpu, &q, hq).unwrap();
+    let out = attn::decode(&mut gpu, &slots, 0, &q, hq).unwrap();
     let mut worst = 0f64;
     for (b, cpu) in cpus.iter().enumerate() {
         let qb = &q[b * hq * d..(b + 1) * hq * d];
@@ -249,24 +288,27 @@ fn decode_matches_cpu_reference() {
         ("turboquant_mse:2", "turboquant_mse:2"),
         ("turboquant_mse:4", "turboquant_mse:2"),
         ("turboquant_mse:2", "turboquant_mse:4:eden"),
+        ("turboquant_mse:4:eden", "turboquant_mse:3"),
     ];
-    let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097]];
+    let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097], &[3, 40]];
     let mut n = 0;
     let mut worst_all = 0f64;
     let mut bad: Vec<String> = Vec::new();
     for (pi, &(k, v)) in pairs.iter().enumerate() {
         for d in [64, 128] {
             for gqa in [1, 4] {
-                for recent in [0, 32] {
-                    let l = lens[(pi + d / 64 + gqa + recent / 32) % lens.len()];
-                    let c = Case { k, v, d, gqa, recent, lens: l };
+                for (recent, sink, page_mode) in [(0, 0, false), (8, 4, false), (32, 0, true)] {
+                    let l = lens[(pi + d / 64 + gqa + recent / 8) % lens.len()];
+                    let c = Case { k, v, d, gqa, recent, sink, page_mode, lens: l };
                     let e = run_case(&dev, &c, (pi * 1000 + d + gqa * 10 + recent) as u64);
                     // Not `e > 2e-3`: a NaN error must fail too.
                     #[allow(clippy::neg_cmp_op_on_partial_ord)]
                     let out_of_tolerance = !(e <= 2e-3);
                     if out_of_tolerance {
-                        eprintln!("FAIL K={k} V={v} d={d} gqa={gqa} R={recent} lens={l:?}: rel err {e:.2e}");
-                        bad.push(format!("{k}/{v} d={d} g={gqa} R={recent}: {e:.2e}"));
+                        eprintln!(
+                            "FAIL K={k} V={v} d={d} gqa={gqa} R={recent} S={sink} page={page_mode} lens={l:?}: {e:.2e}"
+                        );
+                        bad.push(format!("{k}/{v} d={d} g={gqa} R={recent} S={sink} page={page_mode}: {e:.2e}"));
                     }
                     worst_all = worst_all.max(e);
                     n += 1;
@@ -274,7 +316,7 @@ fn decode_matches_cpu_reference() {
             }
         }
     }
-    eprintln!("decode parity: {n} cases, worst rel err {worst_all:.2e}, failures {}", bad.len());
+    eprintln!("decode parity: {n} cases (pages and windows bit-identical to the CPU), worst rel err {worst_all:.2e}, failures {}", bad.len());
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
@@ -294,7 +336,7 @@ fn decode_long_ragged_rows_match_cpu_reference() {
         for d in [64, 128] {
             for gqa in [1, 8] {
                 let lens: &'static [usize] = if gqa == 1 { &[2900, 700, 1513, 40] } else { &[300, 2900, 1513, 2897] };
-                let c = Case { k, v, d, gqa, recent: 32 * (d / 128), lens };
+                let c = Case { k, v, d, gqa, recent: 32 * (d / 128), sink: 4, page_mode: false, lens };
                 let e = run_case(&dev, &c, (pi * 100 + d + gqa) as u64);
                 #[allow(clippy::neg_cmp_op_on_partial_ord)]
                 if !(e <= 2e-3) {
@@ -308,46 +350,96 @@ fn decode_long_ragged_rows_match_cpu_reference() {
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
+/// Fork shares pages; appending into a shared open page copies it first; trim keeps what
+/// survives; after each, the GPU slots hold exactly what the CPU caches doing the same hold,
+/// and attention agrees. Removing every slot frees the pool.
+#[test]
+fn fork_trim_and_copy_on_write_match_cpu() {
+    let Some(dev) = device() else { return };
+    let (n_kv, d, hq) = (2, 64, 4);
+    let c = Case {
+        k: "turboquant_mse:4:eden",
+        v: "turboquant_mse:3",
+        d,
+        gqa: 2,
+        recent: 8,
+        sink: 4,
+        page_mode: false,
+        lens: &[],
+    };
+    let cfg = cpu_config(&c, n_kv);
+    let mut gpu = GpuKvCache::new(&dev, GpuCacheConfig::from_cpu(&cfg, 4, 512, 2048)).unwrap();
+    let mut rng = SplitMix64::new(77);
+    let mut kv = |n: usize| (rng.gaussian_vec(n_kv * n * d), rng.gaussian_vec(n_kv * n * d));
+    let a = gpu.add_seq().unwrap();
+    let mut cpu_a = PagedCache::new(cfg.clone()).unwrap();
+    let (k, v) = kv(150);
+    gpu.append(a, &[(&k, &v)], 150).unwrap();
+    cpu_a.append(0, &k, &v, 150).unwrap();
+    let b = gpu.fork(a).unwrap();
+    let mut cpu_b = cpu_a.fork();
+    assert!(gpu.group_refs(a).unwrap().iter().all(|&r| r == 2), "forked pages are shared");
+    let used_after_fork = gpu.pool_usage().0;
+    // b appends into the shared open page: b gets its own copy, a keeps its bytes.
+    let (k, v) = kv(5);
+    gpu.append(b, &[(&k, &v)], 5).unwrap();
+    cpu_b.append(0, &k, &v, 5).unwrap();
+    assert_eq!(gpu.pool_usage().0, used_after_fork + 1, "one page copied on write");
+    gpu.trim(a, 20).unwrap();
+    cpu_a.trim(20).unwrap();
+    let (k, v) = kv(3);
+    gpu.append(a, &[(&k, &v)], 3).unwrap();
+    cpu_a.append(0, &k, &v, 3).unwrap();
+    gpu.sync_meta().unwrap();
+    assert_same_contents(&gpu, a, &cpu_a, "trimmed then appended");
+    assert_same_contents(&gpu, b, &cpu_b, "fork after copy on write");
+    let q = rng.gaussian_vec(2 * hq * d);
+    let out = attn::decode(&mut gpu, &[a, b], 0, &q, hq).unwrap();
+    for (i, cpu) in [&cpu_a, &cpu_b].into_iter().enumerate() {
+        let want = decode_attention_ref(cpu, 0, &q[i * hq * d..(i + 1) * hq * d], hq).unwrap();
+        let e = rel_err(&out[i * hq * d..(i + 1) * hq * d], &want);
+        assert!(e <= 2e-3, "sequence {i}: rel err {e:.2e}");
+    }
+    gpu.remove_seq(a).unwrap();
+    gpu.remove_seq(b).unwrap();
+    assert_eq!(gpu.pool_usage().0, 0, "every page freed");
+    eprintln!("fork / copy-on-write / trim: contents bit-identical to the CPU, attention within 2e-3");
+}
+
 /// A step captured into a CUDA graph (combine a programmatic dependent of decode_pages)
-/// replays to the same bits as `run`; a plan refuses a cache that grew past its pages.
+/// replays to the same bits as `run`; a plan refuses a cache that grew past its pages, a
+/// cache it was not made for, and pending table writes.
 #[test]
 fn decode_graph_replay_matches_run() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     let Some(dev) = device() else { return };
     let (n_kv, d, hq) = (2, 128, 8);
     let spec = FormatSpec::parse("turboquant_mse:4").unwrap();
-    let cfg = GpuCacheConfig {
-        n_seqs: 2,
-        n_kv_heads: n_kv,
-        head_dim: d,
-        page_tokens: 32,
-        recent: 0,
-        k: spec.clone(),
-        v: spec,
-        seed: 7,
-        layer: 0,
-        max_pages_per_seq: 256,
-    };
-    let mut cache = GpuPagedCache::new(&dev, cfg).unwrap();
+    let cfg = CacheConfig::new(1, n_kv, d, spec.clone(), spec);
+    let mut cache = GpuKvCache::new(&dev, GpuCacheConfig::from_cpu(&cfg, 2, 8192, 8192)).unwrap();
     let mut rng = SplitMix64::new(11);
-    for (b, n) in [(0, 3000), (1, 1234)] {
-        cache.append(b, &rng.gaussian_vec(n_kv * n * d), &rng.gaussian_vec(n_kv * n * d), n).unwrap();
+    let mut slots = Vec::new();
+    for n in [3000, 1234] {
+        let s = cache.add_seq().unwrap();
+        cache.append(s, &[(&rng.gaussian_vec(n_kv * n * d), &rng.gaussian_vec(n_kv * n * d))], n).unwrap();
+        slots.push(s);
     }
-    cache.sync_tables().unwrap();
-    let mut plan = attn::DecodePlan::new(&cache, hq, attn::DecodeOptions::default()).unwrap();
+    cache.sync_meta().unwrap();
+    let mut plan =
+        attn::DecodePlan::new(&cache, hq, 2, cache.max_pages(&slots), attn::DecodeOptions::default()).unwrap();
+    plan.set_rows(&cache, &[slots[0] as i32, slots[1] as i32]).unwrap();
     let s0 = dev.stream.clone();
     s0.memcpy_htod(&rng.gaussian_vec(2 * hq * d), &mut plan.q).unwrap();
     plan.run(&cache).unwrap();
     let want = s0.clone_dtoh(&plan.out).unwrap();
     s0.memset_zeros(&mut plan.out).unwrap();
     dev.synchronize().unwrap();
-    let s = dev.ctx.new_stream().unwrap();
-    s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
-    plan.run_on(&cache, &s).unwrap();
-    let graph = s.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
+    s0.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    plan.run_on_stream(&cache, &s0).unwrap();
+    let graph = s0.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a captured graph");
     graph.launch().unwrap();
-    s.synchronize().unwrap();
-    let got = s.clone_dtoh(&plan.out).unwrap();
+    s0.synchronize().unwrap();
+    let got = s0.clone_dtoh(&plan.out).unwrap();
     assert!(want.iter().all(|x| x.is_finite()) && want.iter().any(|&x| x != 0.0));
     assert_eq!(
         got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -357,7 +449,10 @@ fn decode_graph_replay_matches_run() {
 
     // Past what any split layout covers (at most pages_per_split − 1 beyond the pages planned).
     let more = (plan.pages_per_split + 2) * 32;
-    cache.append(0, &rng.gaussian_vec(n_kv * more * d), &rng.gaussian_vec(n_kv * more * d), more).unwrap();
-    cache.sync_tables().unwrap();
+    cache.append(slots[0], &[(&rng.gaussian_vec(n_kv * more * d), &rng.gaussian_vec(n_kv * more * d))], more).unwrap();
+    assert!(plan.run(&cache).is_err(), "a plan must refuse pending table writes");
+    cache.sync_meta().unwrap();
     assert!(plan.run(&cache).is_err(), "a plan must refuse pages it does not cover");
+    let other = GpuKvCache::new(&dev, GpuCacheConfig::from_cpu(&cfg, 2, 8192, 8192)).unwrap();
+    assert!(plan.run(&other).is_err(), "a plan must refuse another cache");
 }

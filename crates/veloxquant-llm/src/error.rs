@@ -40,6 +40,11 @@ pub enum LlmError {
     StoreBackend(#[source] Box<dyn std::error::Error + Send + Sync>),
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// The GPU backend (feature `cuda`): a missing library or device, a plan that does not
+    /// fit, a kernel error.
+    #[cfg(feature = "cuda")]
+    #[error("GPU: {0}")]
+    Gpu(#[source] veloxquant_cuda::CudaError),
     #[error("I/O on {path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
 }

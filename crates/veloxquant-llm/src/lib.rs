@@ -26,6 +26,8 @@ pub mod eval;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod model;
 pub mod passkey;
 pub mod store;

@@ -255,7 +255,7 @@ impl Llama {
     }
 }
 
-fn rope_table(n_pos: usize, head_dim: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
+pub(crate) fn rope_table(n_pos: usize, head_dim: usize, base: f32) -> (Vec<f32>, Vec<f32>) {
     let half = head_dim / 2;
     let mut cos = vec![0f32; n_pos * half];
     let mut sin = vec![0f32; n_pos * half];
@@ -274,7 +274,7 @@ fn rope_table(n_pos: usize, head_dim: usize, base: f32) -> (Vec<f32>, Vec<f32>) 
 /// Every tensor the model reads, checked before any is read (a corrupt dimension must not
 /// size an allocation): its shape against the metadata, with n_vocab the tokenizer's
 /// vocabulary size, and its bytes inside the file. Returns n_vocab.
-fn check_tensors(g: &mut Gguf, c: &LlamaConfig) -> Result<usize> {
+pub(crate) fn check_tensors(g: &mut Gguf, c: &LlamaConfig) -> Result<usize> {
     let n_vocab = g.array_len("tokenizer.ggml.tokens")?;
     if n_vocab == 0 || n_vocab > MAX_VOCAB {
         return Err(LlmError::InvalidArgument(format!(
@@ -322,7 +322,7 @@ fn check_tensors(g: &mut Gguf, c: &LlamaConfig) -> Result<usize> {
     Ok(n_vocab)
 }
 
-fn tensor(g: &mut Gguf, name: &str, shape: Option<&[usize]>) -> Result<QTensor> {
+pub(crate) fn tensor(g: &mut Gguf, name: &str, shape: Option<&[usize]>) -> Result<QTensor> {
     if !g.content.tensor_infos.contains_key(name) {
         return Err(LlmError::MissingTensor { name: name.into() });
     }
@@ -347,7 +347,7 @@ fn expect_shape(name: &str, t: &QTensor, shape: &[usize]) -> Result<()> {
     Ok(())
 }
 
-fn vector(g: &mut Gguf, name: &str, len: usize) -> Result<Vec<f32>> {
+pub(crate) fn vector(g: &mut Gguf, name: &str, len: usize) -> Result<Vec<f32>> {
     let t = tensor(g, name, Some(&[len]))?;
     Ok(t.dequantize(&Device::Cpu)?.to_vec1()?)
 }

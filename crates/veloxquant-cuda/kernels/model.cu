@@ -1,0 +1,137 @@
+// The Llama graph's element-wise kernels (ops.rs): embedding, RMSNorm, RoPE, SwiGLU, greedy
+// sampling, random weights. Activations between layers are f32 (the residual stream);
+// matrix-product inputs are f16 (cuBLAS, f32 accumulation). No defines.
+
+// x[t][:] = f32(table[ids[t]][:]). Grid: rows; block 256.
+extern "C" __global__ void embed(const int* __restrict__ ids, const u16* __restrict__ table, int h,
+                                 float* __restrict__ x) {
+    const int t = blockIdx.x;
+    const u16* e = table + (size_t)ids[t] * h;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) x[(size_t)t * h + i] = h2f(e[i]);
+}
+
+__device__ __forceinline__ float block_sum(float x, float* red) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(FULL_MASK, x, o);
+    __syncthreads();
+    if (lane == 0) red[warp] = x;
+    __syncthreads();
+    x = 0.0f;
+    for (int w = 0; w < nw; w++) x += red[w];
+    return x;
+}
+
+// out16[r] = f16(x[r] · w / rms(x[r])) for rows r of x (row stride ld_x). Grid: rows; block 256.
+extern "C" __global__ void rmsnorm(const float* __restrict__ x, long ld_x, const float* __restrict__ w, int h,
+                                   float eps, u16* __restrict__ out16) {
+    __shared__ float red[32];
+    const float* r = x + (size_t)blockIdx.x * ld_x;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < h; i += blockDim.x) ss += r[i] * r[i];
+    ss = block_sum(ss, red);
+    const float s = rsqrtf(ss / (float)h + eps);
+    for (int i = threadIdx.x; i < h; i += blockDim.x) out16[(size_t)blockIdx.x * h + i] = f2h(r[i] * s * w[i]);
+}
+
+// RoPE on the fused QKV rows (llama.cpp's adjacent pairs 2i, 2i+1): q to q32 [t][HQ][D] (f32,
+// decode) or, when q16 is set, to q16 in the prefill GEMM's grouped layout [g][t][G][D]; k to
+// k32 [t][HKV][D]. pos[t] is the row's position; cos/sin [n_ctx][D/2]. Grid: rows; block 256.
+extern "C" __global__ void rope(const float* __restrict__ qkv, int ld, const int* __restrict__ pos,
+                                const float* __restrict__ cs, const float* __restrict__ sn, int hq, int hkv, int d,
+                                int n_rows, float* __restrict__ q32, u16* __restrict__ q16,
+                                float* __restrict__ k32) {
+    const int t = blockIdx.x, half = d / 2, grp = hq / hkv;
+    const float* row = qkv + (size_t)t * ld;
+    const float* c = cs + (size_t)pos[t] * half;
+    const float* s = sn + (size_t)pos[t] * half;
+    for (int e = threadIdx.x; e < (hq + hkv) * half; e += blockDim.x) {
+        const int head = e / half, i = e % half;
+        const float a = row[head * d + 2 * i], b = row[head * d + 2 * i + 1];
+        const float x0 = a * c[i] - b * s[i], x1 = a * s[i] + b * c[i];
+        if (head < hq) {
+            if (q16) {
+                const int g = head / grp, gi = head % grp;
+                u16* o = q16 + (((size_t)g * n_rows + t) * grp + gi) * d + 2 * i;
+                o[0] = f2h(x0);
+                o[1] = f2h(x1);
+            } else {
+                float* o = q32 + ((size_t)t * hq + head) * d + 2 * i;
+                o[0] = x0;
+                o[1] = x1;
+            }
+        } else {
+            float* o = k32 + ((size_t)t * hkv + head - hq) * d + 2 * i;
+            o[0] = x0;
+            o[1] = x1;
+        }
+    }
+}
+
+// act16[t][j] = f16(silu(gate) · up), gate_up rows = [gate (f) | up (f)]. Grid-stride.
+extern "C" __global__ void swiglu(const float* __restrict__ gu, int f, long n, u16* __restrict__ act16) {
+    for (long e = (long)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (long)gridDim.x * blockDim.x) {
+        const long t = e / f, j = e % f;
+        const float g = gu[t * 2 * f + j], u = gu[t * 2 * f + f + j];
+        act16[e] = f2h(g / (1.0f + __expf(-g)) * u);
+    }
+}
+
+// ids[r] = argmax of logits row r (first index on ties, NaN never wins). Grid: rows; block 256.
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int n_vocab, int* __restrict__ ids) {
+    __shared__ float bv[256];
+    __shared__ int bi[256];
+    const float* r = logits + (size_t)blockIdx.x * n_vocab;
+    float best = -__int_as_float(0x7f800000);
+    int idx = 0x7fffffff;
+    for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
+        const float v = r[i];
+        if (v > best) { best = v; idx = i; }
+    }
+    bv[threadIdx.x] = best;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) {
+            const float v = bv[threadIdx.x + o];
+            const int j = bi[threadIdx.x + o];
+            if (v > bv[threadIdx.x] || (v == bv[threadIdx.x] && j < bi[threadIdx.x])) {
+                bv[threadIdx.x] = v;
+                bi[threadIdx.x] = j;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) ids[blockIdx.x] = bi[0] == 0x7fffffff ? 0 : bi[0];
+}
+
+// Counter-based N(0, 1) (splitmix64 + Box–Muller): element i of a stream depends only on
+// (seed, i), so weights are reproducible for any grid.
+__device__ __forceinline__ u64 mix64(u64 z) {
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ float normal_at(u64 seed, u64 i) {
+    const u64 r = mix64(seed + 0x9e3779b97f4a7c15ull * (i + 1));
+    const float u1 = ((float)(r >> 40) + 1.0f) * (1.0f / 16777216.0f);
+    const float u2 = (float)((r >> 16) & 0xffffff) * (1.0f / 16777216.0f);
+    return sqrtf(-2.0f * __logf(u1)) * __cosf(6.2831853f * u2);
+}
+
+// out[i] = f16(scale · N(0,1)) (scale = 0: all `offset`).
+extern "C" __global__ void fill_f16(u16* __restrict__ out, u64 n, u64 seed, float scale, float offset) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = f2h(offset + scale * normal_at(seed, i));
+}
+extern "C" __global__ void fill_f32(float* __restrict__ out, u64 n, u64 seed, float scale, float offset) {
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
+        out[i] = offset + scale * normal_at(seed, i);
+}
+
+// meta[d[1 + 2i]] = d[2 + 2i] for i < d[0]: the host's page-table and counter writes, applied
+// in stream order (inside a captured step too). One block.
+extern "C" __global__ void apply_deltas(const int* __restrict__ d, int* __restrict__ meta) {
+    const int n = d[0];
+    for (int i = threadIdx.x; i < n; i += blockDim.x) meta[d[1 + 2 * i]] = d[2 + 2 * i];
+}

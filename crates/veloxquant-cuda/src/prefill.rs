@@ -1,0 +1,233 @@
+//! Prefill attention over the device cache, one sequence's chunk at a time, attending exactly
+//! as decode would: the query at position p sees keys older than its window through the codes
+//! and the newer ones exact (kernels/prefill.cu). The products are cuBLAS GEMMs over the
+//! dense decoded cache (`kv_dense`), batched over the KV heads; the causal mask and the exact
+//! band are applied between them.
+//!
+//! Per chunk: `window` (the exact values before the append, and the chunk's) → the cache's
+//! append → `dense` → S = Q·K̃ᵀ → band softmax → O = P·Ṽ → band values, out as f16.
+
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+
+use crate::blas::{Blas, Mat};
+use crate::cache::{AppendRow, AppendSrc, GpuKvCache};
+use crate::device::{Family, GpuDevice};
+use crate::error::{drv, CudaError, Result};
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct BandArgs {
+    p0: i32,
+    n_q: i32,
+    n_end: i32,
+    coded0: i32,
+    win_lo: i32,
+    ld_s: i32,
+    band_cap: i32,
+    scale: f32,
+}
+// SAFETY: plain 32-bit fields, `#[repr(C)]`, the layout of prefill.cu's struct BandArgs.
+unsafe impl DeviceRepr for BandArgs {}
+
+/// Buffers and kernels for chunks of up to `max_chunk` tokens in sequences of up to
+/// `max_ctx` tokens.
+pub struct PrefillAttn {
+    pub dev: Arc<GpuDevice>,
+    cache_id: u64,
+    n_q_heads: usize,
+    group: usize,
+    max_chunk: usize,
+    max_ctx: usize,
+    win_ld: usize,
+    band_cap: usize,
+    kwin: CudaSlice<u16>,
+    vwin: CudaSlice<u16>,
+    kd: CudaSlice<u16>,
+    vd: CudaSlice<u16>,
+    s: CudaSlice<f32>,
+    p: CudaSlice<u16>,
+    o: CudaSlice<f32>,
+    wband: CudaSlice<f32>,
+    f_softmax: CudaFunction,
+    f_band_v: CudaFunction,
+}
+
+/// The defines of the prefill module for a cache shape and GQA group `g`.
+pub fn prefill_defines(cfg: &crate::GpuCacheConfig, g: usize, row_mode: bool) -> [(&'static str, i64); 7] {
+    [
+        ("D", cfg.head_dim as i64),
+        ("G", g as i64),
+        ("NKV", cfg.n_kv_heads as i64),
+        ("T", cfg.page_tokens as i64),
+        ("NSINK", cfg.sink as i64),
+        ("R", cfg.recent as i64),
+        ("ROWMODE", row_mode as i64),
+    ]
+}
+
+fn ld_for(n_end: usize) -> usize {
+    n_end.div_ceil(16) * 16
+}
+
+impl PrefillAttn {
+    /// Device bytes `new` allocates (planned before allocating).
+    pub fn workspace_bytes(cache: &GpuKvCache, n_q_heads: usize, max_chunk: usize, max_ctx: usize) -> usize {
+        let (hk, d) = (cache.cfg.n_kv_heads, cache.cfg.head_dim);
+        let win_ld = max_chunk + cache.exact_slots();
+        let band_cap = cache.exact_slots();
+        let rows = max_chunk * n_q_heads; // n_q · G per KV head, all heads
+        let ld = ld_for(max_ctx);
+        2 * hk * win_ld * d * 2 + 2 * hk * max_ctx * d * 2 + rows * ld * (4 + 2) + rows * d * 4 + rows * band_cap * 4
+    }
+
+    pub fn new(cache: &GpuKvCache, n_q_heads: usize, max_chunk: usize, max_ctx: usize) -> Result<Self> {
+        let cfg = &cache.cfg;
+        let (hk, d) = (cfg.n_kv_heads, cfg.head_dim);
+        if n_q_heads == 0 || !n_q_heads.is_multiple_of(hk) || max_chunk == 0 || max_ctx == 0 {
+            return Err(CudaError::ShapeMismatch {
+                op: "prefill heads / chunk / context",
+                expected: hk,
+                got: n_q_heads,
+            });
+        }
+        let g = n_q_heads / hk;
+        let dev = cache.dev.clone();
+        let defines = prefill_defines(cfg, g, cache.row_mode);
+        let win_ld = max_chunk + cache.exact_slots();
+        let band_cap = cache.exact_slots();
+        let rows = max_chunk * n_q_heads;
+        let ld = ld_for(max_ctx);
+        let s = &dev.stream;
+        let alloc16 = |n: usize| s.alloc_zeros::<u16>(n.max(1)).map_err(drv("alloc prefill"));
+        let alloc32 = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(drv("alloc prefill"));
+        Ok(Self {
+            cache_id: cache.id,
+            n_q_heads,
+            group: g,
+            max_chunk,
+            max_ctx,
+            win_ld,
+            band_cap,
+            kwin: alloc16(hk * win_ld * d)?,
+            vwin: alloc16(hk * win_ld * d)?,
+            kd: alloc16(hk * max_ctx * d)?,
+            vd: alloc16(hk * max_ctx * d)?,
+            s: alloc32(rows * ld)?,
+            p: alloc16(rows * ld)?,
+            o: alloc32(rows * d)?,
+            wband: alloc32(rows * band_cap)?,
+            f_softmax: dev.function(Family::Prefill, &defines, "band_softmax")?,
+            f_band_v: dev.function(Family::Prefill, &defines, "band_v")?,
+            dev,
+        })
+    }
+
+    /// One sequence's chunk at `layer`: appends it to the cache (`row`, planned by
+    /// `plan_append` and already applied to the device tables; `row_dev` its device copy) and
+    /// writes its attention output, f16 `[token][n_q_heads][d]`, at rows `row.src_row..` of
+    /// `out16`. `q16`: every batch row's queries in the grouped layout `[kv][n_rows][G][d]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &mut self,
+        blas: &Blas,
+        cache: &mut GpuKvCache,
+        layer: usize,
+        row: &AppendRow,
+        row_dev: &CudaView<'_, AppendRow>,
+        src: (&AppendSrc<'_>, &AppendSrc<'_>),
+        q16: &CudaView<'_, u16>,
+        n_rows: usize,
+        out16: &mut CudaViewMut<'_, u16>,
+        st: &Arc<CudaStream>,
+    ) -> Result<()> {
+        if cache.id != self.cache_id {
+            return Err(CudaError::ShapeMismatch { op: "prefill plan used with another cache", expected: 0, got: 1 });
+        }
+        let (hk, d, sink) = (cache.cfg.n_kv_heads, cache.cfg.head_dim, cache.cfg.sink);
+        let (n_q, p0) = (row.n as usize, row.pos0 as usize);
+        let n_end = p0 + n_q;
+        let (g, hq) = (self.group, self.n_q_heads);
+        let r0 = row.src_row as usize;
+        if n_q == 0 || n_q > self.max_chunk || n_end > self.max_ctx || r0 + n_q > n_rows {
+            return Err(CudaError::ShapeMismatch {
+                op: "prefill chunk within the plan",
+                expected: self.max_chunk,
+                got: n_q,
+            });
+        }
+        if q16.len() < n_rows * hq * d || out16.len() < n_rows * hq * d {
+            return Err(CudaError::ShapeMismatch {
+                op: "prefill q/out length",
+                expected: n_rows * hq * d,
+                got: q16.len(),
+            });
+        }
+        let win_lo = sink + row.coded0 as usize;
+        let width = n_end.saturating_sub(win_lo);
+        cache.launch_window(layer, row_dev, width, src.0, src.1, &mut self.kwin, &mut self.vwin, self.win_ld, st)?;
+        let enc = (row.coded1 - row.coded0) as usize;
+        cache.launch_append(layer, row_dev, 1, n_q, enc, src.0, src.1, st)?;
+        cache.launch_dense(layer, row.slot as usize, &mut self.kd, &mut self.vd, self.max_ctx, st)?;
+
+        let rows = n_q * g;
+        let ld_s = ld_for(n_end);
+        let q0 = Mat::f16(q16, d, st).rows_from(r0 * g);
+        let kd = Mat::f16(&self.kd, d, st);
+        let sm = Mat::f32(&self.s, ld_s, st);
+        blas.gemm_batched(
+            rows,
+            n_end,
+            d,
+            q0,
+            n_rows * g * d,
+            kd,
+            self.max_ctx * d,
+            sm,
+            rows * ld_s,
+            hk,
+            1.0 / (d as f32).sqrt(),
+            0.0,
+            false,
+        )?;
+        let a = BandArgs {
+            p0: p0 as i32,
+            n_q: n_q as i32,
+            n_end: n_end as i32,
+            coded0: row.coded0,
+            win_lo: win_lo as i32,
+            ld_s: ld_s as i32,
+            band_cap: self.band_cap as i32,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        let grid = LaunchConfig {
+            grid_dim: (rows as u32, hk as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (self.band_cap * 4) as u32,
+        };
+        let q_g = q16.slice(r0 * g * d..);
+        let (qgs, wld) = ((n_rows * g * d) as i64, self.win_ld as i64);
+        let mut l = st.launch_builder(&self.f_softmax);
+        l.arg(&a).arg(&self.s).arg(&mut self.p).arg(&mut self.wband).arg(&q_g).arg(&qgs).arg(&self.kwin).arg(&wld);
+        // SAFETY: matches band_softmax (kernels/prefill.cu): S and P hold hk·rows·ld_s values
+        // (rows ≤ max_chunk·G, ld_s ≤ ld_for(max_ctx)), the band ≤ band_cap entries per row lies
+        // inside the window [win_lo, n_end) written just above.
+        unsafe { l.launch(grid) }.map_err(drv("band_softmax"))?;
+        let pm = Mat::f16(&self.p, ld_s, st);
+        let vd = Mat::f16(&self.vd, d, st);
+        let om = Mat::f32(&self.o, d, st);
+        blas.gemm_batched(rows, d, n_end, pm, rows * ld_s, vd, self.max_ctx * d, om, rows * d, hk, 1.0, 0.0, true)?;
+        let grid_v =
+            LaunchConfig { grid_dim: (rows as u32, hk as u32, 1), block_dim: (d as u32, 1, 1), shared_mem_bytes: 0 };
+        let r0i = r0 as i32;
+        let mut l = st.launch_builder(&self.f_band_v);
+        l.arg(&a).arg(&self.o).arg(&self.wband).arg(&self.vwin).arg(&wld).arg(out16).arg(&r0i);
+        // SAFETY: matches band_v; o and wband as written above, out16 holds n_rows·hq·d values
+        // and rows r0 .. r0 + n_q < n_rows are written.
+        unsafe { l.launch(grid_v) }.map_err(drv("band_v"))?;
+        Ok(())
+    }
+}

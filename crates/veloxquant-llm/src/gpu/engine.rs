@@ -1,0 +1,755 @@
+//! The GPU engine: sequences in the device cache, prefill in chunks, and batched decode
+//! steps replayed from CUDA graphs.
+//!
+//! A decode step of B sequences is captured once per (B rounded up to a power of two, pages
+//! covered) and replayed: the host plans the step (each sequence's append: pages allocated,
+//! table deltas), uploads one small buffer (token ids, positions, append rows, deltas) and
+//! the rows' slots, replays, and downloads the B sampled ids (or logits). Inside the step:
+//! the deltas applied, embedding, per layer RMSNorm → QKV GEMM → RoPE → the cache append
+//! (tokens leaving the window encoded) → split-K decode attention over the codes → output
+//! GEMM (+residual) → RMSNorm → gate/up GEMM → SwiGLU → down GEMM (+residual); then the
+//! final norm, the logits GEMM and argmax.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaStream};
+use veloxquant::{CacheConfig, FormatSpec};
+use veloxquant_cuda::attn::{DecodeOptions, DecodeOut, PlanCore};
+use veloxquant_cuda::blas::Mat;
+use veloxquant_cuda::cache::{encode_deltas, AppendSrc};
+use veloxquant_cuda::ops::QOut;
+use veloxquant_cuda::{AppendRow, Blas, GpuCacheConfig, GpuKvCache, PrefillAttn};
+
+use super::model::{check_fits, gpu, GpuModel};
+use crate::error::{LlmError, Result};
+
+fn drv<E: std::fmt::Debug>(op: &'static str) -> impl FnOnce(E) -> LlmError {
+    move |e| LlmError::Gpu(veloxquant_cuda::CudaError::Driver { op, err: format!("{e:?}") })
+}
+
+/// A cache method on the GPU: K and V formats, the recent window R and the sinks S.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GpuMethod {
+    pub k: FormatSpec,
+    pub v: FormatSpec,
+    pub recent: usize,
+    pub sink: usize,
+}
+
+impl GpuMethod {
+    /// The fp16 cache (every token's K and V as fp16 rows).
+    pub fn fp16() -> Self {
+        let f = FormatSpec::parse("fp16").expect("fp16 is registered");
+        Self { k: f.clone(), v: f, recent: 0, sink: 0 }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub method: GpuMethod,
+    /// Sequence slots (also the largest decode batch).
+    pub max_seqs: usize,
+    /// Tokens per sequence (≤ the model's context).
+    pub max_context: usize,
+    /// Tokens of one sequence per prefill forward.
+    pub prefill_chunk: usize,
+    /// Tokens over all sequences per prefill forward.
+    pub prefill_rows: usize,
+    /// Logits rows one prefill call may return.
+    pub logits_rows: usize,
+    /// Coded tokens (per KV head, over all sequences) the page pool holds.
+    pub pool_tokens: usize,
+    /// Rotation seed (as `CacheConfig::seed`: the CPU's rotations for the same seed).
+    pub seed: u64,
+}
+
+impl EngineConfig {
+    /// `max_seqs` sequences of up to `max_context` tokens, every one able to fill its context.
+    pub fn new(method: GpuMethod, max_seqs: usize, max_context: usize) -> Self {
+        Self {
+            method,
+            max_seqs,
+            max_context,
+            prefill_chunk: 512.min(max_context.max(1)),
+            prefill_rows: 4096,
+            logits_rows: 4096,
+            pool_tokens: max_seqs.saturating_mul(max_context),
+            seed: 0x5EED,
+        }
+    }
+
+    /// The CPU cache config this engine's cache mirrors.
+    pub fn cpu_cache(&self, c: &crate::LlamaConfig) -> CacheConfig {
+        let m = &self.method;
+        let mut cfg = CacheConfig::new(c.n_layers, c.n_kv_heads, c.head_dim, m.k.clone(), m.v.clone());
+        cfg.recent = m.recent;
+        cfg.sink = m.sink;
+        cfg.seed = self.seed;
+        cfg
+    }
+}
+
+/// Activation buffers, allocated once (captured graphs hold their addresses).
+struct Bufs {
+    x: CudaSlice<f32>,
+    xn: CudaSlice<u16>,
+    qkv: CudaSlice<f32>,
+    q32: CudaSlice<f32>,
+    q16: CudaSlice<u16>,
+    k32: CudaSlice<f32>,
+    att: CudaSlice<u16>,
+    gu: CudaSlice<f32>,
+    act: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+    ids_out: CudaSlice<i32>,
+    /// Step upload: [ids (B)] [positions (B)] [append rows (6 B)] [deltas (1 + 2 D)].
+    up: CudaSlice<i32>,
+    /// Prefill upload: [ids (N)] [positions (N)].
+    pre_up: CudaSlice<i32>,
+    pre_rows: CudaSlice<AppendRow>,
+}
+
+/// What a captured step records (the benchmark times the parts apart).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StepPart {
+    All,
+    Gemm,
+    Attention,
+    Rest,
+}
+
+struct StepGraph {
+    plan: PlanCore,
+    graph: CudaGraph,
+}
+
+/// Step output: the greedy ids of the sequences in order, and their logits when asked.
+#[derive(Clone, Debug, Default)]
+pub struct StepOut {
+    pub ids: Vec<u32>,
+    pub logits: Option<Vec<f32>>,
+}
+
+pub struct GpuEngine {
+    pub model: Arc<GpuModel>,
+    pub cfg: EngineConfig,
+    pub cache: GpuKvCache,
+    blas: Blas,
+    prefill: PrefillAttn,
+    bufs: Bufs,
+    graphs: HashMap<(usize, usize, StepPart), StepGraph>,
+    max_deltas: usize,
+    stream: Arc<CudaStream>,
+}
+
+/// Device bytes of one engine's cache, prefill workspace and activations.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct EngineBytes {
+    pub cache: usize,
+    pub workspace: usize,
+}
+
+fn act_rows(cfg: &EngineConfig) -> usize {
+    cfg.prefill_rows.max(cfg.max_seqs)
+}
+
+impl GpuEngine {
+    /// Plan the engine's memory, check it fits the device's free memory, then allocate.
+    pub fn new(model: Arc<GpuModel>, cfg: EngineConfig) -> Result<Self> {
+        let c = model.config.clone();
+        let bad = |what: String| Err(LlmError::InvalidArgument(format!("GPU engine: {what}")));
+        if cfg.max_seqs == 0 || cfg.max_context == 0 || cfg.prefill_chunk == 0 || cfg.prefill_rows < cfg.prefill_chunk {
+            return bad("max_seqs, max_context, prefill_chunk must be > 0 and prefill_rows ≥ prefill_chunk".into());
+        }
+        if cfg.max_context > c.n_ctx_train {
+            return bad(format!("max_context {} exceeds the model's context {}", cfg.max_context, c.n_ctx_train));
+        }
+        let gcfg = GpuCacheConfig::from_cpu(&cfg.cpu_cache(&c), cfg.max_seqs, cfg.max_context, cfg.pool_tokens);
+        let cache_bytes = gcfg.device_bytes().map_err(gpu)?;
+        let ws_guess = Self::activation_bytes(&c, &cfg) + (64 << 20);
+        check_fits(&model.dev, "the KV cache and activations", cache_bytes + ws_guess)?;
+        let cache = GpuKvCache::new(&model.dev, gcfg).map_err(gpu)?;
+        let prefill_ws = PrefillAttn::workspace_bytes(&cache, c.n_heads, cfg.prefill_chunk, cfg.max_context);
+        check_fits(&model.dev, "the prefill workspace", prefill_ws + Self::activation_bytes(&c, &cfg))?;
+        let prefill = PrefillAttn::new(&cache, c.n_heads, cfg.prefill_chunk, cfg.max_context).map_err(gpu)?;
+        let st = model.dev.stream.clone();
+        let (h, d, hq, hkv, f) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_hidden);
+        let rows = act_rows(&cfg);
+        let qkv_w = (hq + 2 * hkv) * d;
+        let max_deltas = cfg.max_seqs * (hkv + 2) + 16;
+        let a32 = |n: usize| st.alloc_zeros::<f32>(n.max(1)).map_err(drv("alloc activations"));
+        let a16 = |n: usize| st.alloc_zeros::<u16>(n.max(1)).map_err(drv("alloc activations"));
+        let bufs = Bufs {
+            x: a32(rows * h)?,
+            xn: a16(rows * h.max(f))?,
+            qkv: a32(rows * qkv_w)?,
+            q32: a32(cfg.max_seqs * hq * d)?,
+            q16: a16(rows * hq * d)?,
+            k32: a32(rows * hkv * d)?,
+            att: a16(rows * hq * d)?,
+            gu: a32(rows * 2 * f)?,
+            act: a16(rows * f)?,
+            logits: a32(cfg.logits_rows.max(cfg.max_seqs) * c.n_vocab)?,
+            ids_out: st.alloc_zeros::<i32>(cfg.max_seqs).map_err(drv("alloc"))?,
+            up: st.alloc_zeros::<i32>(8 * cfg.max_seqs + 1 + 2 * max_deltas).map_err(drv("alloc"))?,
+            pre_up: st.alloc_zeros::<i32>(2 * cfg.prefill_rows).map_err(drv("alloc"))?,
+            pre_rows: st.alloc_zeros::<AppendRow>(cfg.prefill_rows).map_err(drv("alloc"))?,
+        };
+        let blas = Blas::new(&model.dev).map_err(gpu)?;
+        Ok(Self { model, cfg, cache, blas, prefill, bufs, graphs: HashMap::new(), max_deltas, stream: st })
+    }
+
+    fn activation_bytes(c: &crate::LlamaConfig, cfg: &EngineConfig) -> usize {
+        let (h, d, hq, hkv, f) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_hidden);
+        let rows = act_rows(cfg);
+        rows * (h * 4
+            + h.max(f) * 2
+            + (hq + 2 * hkv) * d * 4
+            + hq * d * 2
+            + hkv * d * 4
+            + hq * d * 2
+            + 2 * f * 4
+            + f * 2)
+            + cfg.logits_rows.max(cfg.max_seqs) * c.n_vocab * 4
+    }
+
+    /// Device bytes this engine holds: the cache, and prefill workspace plus activations.
+    pub fn device_bytes(&self) -> EngineBytes {
+        let c = &self.model.config;
+        EngineBytes {
+            cache: self.cache.cfg.device_bytes().unwrap_or(0),
+            workspace: PrefillAttn::workspace_bytes(
+                &self.cache,
+                c.n_heads,
+                self.cfg.prefill_chunk,
+                self.cfg.max_context,
+            ) + Self::activation_bytes(c, &self.cfg),
+        }
+    }
+
+    /// A new empty sequence (a cache slot).
+    pub fn add_sequence(&mut self) -> Result<usize> {
+        self.cache.add_seq().map_err(gpu)
+    }
+    pub fn remove_sequence(&mut self, slot: usize) -> Result<()> {
+        self.cache.remove_seq(slot).map_err(gpu)
+    }
+    /// A second sequence sharing this one's pages.
+    pub fn fork(&mut self, slot: usize) -> Result<usize> {
+        self.cache.fork(slot).map_err(gpu)
+    }
+    /// Drop the `n` newest tokens of a sequence.
+    pub fn trim(&mut self, slot: usize, n: usize) -> Result<()> {
+        self.cache.trim(slot, n).map_err(gpu)
+    }
+    pub fn n_tokens(&self, slot: usize) -> Result<usize> {
+        self.cache.n_tokens(slot).map_err(gpu)
+    }
+
+    fn check_tokens(&self, toks: &[u32], slot: usize, n_new: usize) -> Result<()> {
+        let c = &self.model.config;
+        if let Some(&id) = toks.iter().find(|&&t| t as usize >= c.n_vocab) {
+            return Err(LlmError::TokenOutOfRange { id, n_vocab: c.n_vocab });
+        }
+        let pos = self.n_tokens(slot)? + n_new;
+        if pos > self.cfg.max_context {
+            return Err(LlmError::ContextOverflow { pos, n_ctx_train: self.cfg.max_context });
+        }
+        Ok(())
+    }
+
+    /// Teacher-forced prefill of each `(slot, tokens)`, in chunks: the tokens are appended to
+    /// the sequences; returns, per item, the logits `[n][n_vocab]` of its positions
+    /// `logits_from..` (as `Llama::forward`; `logits_from = tokens.len()`: none).
+    pub fn prefill(&mut self, items: &[(usize, &[u32], usize)]) -> Result<Vec<Vec<f32>>> {
+        let mut seen = std::collections::HashSet::new();
+        for &(slot, toks, lf) in items {
+            if !seen.insert(slot) {
+                return Err(LlmError::InvalidArgument(format!("prefill: slot {slot} appears twice")));
+            }
+            self.check_tokens(toks, slot, toks.len())?;
+            if lf > toks.len() {
+                return Err(LlmError::InvalidArgument(format!("prefill: logits_from {lf} > {} tokens", toks.len())));
+            }
+        }
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); items.len()];
+        let mut done = vec![0usize; items.len()];
+        loop {
+            // One forward: the next chunk of every unfinished item, within prefill_rows.
+            let mut round: Vec<(usize, usize, usize)> = Vec::new(); // (item, start, len)
+            let mut rows = 0;
+            for (i, &(_, toks, _)) in items.iter().enumerate() {
+                let len = (toks.len() - done[i]).min(self.cfg.prefill_chunk);
+                if len == 0 || rows + len > self.cfg.prefill_rows {
+                    continue;
+                }
+                round.push((i, done[i], len));
+                rows += len;
+            }
+            if round.is_empty() {
+                break;
+            }
+            let logits = self.prefill_round(items, &round)?;
+            for (&(i, _, len), lg) in round.iter().zip(logits) {
+                done[i] += len;
+                out[i].extend(lg);
+            }
+        }
+        Ok(out)
+    }
+
+    /// One forward over chunks (item, start, len) of `items`; logits per chunk for its
+    /// positions at or past the item's logits_from.
+    fn prefill_round(
+        &mut self,
+        items: &[(usize, &[u32], usize)],
+        round: &[(usize, usize, usize)],
+    ) -> Result<Vec<Vec<f32>>> {
+        let c = self.model.config.clone();
+        let (h, d, hq, hkv, f, nv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.n_vocab);
+        let qkv_w = (hq + 2 * hkv) * d;
+        let mut ids = Vec::new();
+        let mut pos = Vec::new();
+        let mut rows = Vec::new();
+        for &(i, start, len) in round {
+            let (slot, toks, _) = items[i];
+            let p0 = self.cache.n_tokens(slot).map_err(gpu)?;
+            rows.push(self.cache.plan_append(slot, len, ids.len()).map_err(gpu)?);
+            for (j, &t) in toks[start..start + len].iter().enumerate() {
+                ids.push(t as i32);
+                pos.push((p0 + j) as i32);
+            }
+        }
+        let n = ids.len();
+        self.cache.sync_meta().map_err(gpu)?;
+        let st = self.stream.clone();
+        let Self { cache, blas, prefill, bufs, model, .. } = self;
+        ids.extend_from_slice(&pos);
+        st.memcpy_htod(&ids, &mut bufs.pre_up.slice_mut(..2 * n)).map_err(drv("htod prefill"))?;
+        st.memcpy_htod(&rows, &mut bufs.pre_rows.slice_mut(..rows.len())).map_err(drv("htod prefill"))?;
+        let ops = &model.ops;
+        let ids_v = bufs.pre_up.slice(..n);
+        let pos_v = bufs.pre_up.slice(n..2 * n);
+        ops.embed(&st, &ids_v, n, &model.embed, h, &mut bufs.x.slice_mut(..)).map_err(gpu)?;
+        for (l, w) in model.layers.iter().enumerate() {
+            ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.attn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
+                .map_err(gpu)?;
+            blas.linear(
+                n,
+                qkv_w,
+                h,
+                Mat::f16(&bufs.xn, h, &st),
+                Mat::f16(&w.wqkv, h, &st),
+                Mat::f32(&bufs.qkv, qkv_w, &st),
+                1.0,
+                0.0,
+            )
+            .map_err(gpu)?;
+            ops.rope(
+                &st,
+                &bufs.qkv.slice(..),
+                qkv_w,
+                &pos_v,
+                n,
+                (&model.rope_cos, &model.rope_sin),
+                (hq, hkv, d),
+                QOut::Grouped16(&mut bufs.q16.slice_mut(..)),
+                &mut bufs.k32.slice_mut(..),
+            )
+            .map_err(gpu)?;
+            let ksrc = AppendSrc { data: bufs.k32.slice(..), stride: hkv * d };
+            let vsrc = AppendSrc { data: bufs.qkv.slice((hq + hkv) * d..), stride: qkv_w };
+            for (i, row) in rows.iter().enumerate() {
+                let rv = bufs.pre_rows.slice(i..i + 1);
+                prefill
+                    .run(
+                        blas,
+                        cache,
+                        l,
+                        row,
+                        &rv,
+                        (&ksrc, &vsrc),
+                        &bufs.q16.slice(..),
+                        n,
+                        &mut bufs.att.slice_mut(..),
+                        &st,
+                    )
+                    .map_err(gpu)?;
+            }
+            blas.linear(
+                n,
+                h,
+                hq * d,
+                Mat::f16(&bufs.att, hq * d, &st),
+                Mat::f16(&w.wo, hq * d, &st),
+                Mat::f32(&bufs.x, h, &st),
+                1.0,
+                1.0,
+            )
+            .map_err(gpu)?;
+            ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.ffn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
+                .map_err(gpu)?;
+            blas.linear(
+                n,
+                2 * f,
+                h,
+                Mat::f16(&bufs.xn, h, &st),
+                Mat::f16(&w.w_gate_up, h, &st),
+                Mat::f32(&bufs.gu, 2 * f, &st),
+                1.0,
+                0.0,
+            )
+            .map_err(gpu)?;
+            ops.swiglu(&st, &bufs.gu.slice(..), f, n, &mut bufs.act.slice_mut(..)).map_err(gpu)?;
+            blas.linear(
+                n,
+                h,
+                f,
+                Mat::f16(&bufs.act, f, &st),
+                Mat::f16(&w.w_down, f, &st),
+                Mat::f32(&bufs.x, h, &st),
+                1.0,
+                1.0,
+            )
+            .map_err(gpu)?;
+        }
+        // Logits of the wanted rows, chunk by chunk (each chunk's rows are contiguous).
+        let logits_cap = bufs.logits.len() / nv;
+        let mut out = Vec::with_capacity(round.len());
+        let mut r0 = 0;
+        for &(i, start, len) in round {
+            let lf = items[i].2;
+            let first = lf.max(start).min(start + len) - start;
+            let m = len - first;
+            if m == 0 {
+                out.push(Vec::new());
+                r0 += len;
+                continue;
+            }
+            if m > logits_cap {
+                return Err(LlmError::InvalidArgument(format!(
+                    "prefill: {m} logits rows exceed the engine's {logits_cap}"
+                )));
+            }
+            let xs = bufs.x.slice((r0 + first) * h..);
+            ops.rmsnorm(&st, &xs, h, m, &model.output_norm, c.rms_eps, &mut bufs.xn.slice_mut(..)).map_err(gpu)?;
+            blas.linear(
+                m,
+                nv,
+                h,
+                Mat::f16(&bufs.xn, h, &st),
+                Mat::f16(model.output_matrix(), h, &st),
+                Mat::f32(&bufs.logits, nv, &st),
+                1.0,
+                0.0,
+            )
+            .map_err(gpu)?;
+            let mut lg = vec![0f32; m * nv];
+            st.memcpy_dtoh(&bufs.logits.slice(..m * nv), &mut lg).map_err(drv("dtoh logits"))?;
+            out.push(lg);
+            r0 += len;
+        }
+        st.synchronize().map_err(drv("synchronize"))?;
+        Ok(out)
+    }
+
+    /// One decode step: token `t` appended to each `(slot, t)` (distinct slots), attention
+    /// over its cache; returns the greedy next ids (and the logits `[B][n_vocab]` when
+    /// `want_logits`). Replays a captured graph (captured on first use of its shape).
+    pub fn step(&mut self, tokens: &[(usize, u32)], want_logits: bool) -> Result<StepOut> {
+        let b = tokens.len();
+        if b == 0 || b > self.cfg.max_seqs {
+            return Err(LlmError::InvalidArgument(format!("step of {b} sequences (1..={})", self.cfg.max_seqs)));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for &(slot, t) in tokens {
+            if !seen.insert(slot) {
+                return Err(LlmError::InvalidArgument(format!("step: slot {slot} appears twice")));
+            }
+            self.check_tokens(&[t], slot, 1)?;
+        }
+        let bucket = b.next_power_of_two().min(self.cfg.max_seqs);
+        let mut ids = vec![0i32; bucket];
+        let mut pos = vec![0i32; bucket];
+        let mut rows = vec![AppendRow::IDLE; bucket];
+        let mut slot_of = vec![-1i32; bucket];
+        for (i, &(slot, t)) in tokens.iter().enumerate() {
+            pos[i] = self.cache.n_tokens(slot).map_err(gpu)? as i32;
+            rows[i] = self.cache.plan_append(slot, 1, i).map_err(gpu)?;
+            ids[i] = t as i32;
+            slot_of[i] = slot as i32;
+        }
+        let slots: Vec<usize> = tokens.iter().map(|&(s, _)| s).collect();
+        let pages = self.cache.max_pages(&slots);
+        self.launch_step(bucket, pages, &ids, &pos, &rows, &slot_of, StepPart::All)?;
+        let st = self.stream.clone();
+        let mut out = vec![0i32; bucket];
+        st.memcpy_dtoh(&self.bufs.ids_out.slice(..bucket), &mut out).map_err(drv("dtoh ids"))?;
+        let logits = if want_logits {
+            let nv = self.model.config.n_vocab;
+            let mut lg = vec![0f32; b * nv];
+            st.memcpy_dtoh(&self.bufs.logits.slice(..b * nv), &mut lg).map_err(drv("dtoh logits"))?;
+            Some(lg)
+        } else {
+            None
+        };
+        st.synchronize().map_err(drv("synchronize"))?;
+        Ok(StepOut { ids: out[..b].iter().map(|&x| x as u32).collect(), logits })
+    }
+
+    /// Pages covered by the graph for `pages` (power-of-two buckets from 16).
+    fn page_bucket(&self, pages: usize) -> usize {
+        pages.max(16).next_power_of_two().min(self.cache.cfg.max_pages_per_seq)
+    }
+
+    /// Upload a planned step and replay (capturing first) its graph.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_step(
+        &mut self,
+        bucket: usize,
+        pages: usize,
+        ids: &[i32],
+        pos: &[i32],
+        rows: &[AppendRow],
+        slot_of: &[i32],
+        part: StepPart,
+    ) -> Result<()> {
+        let covered = self.page_bucket(pages);
+        let key = (bucket, covered, part);
+        // Deltas ride in the upload, applied by the graph's first kernel; more than it holds
+        // (a burst of forks or trims) are applied now instead.
+        if self.cache.pending_deltas() > self.max_deltas {
+            self.cache.sync_meta().map_err(gpu)?;
+        }
+        let pending = self.cache.take_deltas();
+        if !self.graphs.contains_key(&key) {
+            let g = self.capture(bucket, covered, part)?;
+            self.graphs.insert(key, g);
+        }
+        let mut deltas = encode_deltas(&pending);
+        deltas.resize(1 + 2 * self.max_deltas, 0);
+        let mut up = Vec::with_capacity(self.bufs.up.len());
+        up.extend_from_slice(&ids[..bucket]);
+        up.extend_from_slice(&pos[..bucket]);
+        for r in rows {
+            up.extend_from_slice(&[r.slot, r.pos0, r.n, r.coded0, r.coded1, r.src_row]);
+        }
+        up.resize(self.up_deltas_at(bucket), 0);
+        up.extend_from_slice(&deltas);
+        let st = self.stream.clone();
+        st.memcpy_htod(&up, &mut self.bufs.up.slice_mut(..up.len())).map_err(drv("htod step"))?;
+        let g = self.graphs.get_mut(&key).expect("graph inserted above");
+        st.memcpy_htod(slot_of, g.plan.rows_mut()).map_err(drv("htod rows"))?;
+        g.plan.note_rows(slot_of);
+        g.graph.launch().map_err(drv("graph launch"))?;
+        Ok(())
+    }
+
+    /// Offset of the deltas in the step upload for a bucket.
+    fn up_deltas_at(&self, bucket: usize) -> usize {
+        8 * bucket
+    }
+
+    fn capture(&mut self, bucket: usize, covered: usize, part: StepPart) -> Result<StepGraph> {
+        let c = &self.model.config;
+        let mut plan = PlanCore::new(&self.cache, c.n_heads, bucket, covered, DecodeOptions::default()).map_err(gpu)?;
+        let st = self.stream.clone();
+        // Warm-up with idle rows (nothing written to the cache): modules load and cuBLAS
+        // picks its kernels outside the capture.
+        let idle: Vec<i32> = vec![-1; bucket];
+        let mut up = vec![0i32; 2 * bucket];
+        for _ in 0..bucket {
+            up.extend_from_slice(&[-1, 0, 0, 0, 0, 0]);
+        }
+        up.resize(self.up_deltas_at(bucket) + 1, 0);
+        st.memcpy_htod(&up, &mut self.bufs.up.slice_mut(..up.len())).map_err(drv("htod"))?;
+        st.memcpy_htod(&idle, plan.rows_mut()).map_err(drv("htod"))?;
+        plan.note_rows(&idle);
+        self.record_step(&mut plan, bucket, part)?;
+        st.synchronize().map_err(drv("synchronize"))?;
+        st.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(drv("begin capture"))?;
+        let rec = self.record_step(&mut plan, bucket, part);
+        let graph = st.end_capture(CUgraphInstantiate_flags(0)).map_err(drv("end capture"))?;
+        rec?;
+        let graph = graph.ok_or_else(|| {
+            LlmError::Gpu(veloxquant_cuda::CudaError::Driver { op: "capture", err: "empty graph".into() })
+        })?;
+        Ok(StepGraph { plan, graph })
+    }
+
+    /// The step's launches (see the module docs), reading the step upload.
+    fn record_step(&mut self, plan: &mut PlanCore, bucket: usize, part: StepPart) -> Result<()> {
+        let c = self.model.config.clone();
+        let (h, d, hq, hkv, f, nv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.n_vocab);
+        let qkv_w = (hq + 2 * hkv) * d;
+        let n = bucket;
+        let st = self.stream.clone();
+        let deltas_at = self.up_deltas_at(bucket);
+        let Self { cache, blas, bufs, model, .. } = self;
+        let ops = &model.ops;
+        let gemm = matches!(part, StepPart::All | StepPart::Gemm);
+        let attn = matches!(part, StepPart::All | StepPart::Attention);
+        let rest = matches!(part, StepPart::All | StepPart::Rest);
+        if attn {
+            cache.launch_deltas_from(&bufs.up.slice(deltas_at..), &st).map_err(gpu)?;
+        }
+        let ids_v = bufs.up.slice(..n);
+        let pos_v = bufs.up.slice(n..2 * n);
+        // SAFETY: AppendRow is six i32 (repr(C)); the upload holds 6·n i32 at 2n.. .
+        let rows_v = unsafe { bufs.up.slice(2 * n..8 * n).transmute::<AppendRow>(n) }
+            .ok_or_else(|| LlmError::InvalidArgument("step upload too small".into()))?;
+        if rest {
+            ops.embed(&st, &ids_v, n, &model.embed, h, &mut bufs.x.slice_mut(..)).map_err(gpu)?;
+        }
+        let max_enc = if cache.row_mode { 1 } else { cache.cfg.page_tokens };
+        for (l, w) in model.layers.iter().enumerate() {
+            if rest {
+                ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.attn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
+                    .map_err(gpu)?;
+            }
+            if gemm {
+                blas.linear(
+                    n,
+                    qkv_w,
+                    h,
+                    Mat::f16(&bufs.xn, h, &st),
+                    Mat::f16(&w.wqkv, h, &st),
+                    Mat::f32(&bufs.qkv, qkv_w, &st),
+                    1.0,
+                    0.0,
+                )
+                .map_err(gpu)?;
+            }
+            if rest {
+                ops.rope(
+                    &st,
+                    &bufs.qkv.slice(..),
+                    qkv_w,
+                    &pos_v,
+                    n,
+                    (&model.rope_cos, &model.rope_sin),
+                    (hq, hkv, d),
+                    QOut::F32(&mut bufs.q32.slice_mut(..)),
+                    &mut bufs.k32.slice_mut(..),
+                )
+                .map_err(gpu)?;
+            }
+            if attn {
+                let ksrc = AppendSrc { data: bufs.k32.slice(..), stride: hkv * d };
+                let vsrc = AppendSrc { data: bufs.qkv.slice((hq + hkv) * d..), stride: qkv_w };
+                cache.launch_append(l, &rows_v, n, 1, max_enc, &ksrc, &vsrc, &st).map_err(gpu)?;
+                plan.run_on(cache, l, &bufs.q32.slice(..), DecodeOut::F16(&mut bufs.att.slice_mut(..)), &st)
+                    .map_err(gpu)?;
+            }
+            if gemm {
+                blas.linear(
+                    n,
+                    h,
+                    hq * d,
+                    Mat::f16(&bufs.att, hq * d, &st),
+                    Mat::f16(&w.wo, hq * d, &st),
+                    Mat::f32(&bufs.x, h, &st),
+                    1.0,
+                    1.0,
+                )
+                .map_err(gpu)?;
+            }
+            if rest {
+                ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.ffn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
+                    .map_err(gpu)?;
+            }
+            if gemm {
+                blas.linear(
+                    n,
+                    2 * f,
+                    h,
+                    Mat::f16(&bufs.xn, h, &st),
+                    Mat::f16(&w.w_gate_up, h, &st),
+                    Mat::f32(&bufs.gu, 2 * f, &st),
+                    1.0,
+                    0.0,
+                )
+                .map_err(gpu)?;
+            }
+            if rest {
+                ops.swiglu(&st, &bufs.gu.slice(..), f, n, &mut bufs.act.slice_mut(..)).map_err(gpu)?;
+            }
+            if gemm {
+                blas.linear(
+                    n,
+                    h,
+                    f,
+                    Mat::f16(&bufs.act, f, &st),
+                    Mat::f16(&w.w_down, f, &st),
+                    Mat::f32(&bufs.x, h, &st),
+                    1.0,
+                    1.0,
+                )
+                .map_err(gpu)?;
+            }
+        }
+        if rest {
+            ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &model.output_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
+                .map_err(gpu)?;
+        }
+        if gemm {
+            blas.linear(
+                n,
+                nv,
+                h,
+                Mat::f16(&bufs.xn, h, &st),
+                Mat::f16(model.output_matrix(), h, &st),
+                Mat::f32(&bufs.logits, nv, &st),
+                1.0,
+                0.0,
+            )
+            .map_err(gpu)?;
+        }
+        if rest {
+            ops.argmax(&st, &bufs.logits.slice(..), n, nv, &mut bufs.ids_out.slice_mut(..)).map_err(gpu)?;
+        }
+        Ok(())
+    }
+
+    /// Benchmark: `slots` (filled, e.g. by `cache.fill_random`) take one planned step, then its
+    /// graph (or the graph of one part of it) is replayed `iters` times; returns each replay's
+    /// GPU time in ms (events around each launch). Replays re-append the same token.
+    pub fn time_step(&mut self, slots: &[usize], iters: usize, part: StepPart) -> Result<Vec<f32>> {
+        let b = slots.len();
+        if b == 0 || b > self.cfg.max_seqs || iters == 0 {
+            return Err(LlmError::InvalidArgument(format!("time_step: {b} slots, {iters} iterations")));
+        }
+        let bucket = b.next_power_of_two().min(self.cfg.max_seqs);
+        let mut ids = vec![0i32; bucket];
+        let mut pos = vec![0i32; bucket];
+        let mut rows = vec![AppendRow::IDLE; bucket];
+        let mut slot_of = vec![-1i32; bucket];
+        for (i, &slot) in slots.iter().enumerate() {
+            pos[i] = self.cache.n_tokens(slot).map_err(gpu)? as i32;
+            rows[i] = self.cache.plan_append(slot, 1, i).map_err(gpu)?;
+            ids[i] = (i * 7919 % self.model.config.n_vocab) as i32;
+            slot_of[i] = slot as i32;
+        }
+        let pages = self.cache.max_pages(slots);
+        self.launch_step(bucket, pages, &ids, &pos, &rows, &slot_of, part)?;
+        let st = self.stream.clone();
+        st.synchronize().map_err(drv("synchronize"))?;
+        let key = (bucket, self.page_bucket(pages), part);
+        let g = self.graphs.get(&key).expect("captured by launch_step");
+        let ctx = &self.model.dev.ctx;
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters + 3 {
+            let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let e0 = ctx.new_event(timing).map_err(drv("event"))?;
+            let e1 = ctx.new_event(timing).map_err(drv("event"))?;
+            e0.record(&st).map_err(drv("record"))?;
+            g.graph.launch().map_err(drv("graph launch"))?;
+            e1.record(&st).map_err(drv("record"))?;
+            e1.synchronize().map_err(drv("sync"))?;
+            times.push(e0.elapsed_ms(&e1).map_err(drv("elapsed"))?);
+        }
+        Ok(times.split_off(3))
+    }
+}

@@ -1,0 +1,271 @@
+//! The model on the GPU against the CPU, on a small random-weight GGUF written by the test:
+//! logits of prefill (in chunks) and of batched, graph-replayed decode steps agree with the
+//! CPU's for the fp16 cache and the default compressed method; fork and trim continue as on
+//! the CPU; the cache's device bytes match the CPU's resident bytes; bad input is a typed
+//! error. Skips, saying so, without a GPU (or without the `cuda` feature: nothing to run).
+#![cfg(feature = "cuda")]
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use veloxquant::rng::SplitMix64;
+use veloxquant::FormatSpec;
+use veloxquant_cuda::GpuDevice;
+use veloxquant_llm::eval::{argmax, kl_divergence, log_softmax_in_place};
+use veloxquant_llm::gpu::{EngineConfig, GpuEngine, GpuMethod, GpuModel};
+use veloxquant_llm::{CompressedStore, Fp16Store, KvStore, Llama, LlmError, WeightMode};
+
+fn device() -> Option<Arc<GpuDevice>> {
+    match GpuDevice::new(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("SKIPPED: no usable GPU ({e})");
+            None
+        }
+    }
+}
+
+const LAYERS: usize = 3;
+const HIDDEN: usize = 256;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const FFN: usize = 512;
+const VOCAB: usize = 512;
+const CTX: usize = 2048;
+
+/// A Llama GGUF with random f16 weights (so the CPU and the GPU hold the same values).
+fn tiny_gguf(dir: &Path, seed: u64) -> PathBuf {
+    let path = dir.join(format!("tiny-{seed}.gguf"));
+    let mut rng = SplitMix64::new(seed);
+    let mut mat = |rows: usize, cols: usize, scale: f32, offset: f32| -> QTensor {
+        let v: Vec<f32> = (0..rows * cols).map(|_| offset + scale * rng.next_gaussian() as f32).collect();
+        let shape: Vec<usize> = if rows == 1 { vec![cols] } else { vec![rows, cols] };
+        let t = Tensor::from_vec(v, shape, &Device::Cpu).unwrap();
+        let dtype = if rows == 1 { GgmlDType::F32 } else { GgmlDType::F16 };
+        QTensor::quantize(&t, dtype).unwrap()
+    };
+    let kvd = KV_HEADS * HIDDEN / HEADS;
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        // Small embeddings: the tied output gives logits of std ~1.5 (not one-hot softmaxes).
+        ("token_embd.weight".into(), mat(VOCAB, HIDDEN, 0.1, 0.0)),
+        ("output_norm.weight".into(), mat(1, HIDDEN, 0.1, 1.0)),
+    ];
+    for i in 0..LAYERS {
+        let s = |n: usize| 1.0 / (n as f32).sqrt();
+        tensors.push((format!("blk.{i}.attn_norm.weight"), mat(1, HIDDEN, 0.1, 1.0)));
+        tensors.push((format!("blk.{i}.attn_q.weight"), mat(HIDDEN, HIDDEN, 2.0 * s(HIDDEN), 0.0)));
+        tensors.push((format!("blk.{i}.attn_k.weight"), mat(kvd, HIDDEN, 2.0 * s(HIDDEN), 0.0)));
+        tensors.push((format!("blk.{i}.attn_v.weight"), mat(kvd, HIDDEN, s(HIDDEN), 0.0)));
+        tensors.push((format!("blk.{i}.attn_output.weight"), mat(HIDDEN, HIDDEN, s(HIDDEN), 0.0)));
+        tensors.push((format!("blk.{i}.ffn_norm.weight"), mat(1, HIDDEN, 0.1, 1.0)));
+        tensors.push((format!("blk.{i}.ffn_gate.weight"), mat(FFN, HIDDEN, s(HIDDEN), 0.0)));
+        tensors.push((format!("blk.{i}.ffn_up.weight"), mat(FFN, HIDDEN, s(HIDDEN), 0.0)));
+        tensors.push((format!("blk.{i}.ffn_down.weight"), mat(HIDDEN, FFN, s(FFN), 0.0)));
+    }
+    let meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.block_count", Value::U32(LAYERS as u32)),
+        ("llama.embedding_length", Value::U32(HIDDEN as u32)),
+        ("llama.feed_forward_length", Value::U32(FFN as u32)),
+        ("llama.attention.head_count", Value::U32(HEADS as u32)),
+        ("llama.attention.head_count_kv", Value::U32(KV_HEADS as u32)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.rope.freq_base", Value::F32(10_000.0)),
+        ("llama.context_length", Value::U32(CTX as u32)),
+    ];
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(&path).unwrap();
+    gguf_file::write(&mut f, &meta_refs, &t_refs).unwrap();
+    path
+}
+
+fn tmp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("veloxquant-gpu-test-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn default_method() -> GpuMethod {
+    GpuMethod {
+        k: FormatSpec::parse("turboquant_mse:4:eden").unwrap(),
+        v: FormatSpec::parse("turboquant_mse:3").unwrap(),
+        recent: 8,
+        sink: 4,
+    }
+}
+
+fn cpu_store(model: &Llama, cfg: &EngineConfig) -> Box<dyn KvStore> {
+    if cfg.method == GpuMethod::fp16() {
+        Box::new(Fp16Store::for_config(&model.config, cfg.max_context))
+    } else {
+        Box::new(CompressedStore::new(cfg.cpu_cache(&model.config)).unwrap())
+    }
+}
+
+/// Running agreement of GPU logits with CPU logits.
+#[derive(Default)]
+struct Agree {
+    n: usize,
+    same: usize,
+    kl: f64,
+    kl_max: f64,
+}
+
+impl Agree {
+    fn add(&mut self, cpu: &[f32], gpu: &[f32]) {
+        assert_eq!(cpu.len(), gpu.len());
+        assert!(gpu.iter().all(|v| v.is_finite()), "non-finite GPU logits");
+        for (a, b) in cpu.chunks(VOCAB).zip(gpu.chunks(VOCAB)) {
+            let (mut la, mut lb) = (a.to_vec(), b.to_vec());
+            log_softmax_in_place(&mut la);
+            log_softmax_in_place(&mut lb);
+            let kl = kl_divergence(&la, &lb);
+            self.kl += kl;
+            self.kl_max = self.kl_max.max(kl);
+            self.same += usize::from(argmax(a) == argmax(b));
+            self.n += 1;
+        }
+    }
+    fn check(&self, what: &str) {
+        let top1 = self.same as f64 / self.n as f64;
+        let kl = self.kl / self.n as f64;
+        eprintln!(
+            "{what}: {} positions, top-1 equal {:.2} %, mean KL {kl:.2e}, max {:.2e}",
+            self.n,
+            100.0 * top1,
+            self.kl_max
+        );
+        assert!(top1 >= 0.99, "{what}: top-1 agreement {top1}");
+        assert!(kl <= 1e-3, "{what}: mean KL {kl}");
+    }
+}
+
+#[test]
+fn gpu_logits_match_cpu_prefill_and_batched_decode() {
+    let Some(dev) = device() else { return };
+    let dir = tmp_dir("logits");
+    let path = tiny_gguf(&dir, 1);
+    let cpu_model = Llama::load(&path, WeightMode::DequantF32).unwrap();
+    let gpu_model = Arc::new(GpuModel::load(&dev, &path).unwrap());
+    let mut rng = SplitMix64::new(3);
+    let lens = [150usize, 77, 9];
+    let prompts: Vec<Vec<u32>> =
+        lens.iter().map(|&n| (0..n).map(|_| (rng.next_u64() % VOCAB as u64) as u32).collect()).collect();
+    let steps = 40;
+    let forced: Vec<Vec<u32>> =
+        lens.iter().map(|_| (0..steps).map(|_| (rng.next_u64() % VOCAB as u64) as u32).collect()).collect();
+    for method in [GpuMethod::fp16(), default_method()] {
+        let mut cfg = EngineConfig::new(method.clone(), 4, 1024);
+        cfg.prefill_chunk = 64; // several chunks per prompt: each attends as decode would
+        cfg.prefill_rows = 128;
+        let mut engine = GpuEngine::new(gpu_model.clone(), cfg.clone()).unwrap();
+        let slots: Vec<usize> = lens.iter().map(|_| engine.add_sequence().unwrap()).collect();
+        let items: Vec<(usize, &[u32], usize)> = slots.iter().zip(&prompts).map(|(&s, p)| (s, &p[..], 0)).collect();
+        let gpu_prefill = engine.prefill(&items).unwrap();
+        let mut agree_prefill = Agree::default();
+        let mut agree_decode = Agree::default();
+        let mut cpu_stores: Vec<Box<dyn KvStore>> = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let mut store = cpu_store(&cpu_model, &cfg);
+            let want = cpu_model.forward(p, store.as_mut(), 0).unwrap();
+            agree_prefill.add(&want, &gpu_prefill[i]);
+            cpu_stores.push(store);
+        }
+        for t in 0..steps {
+            let toks: Vec<(usize, u32)> = slots.iter().zip(&forced).map(|(&s, f)| (s, f[t])).collect();
+            let out = engine.step(&toks, true).unwrap();
+            let lg = out.logits.unwrap();
+            for (i, store) in cpu_stores.iter_mut().enumerate() {
+                let want = cpu_model.forward(&[forced[i][t]], store.as_mut(), 0).unwrap();
+                let got = &lg[i * VOCAB..(i + 1) * VOCAB];
+                assert_eq!(out.ids[i] as usize, argmax(got), "greedy id is the argmax of the logits");
+                agree_decode.add(&want, got);
+            }
+        }
+        let name = format!("{}/{}@{}+{}", method.k, method.v, method.recent, method.sink);
+        agree_prefill.check(&format!("prefill {name}"));
+        agree_decode.check(&format!("batched decode {name}"));
+        // Device bytes of the compressed cache against the CPU's resident bytes, same tokens.
+        for (i, &s) in slots.iter().enumerate() {
+            let g = engine.cache.slot_bytes(s).unwrap();
+            let c = cpu_stores[i].resident_bytes();
+            eprintln!("{}: sequence {i}: GPU {g} B, CPU resident {c} B", method.k);
+            // The same codes, window and state; the bookkeeping differs (the CPU pays a
+            // reference-counted pointer per page and stream, 32 B and its Vec's slack; the GPU
+            // a 4-byte table entry per page and head). The fp16 store reserves its context.
+            if method != GpuMethod::fp16() {
+                assert!((g as f64 - c as f64).abs() <= 0.03 * c as f64, "sequence {i}: {g} vs {c}");
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn gpu_fork_and_trim_continue_like_cpu() {
+    let Some(dev) = device() else { return };
+    let dir = tmp_dir("fork");
+    let path = tiny_gguf(&dir, 2);
+    let cpu_model = Llama::load(&path, WeightMode::DequantF32).unwrap();
+    let gpu_model = Arc::new(GpuModel::load(&dev, &path).unwrap());
+    let cfg = EngineConfig::new(default_method(), 4, 512);
+    let mut engine = GpuEngine::new(gpu_model, cfg.clone()).unwrap();
+    let mut rng = SplitMix64::new(5);
+    let mut tok = || (rng.next_u64() % VOCAB as u64) as u32;
+    let prompt: Vec<u32> = (0..120).map(|_| tok()).collect();
+    let a = engine.add_sequence().unwrap();
+    engine.prefill(&[(a, &prompt, prompt.len())]).unwrap();
+    let mut cpu_a = CompressedStore::new(cfg.cpu_cache(&cpu_model.config)).unwrap();
+    cpu_model.forward(&prompt, &mut cpu_a, prompt.len()).unwrap();
+    let b = engine.fork(a).unwrap();
+    let mut cpu_b = cpu_a.fork();
+    engine.trim(a, 13).unwrap();
+    cpu_a.trim(13).unwrap();
+    let mut agree = Agree::default();
+    for _ in 0..20 {
+        let (ta, tb) = (tok(), tok());
+        let out = engine.step(&[(a, ta), (b, tb)], true).unwrap();
+        let lg = out.logits.unwrap();
+        agree.add(&cpu_model.forward(&[ta], &mut cpu_a, 0).unwrap(), &lg[..VOCAB]);
+        agree.add(&cpu_model.forward(&[tb], &mut cpu_b, 0).unwrap(), &lg[VOCAB..]);
+    }
+    agree.check("fork + trim, then batched decode");
+    assert_eq!(engine.n_tokens(a).unwrap(), 120 - 13 + 20);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn gpu_engine_rejects_bad_input_with_typed_errors() {
+    let Some(dev) = device() else { return };
+    let dir = tmp_dir("bad");
+    let path = tiny_gguf(&dir, 3);
+    let model = Arc::new(GpuModel::load(&dev, &path).unwrap());
+    // Planned before allocating: a cache far beyond the device's memory.
+    let huge = EngineConfig::new(GpuMethod::fp16(), 1 << 16, CTX);
+    match GpuEngine::new(model.clone(), huge) {
+        Err(LlmError::Gpu(veloxquant_cuda::CudaError::OutOfDeviceMemory { need, free, .. })) => {
+            eprintln!("huge cache refused: needs {need} B, {free} B free")
+        }
+        other => panic!("expected OutOfDeviceMemory, got {:?}", other.err()),
+    }
+    let too_long = EngineConfig::new(GpuMethod::fp16(), 1, CTX + 1);
+    assert!(matches!(GpuEngine::new(model.clone(), too_long), Err(LlmError::InvalidArgument(_))));
+    let mut e = GpuEngine::new(model, EngineConfig::new(default_method(), 2, 64)).unwrap();
+    let s = e.add_sequence().unwrap();
+    assert!(matches!(e.prefill(&[(s, &[VOCAB as u32], 1)]), Err(LlmError::TokenOutOfRange { .. })));
+    assert!(matches!(e.prefill(&[(s, &[1; 65], 65)]), Err(LlmError::ContextOverflow { .. })));
+    assert!(matches!(e.step(&[(s, 1), (s, 2)], false), Err(LlmError::InvalidArgument(_))));
+    assert!(matches!(e.step(&[], false), Err(LlmError::InvalidArgument(_))));
+    assert!(e.step(&[(7, 1)], false).is_err(), "an unknown slot");
+    let _ = e.add_sequence().unwrap();
+    assert!(matches!(e.add_sequence(), Err(LlmError::Gpu(veloxquant_cuda::CudaError::OutOfCapacity { .. }))));
+    // The engine still works after the refusals (no sticky CUDA error).
+    e.prefill(&[(s, &[1, 2, 3], 2)]).unwrap();
+    let out = e.step(&[(s, 4)], false).unwrap();
+    assert_eq!(out.ids.len(), 1);
+    std::fs::remove_dir_all(&dir).ok();
+}
