@@ -98,6 +98,10 @@ fn argv() -> impl Strategy<Value = Vec<String>> {
             &["bench", "cpu"],
             &["--context", "--formats", "--shapes", "--reps", "--ref-reps", "--recent", "--json", "--md"],
         ),
+        (&["bench", "e2e"], &["--batch", "--context", "--methods", "--iters", "--fit", "--json"]),
+        (&["bench", "e2e-report"], &["--ours", "--hf", "--json", "--md", "--svg", "--svg-context"]),
+        (&["generate", "--device", "cuda"], &["--prompt", "--method", "--max-tokens"]),
+        (&["eval", "--device", "cuda"], &["--text", "--ctx", "--batch", "--methods"]),
     ];
     (0..commands.len(), prop::collection::vec((any::<prop::sample::Index>(), value()), 0..6), path(), any::<bool>())
         .prop_map(move |(c, flags, file, force)| {
