@@ -273,9 +273,15 @@ pub(crate) fn rope_table(n_pos: usize, head_dim: usize, base: f32) -> (Vec<f32>,
 
 /// Every tensor the model reads, checked before any is read (a corrupt dimension must not
 /// size an allocation): its shape against the metadata, with n_vocab the tokenizer's
-/// vocabulary size, and its bytes inside the file. Returns n_vocab.
+/// vocabulary size (the embedding's rows, bounded, in a file without a vocabulary), and its
+/// bytes inside the file. Returns n_vocab.
 pub(crate) fn check_tensors(g: &mut Gguf, c: &LlamaConfig) -> Result<usize> {
-    let n_vocab = g.array_len("tokenizer.ggml.tokens")?;
+    let n_vocab = if g.has("tokenizer.ggml.tokens") {
+        g.array_len("tokenizer.ggml.tokens")?
+    } else {
+        let embd = g.content.tensor_infos.get("token_embd.weight");
+        embd.and_then(|t| t.shape.dims().first().copied()).unwrap_or(0)
+    };
     if n_vocab == 0 || n_vocab > MAX_VOCAB {
         return Err(LlmError::InvalidArgument(format!(
             "GGUF metadata: vocabulary of {n_vocab} not in 1..={MAX_VOCAB}"

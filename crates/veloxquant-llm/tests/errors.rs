@@ -178,6 +178,27 @@ fn corrupt_tensor_dimensions_are_typed_errors() {
             r.err()
         );
     }
+    // Without a vocabulary in the file, n_vocab is the embedding's, bounded: the wrapped
+    // 2^56 + 259 rows are still refused.
+    let g = veloxquant_llm::gguf::Gguf::from_reader(std::io::Cursor::new(&good), "tiny").unwrap();
+    let meta: Vec<(&str, &Value)> =
+        g.content.metadata.iter().filter(|(k, _)| !k.starts_with("tokenizer.")).map(|(k, v)| (k.as_str(), v)).collect();
+    let mut reader = std::io::Cursor::new(&good);
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = g
+        .content
+        .tensor_infos
+        .keys()
+        .map(|n| (n.clone(), g.content.tensor(&mut reader, n, &candle_core::Device::Cpu).unwrap()))
+        .collect();
+    let refs: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut out = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut out, &meta, &refs).unwrap();
+    let no_vocab = out.into_inner();
+    assert_eq!(load(no_vocab.clone(), "no-vocab.gguf").unwrap().config.n_vocab, tiny::n_vocab());
+    let mut bad = no_vocab.clone();
+    bad[tiny::tensor_dims_offset(&no_vocab, "token_embd.weight") + 15] ^= 0x01;
+    let r = load(bad, "no-vocab-bad.gguf");
+    assert!(matches!(r, Err(LlmError::InvalidArgument(_))), "{:?}", r.err());
     let ffn = tiny::tensor_dims_offset(&good, "blk.1.ffn_down.weight");
     let mut bad = good.clone();
     bad[ffn] ^= 0x80; // [ffn, hidden] inner dim 128 → 0
