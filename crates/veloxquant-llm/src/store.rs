@@ -16,7 +16,8 @@ pub trait KvStore {
     /// Returns [n_q][n_heads * head_dim].
     fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>>;
     fn len(&self, layer: usize) -> usize;
-    /// Bytes in use for keys and values (and their side information).
+    /// Bytes the held tokens occupy: keys, values and side information (room reserved ahead
+    /// of the tokens is not counted).
     fn resident_bytes(&self) -> usize;
 }
 
