@@ -105,20 +105,21 @@ fn resident_bytes_is_the_sum_of_the_buffers() {
     let n = 1000;
     cache.append(0, &rng.gaussian_vec(3 * n * 64), &rng.gaussian_vec(3 * n * 64), n).unwrap();
     let grown = cache.resident_bytes() - fresh;
-    // Independent count: 31 pages per head and stream, each with its Arc counters (16 B) and
-    // page-table entry (16 B); K page = 32·(32 B codes + 2 B norm), V page = 32·128 B; the
-    // fp16 tail buffer grown to its full R + T = 40 tokens (128 B each) by the first flush.
+    // Independent count of the bytes in use: 31 pages per head and stream, each with its
+    // Arc counters (16 B) and page-table entry (16 B); K page = 32·(32 B codes + 2 B norm),
+    // V page = 32·128 B; the tail holds the 8 newest tokens in fp16 (128 B each).
     let pages = (n - 8) / 32;
-    let (k_page, v_page, overhead, tail) = (32 * 34, 32 * 128, 16 + 16, 40 * 128);
-    let want = 3 * (pages * (k_page + v_page + 2 * overhead) + 2 * tail);
-    // Page-table capacity may round up to a power of two: at most 2× the entries.
-    assert!(grown >= want && grown <= want + 3 * 2 * pages * 16, "{grown} vs {want}");
+    let (k_page, v_page, overhead, tail) = (32 * 34, 32 * 128, 16 + 16, 8 * 128);
+    let k_bytes = 3 * (pages * (k_page + overhead) + tail);
+    assert_eq!(grown, k_bytes + 3 * (pages * (v_page + overhead) + tail));
     let (kb, vb) = cache.bits_per_value();
     assert!((kb - 4.25).abs() < 1e-9 && (vb - 16.0).abs() < 1e-9);
-    // Effective bits add the tail (40 fp16 tokens over 1000: 0.64 bits/value), the page
-    // overhead and the formats' state: ≈ 0.83 above the page format here.
+    // Effective bits: those bytes plus the K formats' state (the Hadamard signs and the
+    // 16 + 15 codebook entries, f32, for each of 2 layers × 3 heads) over the values held.
     let (ek, _) = cache.effective_bits();
-    assert!(ek > kb + 0.7 && ek < kb + 1.0, "effective K bits {ek}");
+    let k_state = 2 * 3 * (64 + 31) * 4;
+    let want = 8.0 * (k_bytes + k_state) as f64 / (3 * n * 64) as f64;
+    assert!((ek - want).abs() < 1e-9, "effective K bits {ek}, want {want}");
     // A window of any size costs only the tokens it holds (nothing is reserved up front).
     let mut big = cfg("turboquant_mse:4", "fp16", 1 << 24);
     big.sink = 1 << 24;

@@ -270,8 +270,8 @@ impl PagedCache {
         self.clone()
     }
 
-    /// Bytes allocated: pages, page table, fp16 tails and sinks and per-instance state;
-    /// nothing is reserved ahead of the tokens (see [`StreamStore::resident_bytes`]).
+    /// Bytes in use: pages, page-table entries, the fp16 tail and sink tokens held, and
+    /// per-instance state (growth slack of buffers not counted).
     pub fn resident_bytes(&self) -> usize {
         self.streams().map(StreamStore::resident_bytes).sum()
     }

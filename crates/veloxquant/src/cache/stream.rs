@@ -246,14 +246,13 @@ impl StreamStore {
         self.pages.iter().map(|p| (p.as_ptr(), p.len()))
     }
 
-    /// Pages + page table + tail and sink buffers + format state, as allocated. Nothing is
-    /// reserved ahead: the fp16 buffers grow with the tokens they hold (at most 2× while
-    /// filling, exactly R + slack and S once full), so this is what the tokens occupy.
+    /// Bytes in use: pages with their counters, page-table entries, the fp16 tokens held
+    /// (tail and sinks) and the format state; growth slack of the buffers is not counted.
     pub fn resident_bytes(&self) -> usize {
         self.pages.iter().map(|p| p.len() + ARC_HEADER).sum::<usize>()
-            + self.pages.capacity() * std::mem::size_of::<Page>()
-            + self.tail.capacity() * 2
-            + self.sink.capacity() * 2
+            + self.pages.len() * std::mem::size_of::<Page>()
+            + std::mem::size_of_val(self.tail.as_slice())
+            + std::mem::size_of_val(self.sink.as_slice())
             + self.format.state_bytes()
     }
 }
