@@ -112,6 +112,8 @@ def main():
     a = ap.parse_args()
     import transformers
     rows = []
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "rows": rows}
     for compiled, spec in ((False, a.cases), (True, a.compiled)):
         for n, b, s in parse(spec):
             try:
@@ -121,9 +123,7 @@ def main():
                 torch.cuda.empty_cache()
             print(json.dumps(r), flush=True)
             rows.append(r)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "rows": rows}
-    json.dump(meta, open(a.out, "w"), indent=1)
+            json.dump(meta, open(a.out, "w"), indent=1)  # after every case: a timeout keeps the rest
 
 
 if __name__ == "__main__":

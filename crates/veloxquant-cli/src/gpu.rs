@@ -380,14 +380,22 @@ mod imp {
     }
 
     pub fn eval(a: &crate::eval::EvalArgs) -> AnyResult {
-        let methods: Vec<Method> = a
-            .methods
-            .iter()
-            .map(|m| Method::parse("methods", m).map_err(Into::into))
-            .collect::<AnyResult<Vec<_>>>()?
-            .into_iter()
-            .filter(|m| *m != Method::Fp16)
-            .collect();
+        let all: Vec<Method> =
+            a.methods.iter().map(|m| Method::parse("methods", m).map_err(Into::into)).collect::<AnyResult<Vec<_>>>()?;
+        // Methods the GPU has no kernels for yet are named and left out, not silently dropped.
+        let mut methods = Vec::new();
+        for m in all.into_iter().filter(|m| *m != Method::Fp16) {
+            let ok = gpu_method(&m).and_then(|g| {
+                for spec in [&g.k, &g.v] {
+                    veloxquant_cuda::GpuFormat::new(spec, 64, 32, 0)?;
+                }
+                Ok(g)
+            });
+            match ok {
+                Ok(_) => methods.push(m),
+                Err(e) => eprintln!("skipping {m} on the GPU: {e}"),
+            }
+        }
         let gm: Vec<GpuMethod> = methods.iter().map(gpu_method).collect::<AnyResult<_>>()?;
         let text_path = a
             .text

@@ -22,16 +22,30 @@ __device__ __forceinline__ float block_sum(float x, float* red) {
     return x;
 }
 
-// out16[r] = f16(x[r] · w / rms(x[r])) for rows r of x (row stride ld_x). Grid: rows; block 256.
-extern "C" __global__ void rmsnorm(const float* __restrict__ x, long ld_x, const float* __restrict__ w, int h,
-                                   float eps, u16* __restrict__ out16) {
+// out16[r] = f16(x[r] · w / rms(x[r])) for rows r of x (row stride ld_x). Grid: rows; block
+// 256. The row is read once into registers (h ≤ 256 · RMS_MAX): these launches are latency-
+// bound at decode batch sizes (a few rows), so one pass and one reduction.
+#define RMS_MAX 32
+extern "C" __global__ void __launch_bounds__(256) rmsnorm(const float* __restrict__ x, long ld_x,
+                                                         const float* __restrict__ w, int h, float eps,
+                                                         u16* __restrict__ out16) {
     __shared__ float red[32];
     const float* r = x + (size_t)blockIdx.x * ld_x;
+    float v[RMS_MAX];
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < h; i += blockDim.x) ss += r[i] * r[i];
+#pragma unroll
+    for (int k = 0; k < RMS_MAX; k++) {
+        const int i = threadIdx.x + k * 256;
+        v[k] = i < h ? r[i] : 0.0f;
+        ss += v[k] * v[k];
+    }
     ss = block_sum(ss, red);
     const float s = rsqrtf(ss / (float)h + eps);
-    for (int i = threadIdx.x; i < h; i += blockDim.x) out16[(size_t)blockIdx.x * h + i] = f2h(r[i] * s * w[i]);
+#pragma unroll
+    for (int k = 0; k < RMS_MAX; k++) {
+        const int i = threadIdx.x + k * 256;
+        if (i < h) out16[(size_t)blockIdx.x * h + i] = f2h(v[k] * s * w[i]);
+    }
 }
 
 // RoPE on the fused QKV rows (llama.cpp's adjacent pairs 2i, 2i+1): q to q32 [t][HQ][D] (f32,
@@ -77,10 +91,12 @@ extern "C" __global__ void swiglu(const float* __restrict__ gu, int f, long n, u
     }
 }
 
-// ids[r] = argmax of logits row r (first index on ties, NaN never wins). Grid: rows; block 256.
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int n_vocab, int* __restrict__ ids) {
-    __shared__ float bv[256];
-    __shared__ int bi[256];
+// ids[r] = argmax of logits row r (first index on ties, NaN never wins). Grid: rows; block
+// 1024 (a few rows of a large vocabulary at decode).
+extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int n_vocab,
+                                                              int* __restrict__ ids) {
+    __shared__ float bv[1024];
+    __shared__ int bi[1024];
     const float* r = logits + (size_t)blockIdx.x * n_vocab;
     float best = -__int_as_float(0x7f800000);
     int idx = 0x7fffffff;

@@ -94,6 +94,9 @@ impl ModelOps {
         if rows == 0 {
             return Ok(());
         }
+        if h > 256 * 32 {
+            return Err(CudaError::ShapeMismatch { op: "rmsnorm width (≤ 8192)", expected: 8192, got: h });
+        }
         need("rmsnorm x", x.len(), (rows - 1) * ld_x + h)?;
         need("rmsnorm out", out16.len(), rows * h)?;
         let (ld, hi) = (ld_x as i64, int(h)?);
@@ -183,8 +186,10 @@ impl ModelOps {
         let nv = int(n_vocab)?;
         let mut l = st.launch_builder(&self.f_argmax);
         l.arg(logits).arg(&nv).arg(ids);
-        // SAFETY: matches argmax_rows(logits, n_vocab, ids); extents checked above.
-        unsafe { l.launch(rows_cfg(rows)) }.map_err(drv("argmax"))?;
+        let cfg = LaunchConfig { block_dim: (1024, 1, 1), ..rows_cfg(rows) };
+        // SAFETY: matches argmax_rows(logits, n_vocab, ids) with its 1024-thread block; extents
+        // checked above.
+        unsafe { l.launch(cfg) }.map_err(drv("argmax"))?;
         Ok(())
     }
 
