@@ -11,12 +11,15 @@ use veloxquant_llm::{
     TextStream, Tokenizer, WeightMode,
 };
 
-fn tiny_model() -> (Llama, Tokenizer) {
+/// The tiny model, from a file of the calling test's own (tests run in parallel).
+fn tiny_model(test: &str) -> (Llama, Tokenizer) {
     let dir = std::env::temp_dir().join(format!("vq-llm-limits-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tiny.gguf");
+    let path = dir.join(format!("{test}.gguf"));
     tiny::write_tiny_llama(&path, 3);
-    (Llama::load(&path, WeightMode::DequantF32).unwrap(), Tokenizer::from_gguf_path(&path).unwrap())
+    let loaded = (Llama::load(&path, WeightMode::DequantF32).unwrap(), Tokenizer::from_gguf_path(&path).unwrap());
+    std::fs::remove_file(&path).ok();
+    loaded
 }
 
 fn overflow<T: std::fmt::Debug>(r: Result<T, LlmError>) -> bool {
@@ -25,7 +28,7 @@ fn overflow<T: std::fmt::Debug>(r: Result<T, LlmError>) -> bool {
 
 #[test]
 fn lengths_beyond_the_context_are_refused_before_any_work() {
-    let (m, tok) = tiny_model();
+    let (m, tok) = tiny_model("lengths");
     let c = m.config.clone();
     let prompt = tok.encode("Hello").unwrap();
     let t0 = std::time::Instant::now();
@@ -61,7 +64,7 @@ fn lengths_beyond_the_context_are_refused_before_any_work() {
 
 #[test]
 fn streamed_text_comes_in_whole_characters() {
-    let (_, tok) = tiny_model();
+    let (_, tok) = tiny_model("stream");
     // The tiny vocabulary holds single bytes: every multi-byte character spans tokens.
     let text = "naïve café — 日本 🦀!";
     let ids = tok.encode(text).unwrap();
