@@ -519,22 +519,21 @@ mod imp {
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut out = Vec::new();
-        let mut printed = 0;
+        // Whole characters only (a byte-level token may hold part of one).
+        let mut text = veloxquant_llm::TextStream::new(&tok);
         use std::io::Write;
         while out.len() < a.max_tokens && !stop.contains(&next) {
             out.push(next);
-            if let Ok(text) = tok.decode(&out) {
-                if !text.ends_with('\u{FFFD}') && text.len() > printed {
-                    print!("{}", &text[printed..]);
-                    let _ = std::io::stdout().flush();
-                    printed = text.len();
-                }
+            if let Ok(piece) = text.push(next) {
+                print!("{piece}");
+                let _ = std::io::stdout().flush();
             }
             if out.len() == a.max_tokens {
                 break;
             }
             next = e.step(&[(s, next)], false)?.ids[0];
         }
+        print!("{}", text.finish()?);
         let decode_s = t1.elapsed().as_secs_f64();
         let bytes = e.cache.slot_bytes(s)?;
         println!(
