@@ -217,7 +217,8 @@ mod imp {
         if a.iters == 0 || a.batch.contains(&0) || a.context.contains(&0) {
             return Err("bench e2e: --iters, --batch and --context must be > 0".into());
         }
-        let methods: Vec<Method> = a.methods.iter().map(|m| Method::parse(m)).collect::<AnyResult<_>>()?;
+        let methods: Vec<Method> =
+            a.methods.iter().map(|m| Method::parse("methods", m).map_err(Into::into)).collect::<AnyResult<_>>()?;
         let dev = device()?;
         let (read_tbps, copy_tbps) = veloxquant_cuda::bench::bandwidth(&dev)?;
         eprintln!("{}: read {read_tbps:.2} TB/s, copy {copy_tbps:.2} TB/s", dev.name);
@@ -271,7 +272,8 @@ mod imp {
     }
 
     pub fn eval(a: &crate::eval::EvalArgs) -> AnyResult {
-        let all: Vec<Method> = a.methods.iter().map(|m| Method::parse(m)).collect::<AnyResult<Vec<_>>>()?;
+        let all: Vec<Method> =
+            a.methods.iter().map(|m| Method::parse("methods", m).map_err(Into::into)).collect::<AnyResult<Vec<_>>>()?;
         // Methods the GPU has no kernels for yet are named and left out, not silently dropped.
         let mut methods = Vec::new();
         for m in all.into_iter().filter(|m| *m != Method::Fp16) {
@@ -379,7 +381,7 @@ mod imp {
     }
 
     pub fn generate(a: &crate::demo::GenerateArgs) -> AnyResult {
-        let method = Method::parse(&a.method)?;
+        let method = Method::parse("method", &a.method)?;
         let gm = gpu_method(&method)?;
         let path = a.model.path()?;
         let tok = Tokenizer::from_gguf_path(&path)?;
@@ -409,22 +411,21 @@ mod imp {
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut out = Vec::new();
-        let mut printed = 0;
+        // Whole characters only (a byte-level token may hold part of one).
+        let mut text = veloxquant_llm::TextStream::new(&tok);
         use std::io::Write;
         while out.len() < a.max_tokens && !stop.contains(&next) {
             out.push(next);
-            if let Ok(text) = tok.decode(&out) {
-                if !text.ends_with('\u{FFFD}') && text.len() > printed {
-                    print!("{}", &text[printed..]);
-                    let _ = std::io::stdout().flush();
-                    printed = text.len();
-                }
+            if let Ok(piece) = text.push(next) {
+                print!("{piece}");
+                let _ = std::io::stdout().flush();
             }
             if out.len() == a.max_tokens {
                 break;
             }
             next = e.step(&[(s, next)], false)?.ids[0];
         }
+        print!("{}", text.finish()?);
         let decode_s = t1.elapsed().as_secs_f64();
         let bytes = e.cache.slot_bytes(s)?;
         println!(
