@@ -16,10 +16,11 @@ use crate::files::OutputKind;
 use crate::model::{load, Method, ModelArgs, DEFAULT_METHOD};
 use crate::util::{print_table_to, AnyResult};
 
-const DEMO_PROMPT: &str = "The lighthouse keeper had lived alone on the island for twenty years. One stormy night,";
+pub(crate) const DEMO_PROMPT: &str =
+    "The lighthouse keeper had lived alone on the island for twenty years. One stormy night,";
 /// The demo's long-context case: a passkey prompt of this many tokens (less on a model
 /// with a shorter context), where the fp16 window no longer dominates the compressed cache.
-const LONG_CONTEXT: usize = 4096;
+pub(crate) const LONG_CONTEXT: usize = 4096;
 /// Most passkey trials per depth.
 const MAX_TRIALS: usize = 10_000;
 
@@ -157,6 +158,9 @@ pub struct DemoArgs {
     /// The compressed configuration to show next to fp16.
     #[arg(long, default_value = DEFAULT_METHOD)]
     method: String,
+    /// Where the model runs (cuda: builds with `--features cuda`).
+    #[arg(long, value_enum, default_value_t = crate::gpu::Device::Cpu)]
+    pub(crate) device: crate::gpu::Device,
 }
 
 impl DemoArgs {
@@ -167,7 +171,10 @@ impl DemoArgs {
     }
 }
 
-pub fn demo(p: &GenPlan, model_path: &Path) -> AnyResult {
+pub fn demo(a: &DemoArgs, p: &GenPlan, model_path: &Path) -> AnyResult {
+    if a.device == crate::gpu::Device::Cuda {
+        return crate::gpu::demo(p, model_path);
+    }
     let t0 = std::time::Instant::now();
     let method = &p.method;
     let (model, tok) = load(model_path)?;
@@ -249,21 +256,25 @@ pub struct PasskeyArgs {
     pub model: ModelArgs,
     /// Prompt lengths in tokens (each at most the model's context less the answer's 8).
     #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096")]
-    lengths: Vec<usize>,
+    pub(crate) lengths: Vec<usize>,
     #[arg(long, value_delimiter = ',', default_value = "fp16,turboquant_mse:4:eden/turboquant_mse:3,q4_0:rot")]
     methods: Vec<String>,
     /// Depths of the hidden number (fraction of the filler).
     #[arg(long, value_delimiter = ',', default_value = "0.1,0.5,0.9")]
-    depths: Vec<f64>,
+    pub(crate) depths: Vec<f64>,
     /// Trials per depth.
     #[arg(long, default_value_t = 1)]
-    n: usize,
+    pub(crate) n: usize,
     #[arg(long, default_value_t = 7)]
-    seed: u64,
+    pub(crate) seed: u64,
     #[arg(long)]
-    json: Option<std::path::PathBuf>,
+    pub(crate) json: Option<std::path::PathBuf>,
     #[arg(long)]
-    md: Option<std::path::PathBuf>,
+    pub(crate) md: Option<std::path::PathBuf>,
+    /// Where the model runs (cuda: builds with `--features cuda`; the trials of a length
+    /// run as one batch).
+    #[arg(long, value_enum, default_value_t = crate::gpu::Device::Cpu)]
+    pub(crate) device: crate::gpu::Device,
 }
 
 impl PasskeyArgs {
@@ -285,6 +296,9 @@ impl PasskeyArgs {
 }
 
 pub fn passkey(a: &PasskeyArgs, methods: &[Method], model_path: &Path) -> AnyResult {
+    if a.device == crate::gpu::Device::Cuda {
+        return crate::gpu::passkey(a, methods, model_path);
+    }
     let (model, tok) = load(model_path)?;
     let mut rows = Vec::new();
     let mut out = Vec::new();

@@ -88,6 +88,12 @@ mod imp {
     pub fn generate(_: &crate::demo::GenerateArgs) -> AnyResult {
         no_cuda()
     }
+    pub fn passkey(_: &crate::demo::PasskeyArgs, _: &[crate::model::Method], _: &std::path::Path) -> AnyResult {
+        no_cuda()
+    }
+    pub fn demo(_: &crate::demo::GenPlan, _: &std::path::Path) -> AnyResult {
+        no_cuda()
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -380,6 +386,142 @@ mod imp {
         Ok(())
     }
 
+    pub fn passkey(a: &crate::demo::PasskeyArgs, methods: &[Method], model_path: &std::path::Path) -> AnyResult {
+        use veloxquant_llm::gpu::passkey_accuracy_gpu;
+        use veloxquant_llm::passkey::{answer_tokens, PasskeyFormat};
+        let tok = Tokenizer::from_gguf_path(model_path)?;
+        let dev = device()?;
+        let model = Arc::new(GpuModel::load(&dev, model_path)?);
+        let trials = a.depths.len() * a.n;
+        let longest = a.lengths.iter().copied().max().unwrap_or(0) + answer_tokens(PasskeyFormat::Plain) + 1;
+        let mut rows = Vec::new();
+        let mut out = Vec::new();
+        for m in methods {
+            let mut e = GpuEngine::new(model.clone(), EngineConfig::new(gpu_method(m)?, trials, longest))?;
+            let mut row = vec![m.to_string()];
+            for &len in &a.lengths {
+                let t0 = Instant::now();
+                let s = passkey_accuracy_gpu(&mut e, &tok, len, &a.depths, a.n, a.seed, PasskeyFormat::Plain)?;
+                eprintln!(
+                    "{m} @ {len}: {}/{} ({:.1} s on {})",
+                    s.n_correct,
+                    s.n_trials,
+                    t0.elapsed().as_secs_f64(),
+                    dev.name
+                );
+                row.push(format!("{}/{}", s.n_correct, s.n_trials));
+                out.push(json!({"method": m.to_string(), "tokens": len, "correct": s.n_correct, "trials": s.n_trials, "accuracy": s.accuracy(), "device": dev.name}));
+            }
+            rows.push(row);
+        }
+        let header: Vec<String> =
+            std::iter::once("method".to_string()).chain(a.lengths.iter().map(|l| format!("{l} tokens"))).collect();
+        let header: Vec<&str> = header.iter().map(String::as_str).collect();
+        print_table_to(&header, &rows, a.md.as_deref())?;
+        if let Some(p) = &a.json {
+            write_json(p, &Value::Array(out))?;
+        }
+        Ok(())
+    }
+
+    /// Greedy continuation of `prompt` by `e` (a fresh sequence, removed after): the ids.
+    fn greedy(e: &mut GpuEngine, prompt: &[u32], max: usize, stop: &[u32]) -> AnyResult<(Vec<u32>, usize, f64)> {
+        let s = e.add_sequence()?;
+        let lg = e.prefill(&[(s, prompt, prompt.len() - 1)])?;
+        let mut next = veloxquant_llm::eval::argmax(&lg[0]) as u32;
+        let t0 = Instant::now();
+        let mut out = Vec::new();
+        while out.len() < max && !stop.contains(&next) {
+            out.push(next);
+            if out.len() < max {
+                next = e.step(&[(s, next)], false)?.ids[0];
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let bytes = e.cache.slot_bytes(s)?;
+        e.remove_sequence(s)?;
+        Ok((out, bytes, secs))
+    }
+
+    /// The demo on the GPU: the built-in prompt through fp16 and the method (texts, bytes,
+    /// speed, KL / top-1 on the same tokens), then the long-context passkey case.
+    pub fn demo(p: &crate::demo::GenPlan, model_path: &std::path::Path) -> AnyResult {
+        use crate::demo::{DEMO_PROMPT, LONG_CONTEXT};
+        use veloxquant_llm::eval::{argmax, kl_divergence, log_softmax_in_place};
+        use veloxquant_llm::passkey::{answer_tokens, extract_passkey, passkey_prompt, PasskeyFormat};
+        let t0 = Instant::now();
+        let tok = Tokenizer::from_gguf_path(model_path)?;
+        let dev = device()?;
+        let model = Arc::new(GpuModel::load(&dev, model_path)?);
+        let stop = tok.stop_ids();
+        let prompt = tok.encode(DEMO_PROMPT)?;
+        let ctx = (prompt.len() + p.max_tokens + 1)
+            .max(LONG_CONTEXT + answer_tokens(PasskeyFormat::Plain) + 1)
+            .min(model.config.n_ctx_train);
+        let methods = [Method::Fp16, p.method.clone()];
+        let mut engines: Vec<GpuEngine> = methods
+            .iter()
+            .map(|m| Ok(GpuEngine::new(model.clone(), EngineConfig::new(gpu_method(m)?, 1, ctx))?))
+            .collect::<AnyResult<_>>()?;
+        println!("prompt: {DEMO_PROMPT}\n");
+        let mut runs = Vec::new();
+        for (m, e) in methods.iter().zip(engines.iter_mut()) {
+            let (ids, bytes, secs) = greedy(e, &prompt, p.max_tokens, &stop)?;
+            println!("── {m} ({}) ──\n{DEMO_PROMPT}{}\n", dev.name, tok.decode(&ids)?);
+            runs.push((ids, bytes, secs));
+        }
+        // Agreement on the fp16 run's tokens, both caches teacher-forced.
+        let ids: Vec<u32> = prompt.iter().chain(&runs[0].0).copied().collect();
+        let fed = &ids[..ids.len() - 1];
+        let mut lp = Vec::new();
+        for e in engines.iter_mut() {
+            let s = e.add_sequence()?;
+            let mut l = e.prefill(&[(s, fed, prompt.len() - 1)])?.remove(0);
+            e.remove_sequence(s)?;
+            l.chunks_exact_mut(model.config.n_vocab).for_each(log_softmax_in_place);
+            lp.push(l);
+        }
+        let nv = model.config.n_vocab;
+        let (mut kl, mut same, mut n) = (0.0, 0usize, 0usize);
+        for (a, b) in lp[0].chunks_exact(nv).zip(lp[1].chunks_exact(nv)) {
+            kl += kl_divergence(a, b);
+            same += usize::from(argmax(a) == argmax(b));
+            n += 1;
+        }
+        let rows: Vec<Vec<String>> = methods
+            .iter()
+            .zip(&runs)
+            .map(|(m, (ids, bytes, secs))| {
+                vec![m.to_string(), bytes.to_string(), format!("{:.1}", ids.len() as f64 / secs.max(1e-9))]
+            })
+            .collect();
+        print_table_to(&["KV cache", "bytes on the device", "decode tokens/s"], &rows, None)?;
+        println!(
+            "\n{} vs fp16 on the same {n} generated positions: mean KL {:.5} nats, top-1 agreement {:.1} %\n",
+            p.method,
+            kl / n.max(1) as f64,
+            100.0 * same as f64 / n.max(1) as f64
+        );
+        let len = LONG_CONTEXT.min(model.config.n_ctx_train - answer_tokens(PasskeyFormat::Plain) - 1);
+        let pk = passkey_prompt(&tok, len, 0.5, 7, PasskeyFormat::Plain)?;
+        println!("long context: passkey {} hidden halfway through a {}-token prompt", pk.passkey, pk.tokens.len());
+        let mut rows = Vec::new();
+        for (m, e) in methods.iter().zip(engines.iter_mut()) {
+            let (said, bytes, _) = greedy(e, &pk.tokens, answer_tokens(PasskeyFormat::Plain), &stop)?;
+            let text = tok.decode(&said)?;
+            let right = extract_passkey(&text) == Some(pk.passkey);
+            rows.push(vec![
+                m.to_string(),
+                format!("{:?}", text.trim_end()),
+                if right { "yes".into() } else { "no".into() },
+                bytes.to_string(),
+            ]);
+        }
+        print_table_to(&["KV cache", "answer", "correct", "bytes on the device"], &rows, None)?;
+        println!("\ndemo took {:.1} s on {}", t0.elapsed().as_secs_f64(), dev.name);
+        Ok(())
+    }
+
     pub fn generate(a: &crate::demo::GenerateArgs) -> AnyResult {
         let method = Method::parse("method", &a.method)?;
         let gm = gpu_method(&method)?;
@@ -440,7 +582,7 @@ mod imp {
     }
 }
 
-pub use imp::{bench_e2e, eval, generate};
+pub use imp::{bench_e2e, demo, eval, generate, passkey};
 
 /// Pure JSON work: runs in any build (the results are made on the GPU machine, merged here).
 mod report {

@@ -120,7 +120,7 @@ fn run(cli: Cli) -> util::AnyResult {
     let model = info.as_ref().map(|i| i.path.as_path());
     let need = || model.ok_or("no model for a model command");
     match (cli.cmd, plan) {
-        (Cmd::Demo(_), check::Plan::Gen(p)) => demo::demo(&p, need()?),
+        (Cmd::Demo(a), check::Plan::Gen(p)) => demo::demo(&a, &p, need()?),
         (Cmd::Eval(a), check::Plan::Eval(p)) => eval::run(&a, &p, need()?),
         (Cmd::Generate(a), check::Plan::Gen(p)) => demo::generate(&a, &p, need()?),
         (Cmd::Passkey(a), check::Plan::Methods(m)) => demo::passkey(&a, &m, need()?),

@@ -144,6 +144,11 @@ pub fn answer_tokens(format: PasskeyFormat) -> usize {
     }
 }
 
+/// The seed of trial `trial` at depth index `di` (the CPU and GPU runs build the same prompts).
+pub fn trial_seed(seed: u64, di: usize, trial: usize) -> u64 {
+    seed ^ ((di as u64) << 32) ^ (trial as u64).wrapping_mul(0x9E37_79B9)
+}
+
 /// Greedy-decodes the answer for `n` seeded prompts at each depth; a trial is correct when
 /// the first five-digit number generated equals the passkey.
 #[allow(clippy::too_many_arguments)]
@@ -175,7 +180,7 @@ pub fn passkey_accuracy(
     for (di, &depth) in depths.iter().enumerate() {
         let mut correct = 0;
         for trial in 0..n {
-            let trial_seed = seed ^ ((di as u64) << 32) ^ (trial as u64).wrapping_mul(0x9E37_79B9);
+            let trial_seed = trial_seed(seed, di, trial);
             let p = passkey_prompt(tok, target_tokens, depth, trial_seed, format)?;
             let mut store = factory()?;
             let g = generate_ids(model, &p.tokens, answer, &stop, store.as_mut(), &mut Greedy, &mut |_| true)?;
