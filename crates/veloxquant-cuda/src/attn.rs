@@ -15,16 +15,13 @@ use crate::cache::GpuKvCache;
 use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
 use crate::format::{GpuFormat, KernelKind};
+use crate::tuning::Tuning;
 
 /// Warps per decode block (each owns pages of the block's split in turn).
 pub const NWARPS: usize = 4;
 /// Warps per block of the pipelined 2/4-bit path: one block of 12 per SM shares one lookup
 /// table (measured on the H200: 4 and 8 warps per block were slower).
 pub const PIPE_WARPS: usize = 12;
-
-fn env_knob(name: &str, default: i64) -> i64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// Splits per (sequence, KV head) row: the fewest that fill the last wave of `target`
 /// resident blocks to ≥ 90 % (a split-K grid of rows·s blocks runs in ⌈rows·s / target⌉
@@ -70,18 +67,14 @@ pub fn hopper(cc: (i32, i32)) -> bool {
 }
 
 impl Pipe {
-    fn new(kf: &GpuFormat, vf: &GpuFormat, cc: (i32, i32), generic: bool) -> Self {
+    fn new(kf: &GpuFormat, vf: &GpuFormat, cc: (i32, i32), generic: bool, t: &Tuning) -> Self {
         let fast = fast_path(kf, vf) && hopper(cc) && !generic;
         Self {
             fast,
-            stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
-            warps: if fast {
-                env_knob("VELOXQUANT_DECODE_WARPS", PIPE_WARPS as i64).clamp(4, 16) as usize
-            } else {
-                NWARPS
-            },
-            minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
-            fuse_q: fast && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
+            stages: t.decode_stages,
+            warps: if fast { t.decode_warps } else { NWARPS },
+            minb: t.decode_minb,
+            fuse_q: fast && t.decode_fuse_q,
         }
     }
     /// One warp's ring of page slots (bytes).
@@ -105,8 +98,8 @@ impl Pipe {
     }
 }
 
-/// Softmax variants (benchmarks only; defaults are the measured best on the H200,
-/// benchmarks/results/cuda-decode.md): `VELOXQUANT_DECODE_EXPFTZ` (1), `_SLACK` (8).
+/// Softmax variants (`Tuning`; defaults are the measured best on the H200,
+/// benchmarks/results/cuda-decode.md).
 #[derive(Clone, Copy, Debug)]
 struct Variants {
     expftz: bool,
@@ -115,11 +108,8 @@ struct Variants {
 }
 
 impl Variants {
-    fn new() -> Self {
-        Self {
-            expftz: env_knob("VELOXQUANT_DECODE_EXPFTZ", 1) != 0,
-            slack: env_knob("VELOXQUANT_DECODE_SLACK", 8).clamp(0, 12),
-        }
+    fn new(t: &Tuning) -> Self {
+        Self { expftz: t.decode_expftz, slack: t.decode_slack }
     }
 }
 
@@ -163,9 +153,10 @@ fn decode_defines(
 /// Every module a decode plan for `kf`/`vf` and group `g` compiles: (family, defines,
 /// kernel names), for compile-only checks (CPU-side test).
 pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) -> Vec<(Family, Vec<(String, i64)>)> {
-    let pipe = Pipe::new(kf, vf, cc, false);
-    let var = Variants::new();
-    let pdl = hopper(cc) && env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
+    let t = Tuning::default();
+    let pipe = Pipe::new(kf, vf, cc, false, &t);
+    let var = Variants::new(&t);
+    let pdl = hopper(cc) && t.decode_pdl;
     vec![(Family::Decode, decode_defines(kf, vf, g, &pipe, &var, pdl)), (Family::Attn, attn_defines(kf, vf, g, pdl))]
 }
 
@@ -314,11 +305,12 @@ impl PlanCore {
         let d = cfg.head_dim;
         let (kf, vf) = (&cache.k.fmt, &cache.v.fmt);
         let cc = dev.compute_capability;
-        let pipe = Pipe::new(kf, vf, cc, opts.generic);
-        let var = Variants::new();
+        let t = dev.tuning;
+        let pipe = Pipe::new(kf, vf, cc, opts.generic, &t);
+        let var = Variants::new(&t);
         let b = batch;
         let max_pages = max_pages.clamp(1, cfg.max_pages_per_seq);
-        let pdl = hopper(cc) && env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
+        let pdl = hopper(cc) && t.decode_pdl;
         // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
         let post = if pipe.fast { pipe.warps * 8 * d * 4 } else { 0 };
         let defs = decode_defines(kf, vf, g, &pipe, &var, pdl);

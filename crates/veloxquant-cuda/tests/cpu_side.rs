@@ -150,7 +150,7 @@ fn every_kernel_configuration_compiles() {
                 specs.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();
             for f in &fmts {
                 for input in [InputKind::F32, InputKind::F16] {
-                    compile(Family::Encode, owned(&encode_defines(f, input, 1)));
+                    compile(Family::Encode, owned(&encode_defines(f, input, 1, &veloxquant_cuda::Tuning::default())));
                 }
                 for (sink, recent, rows) in [(0, 0, true), (4, 8, true), (0, 32, false)] {
                     let mut cpu = CacheConfig::new(1, 2, d, f.spec.clone(), f.spec.clone());
