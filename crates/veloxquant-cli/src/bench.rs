@@ -15,7 +15,11 @@ use veloxquant::rng::SplitMix64;
 
 use veloxquant::{CacheConfig, Calibration, FormatSpec, PagedCache, Stream};
 
+use crate::check::{bad, count, nonempty, ArgError, Ctx};
+use crate::files::OutputKind;
 use crate::util::{print_table_to, progress, quantiles, write_json, AnyResult};
+use veloxquant::cache::MAX_HEADS;
+use veloxquant::format::MAX_HEAD_DIM;
 
 #[derive(clap::Args)]
 pub struct CpuArgs {
@@ -48,21 +52,72 @@ pub struct CpuArgs {
     md: Option<PathBuf>,
 }
 
-fn parse_pair(s: &str) -> AnyResult<(FormatSpec, FormatSpec)> {
+fn parse_pair(s: &str) -> Result<(FormatSpec, FormatSpec), ArgError> {
+    let spec =
+        |t: &str| FormatSpec::parse(t).map_err(|source| ArgError::Spec { arg: "formats", value: s.into(), source });
     let mut it = s.splitn(2, '/');
-    let k = FormatSpec::parse(it.next().unwrap_or_default())?;
+    let k = spec(it.next().unwrap_or_default())?;
     let v = match it.next() {
-        Some(v) => FormatSpec::parse(v)?,
+        Some(v) => spec(v)?,
         None => k.clone(),
     };
     Ok((k, v))
 }
 
-fn parse_shape(s: &str) -> AnyResult<(usize, usize, usize)> {
-    let p: Vec<usize> = s.split(':').map(str::parse).collect::<Result<_, _>>()?;
+fn parse_shape(s: &str) -> Result<(usize, usize, usize), ArgError> {
+    let why = format!(
+        "want HQ:HKV:D with 1 ≤ HKV ≤ {MAX_HEADS}, HQ a multiple of HKV up to {MAX_HEADS}, 1 ≤ D ≤ {MAX_HEAD_DIM}"
+    );
+    let p: Vec<usize> = s.split(':').map(str::parse).collect::<Result<_, _>>().map_err(|_| bad("shapes", s, &why))?;
     match p[..] {
-        [hq, hkv, d] if hkv > 0 && hq % hkv == 0 => Ok((hq, hkv, d)),
-        _ => Err(format!("shape {s:?}: want HQ:HKV:D with HQ a multiple of HKV").into()),
+        [hq, hkv, d]
+            if (1..=MAX_HEADS).contains(&hkv)
+                && (1..=MAX_HEADS).contains(&hq)
+                && hq % hkv == 0
+                && (1..=MAX_HEAD_DIM).contains(&d) =>
+        {
+            Ok((hq, hkv, d))
+        }
+        _ => Err(bad("shapes", s, why)),
+    }
+}
+
+/// Values of K (or V) one benchmark point may hold in f32 (512 MiB; the default largest,
+/// 8 KV heads × 32k tokens × 128, is a quarter of it): every format's cache is built
+/// from them at once.
+const MAX_POINT_VALUES: usize = 1 << 27;
+const MAX_REPS: usize = 100_000;
+
+/// A benchmark's checked formats and shapes.
+pub struct BenchPlan {
+    pairs: Vec<(FormatSpec, FormatSpec)>,
+    shapes: Vec<(usize, usize, usize)>,
+}
+
+impl CpuArgs {
+    pub fn plan(&self, ctx: &Ctx) -> Result<BenchPlan, ArgError> {
+        nonempty("context", &self.context)?;
+        nonempty("formats", &self.formats)?;
+        nonempty("shapes", &self.shapes)?;
+        count("reps", self.reps, 1..=MAX_REPS)?;
+        count("ref-reps", self.ref_reps, 0..=MAX_REPS)?;
+        count("recent", self.recent, 0..=veloxquant::cache::MAX_WINDOW_TOKENS)?;
+        let pairs = self.formats.iter().map(|s| parse_pair(s)).collect::<Result<_, _>>()?;
+        let shapes: Vec<_> = self.shapes.iter().map(|s| parse_shape(s)).collect::<Result<_, _>>()?;
+        for &n in &self.context {
+            count("context", n, 1..=MAX_POINT_VALUES)?;
+            for &(_, hkv, d) in &shapes {
+                if hkv * d * n > MAX_POINT_VALUES {
+                    let why =
+                        format!("{hkv} KV heads × {n} tokens × d {d} exceeds {MAX_POINT_VALUES} values per point");
+                    return Err(bad("context", n, why));
+                }
+            }
+        }
+        crate::check::distinct(&[self.json.as_ref(), self.md.as_ref()])?;
+        ctx.output(self.json.as_ref(), OutputKind::Json, &[])?;
+        ctx.output(self.md.as_ref(), OutputKind::Markdown, &[])?;
+        Ok(BenchPlan { pairs, shapes })
     }
 }
 
@@ -102,9 +157,8 @@ fn time_us(f: impl FnOnce()) -> f64 {
     t.elapsed().as_secs_f64() * 1e6
 }
 
-pub fn run_cpu(a: &CpuArgs) -> AnyResult {
-    let pairs: Vec<(FormatSpec, FormatSpec)> = a.formats.iter().map(|s| parse_pair(s)).collect::<AnyResult<_>>()?;
-    let shapes: Vec<_> = a.shapes.iter().map(|s| parse_shape(s)).collect::<AnyResult<_>>()?;
+pub fn run_cpu(a: &CpuArgs, p: &BenchPlan) -> AnyResult {
+    let (pairs, shapes) = (&p.pairs, &p.shapes);
     let (read_bw, copy_bw) = memory_bandwidth();
     let threads = rayon::current_num_threads();
     println!("CPU: {threads} threads; measured read {read_bw:.1} GB/s, copy {copy_bw:.1} GB/s; R = {}", a.recent);
@@ -112,7 +166,7 @@ pub fn run_cpu(a: &CpuArgs) -> AnyResult {
     let mut rows_json = Vec::new();
     let mut rows = Vec::new();
     let pb = progress((shapes.len() * a.context.len()) as u64, "bench cpu");
-    for &(hq, hkv, d) in &shapes {
+    for &(hq, hkv, d) in shapes.iter() {
         for &n in &a.context {
             let mut rng = SplitMix64::new((n * d) as u64);
             // Keys with a few outlier channels (as in real models), Gaussian values.

@@ -8,15 +8,17 @@
 //! directly.
 
 use std::fs::File;
-use std::io::{BufReader, BufWriter};
-use std::path::PathBuf;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
 
 use veloxquant::cache::{LoadCheck, SaveInfo};
 use veloxquant::{FormatSpec, PagedCache};
 use veloxquant_llm::generate::continue_ids;
 use veloxquant_llm::{model_fingerprint, CompressedStore, Greedy, KvStore, Llama, Tokenizer};
 
-use crate::demo::GenerateArgs;
+use crate::check::{ArgError, Ctx};
+use crate::demo::{GenPlan, GenerateArgs};
+use crate::files::{check_input, write_atomic, OutputKind};
 use crate::model::{Method, ModelArgs};
 use crate::util::AnyResult;
 
@@ -41,32 +43,68 @@ pub enum CacheCmd {
     Inspect { file: PathBuf },
 }
 
-pub fn run(cmd: &CacheCmd) -> AnyResult {
-    match cmd {
-        CacheCmd::Save { file, gen } => save(file, &gen.model, &gen.prompt, &gen.method, gen.max_tokens),
-        CacheCmd::Load { file, model, max_tokens } => load(file, model, *max_tokens),
-        CacheCmd::Inspect { file } => inspect(file),
+impl CacheCmd {
+    /// The model a subcommand runs (inspect needs none).
+    pub fn model_args(&self) -> Option<&ModelArgs> {
+        match self {
+            Self::Save { gen, .. } => Some(&gen.model),
+            Self::Load { model, .. } => Some(model),
+            Self::Inspect { .. } => None,
+        }
+    }
+
+    /// `save`: a prompt of at least 2 tokens and the continuation within the context, a
+    /// file that may be (re)written as a cache; `load`, `inspect`: a regular file.
+    pub fn plan(&self, ctx: &Ctx) -> Result<Option<GenPlan>, ArgError> {
+        match self {
+            Self::Save { file, gen } => {
+                ctx.output(Some(file), OutputKind::Cache, &[])?;
+                let mut p = gen.plan(ctx, 0, 2)?;
+                if p.method == Method::Fp16 {
+                    let fp16 = FormatSpec::parse("fp16").expect("registered");
+                    p.method = Method::Compressed { k: fp16.clone(), v: fp16, recent: 0, sink: 0 };
+                }
+                Ok(Some(p))
+            }
+            Self::Load { file, max_tokens, .. } => {
+                check_input(file, "cache file")?;
+                ctx.within_context("max-tokens", *max_tokens, 0, 1)?;
+                Ok(None)
+            }
+            Self::Inspect { file } => check_input(file, "cache file").map(|_| None),
+        }
     }
 }
 
-fn save(file: &PathBuf, args: &ModelArgs, prompt: &str, method: &str, max_tokens: usize) -> AnyResult {
-    let method = match Method::parse(method)? {
-        Method::Fp16 => {
-            Method::Compressed { k: FormatSpec::parse("fp16")?, v: FormatSpec::parse("fp16")?, recent: 0, sink: 0 }
-        }
-        m if m.needs_calibration() => {
-            return Err("cache save does not calibrate: pick a method without vecinfer".into())
-        }
-        m => m,
-    };
-    let path = args.path()?;
-    let (model, tok) = args.load()?;
+pub fn run(cmd: &CacheCmd, plan: Option<&GenPlan>, model_path: Option<&Path>) -> AnyResult {
+    match (cmd, plan, model_path) {
+        (CacheCmd::Save { file, gen }, Some(p), Some(m)) => save(file, m, &gen.prompt, p),
+        (CacheCmd::Load { file, max_tokens, .. }, _, Some(m)) => load(file, m, *max_tokens),
+        (CacheCmd::Inspect { file }, _, _) => inspect(file),
+        _ => Err("cache: no plan or model for this subcommand".into()),
+    }
+}
+
+fn save(file: &Path, path: &Path, prompt: &str, p: &GenPlan) -> AnyResult {
+    let (method, max_tokens) = (&p.method, p.max_tokens);
+    let (model, tok) = crate::model::load(path)?;
     let ids = tok.encode(prompt)?;
     let Some((&next, context)) = ids.split_last() else { return Err("empty prompt".into()) };
     if context.is_empty() {
         return Err("the prompt needs at least two tokens (the cache holds all but the last)".into());
     }
-    let Method::Compressed { k, v, recent, sink } = &method else { unreachable!("mapped above") };
+    // The prompt and the continuation must fit the context: refused before the prefill.
+    if ids.len() + max_tokens > model.config.n_ctx_train {
+        return Err(format!(
+            "the prompt's {} tokens and --max-tokens {max_tokens} exceed the model's context of {} tokens",
+            ids.len(),
+            model.config.n_ctx_train
+        )
+        .into());
+    }
+    let Method::Compressed { k, v, recent, sink } = method else {
+        return Err("cache save: fp16 maps to fp16 pages".into());
+    };
     let mut cfg = veloxquant::CacheConfig::new(
         model.config.n_layers,
         model.config.n_kv_heads,
@@ -80,7 +118,7 @@ fn save(file: &PathBuf, args: &ModelArgs, prompt: &str, method: &str, max_tokens
         model.forward(chunk, &mut store, chunk.len() - 1)?;
     }
     let info = SaveInfo {
-        model: Some(model_fingerprint(&path)?),
+        model: Some(model_fingerprint(path)?),
         user: [
             ("method".to_string(), method.to_string()),
             ("context_ids".to_string(), join_ids(context)),
@@ -89,9 +127,7 @@ fn save(file: &PathBuf, args: &ModelArgs, prompt: &str, method: &str, max_tokens
         .into(),
     };
     let t0 = std::time::Instant::now();
-    let mut w = BufWriter::new(File::create(file).map_err(|e| format!("{}: {e}", file.display()))?);
-    let bytes = store.cache().save(&mut w, &info)?;
-    drop(w);
+    let bytes = write_atomic(file, |w| Ok(store.cache().save(w, &info)?))?;
     println!(
         "saved {} tokens ({method}) to {} in {:.1} ms: {bytes} B on disk, {} B resident",
         context.len(),
@@ -105,15 +141,14 @@ fn save(file: &PathBuf, args: &ModelArgs, prompt: &str, method: &str, max_tokens
     Ok(())
 }
 
-fn load(file: &PathBuf, args: &ModelArgs, max_tokens: usize) -> AnyResult {
-    let path = args.path()?;
-    let (model, tok) = args.load()?;
+fn load(file: &PathBuf, path: &Path, max_tokens: usize) -> AnyResult {
+    let (model, tok) = crate::model::load(path)?;
     let c = &model.config;
     let check = LoadCheck {
         n_layers: Some(c.n_layers),
         n_kv_heads: Some(c.n_kv_heads),
         head_dim: Some(c.head_dim),
-        model: Some(model_fingerprint(&path)?),
+        model: Some(model_fingerprint(path)?),
     };
     let t0 = std::time::Instant::now();
     let (cache, info) = open(file, &check)?;
@@ -141,7 +176,7 @@ fn continue_and_print(
     max_tokens: usize,
     store: &mut CompressedStore,
 ) -> AnyResult {
-    let stop: Vec<u32> = tok.eos.into_iter().chain(tok.token_id("<|im_end|>")).collect();
+    let stop = tok.stop_ids();
     let out = continue_ids(model, next, max_tokens, &stop, store, &mut Greedy, &mut |_| true)?;
     println!("{}{}", tok.decode(&[next])?, tok.decode(&out)?);
     println!("tokens: {}", join_ids(&out));

@@ -8,6 +8,8 @@ use serde_json::json;
 use veloxquant::format::{FormatCtx, FormatSpec, NormMode, Stream};
 use veloxquant::rng::SplitMix64;
 
+use crate::check::{count, ArgError, Ctx};
+use crate::files::OutputKind;
 use crate::plot::{scatter_svg, Series};
 use crate::util::{parse_specs, print_table_to, progress, write_json, AnyResult};
 
@@ -68,15 +70,33 @@ fn measure(spec: &FormatSpec, d: usize, n: usize) -> AnyResult<Row> {
     })
 }
 
+/// Most random vectors per format (the statistics settle long before).
+const MAX_VECTORS: usize = 10_000_000;
+
+/// Head size within the formats' bound (a dense rotation is d² floats), 1 ≤ n, the specs.
+pub fn plan(
+    (d, n): (usize, usize),
+    formats: &Option<Vec<String>>,
+    outputs: [Option<&PathBuf>; 3],
+    ctx: &Ctx,
+) -> Result<Vec<FormatSpec>, ArgError> {
+    count("d", d, 1..=veloxquant::format::MAX_HEAD_DIM)?;
+    count("n", n, 1..=MAX_VECTORS)?;
+    crate::check::distinct(&outputs)?;
+    for (p, kind) in outputs.into_iter().zip([OutputKind::Json, OutputKind::Svg, OutputKind::Markdown]) {
+        ctx.output(p, kind, &[])?;
+    }
+    parse_specs("formats", formats)
+}
+
 pub fn run(
     d: usize,
     n: usize,
-    formats: Option<Vec<String>>,
+    specs: &[FormatSpec],
     json: Option<PathBuf>,
     plot: Option<PathBuf>,
     md: Option<PathBuf>,
 ) -> AnyResult {
-    let specs = parse_specs(&formats)?;
     let pb = progress(specs.len() as u64, "formats");
     let rows: Vec<Row> = specs
         .par_iter()

@@ -2,13 +2,15 @@
 //! and each method on the same windows, with KL divergence and top-1 agreement against fp16,
 //! resident bits per value (everything counted at the evaluated context) and speed.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::json;
 use veloxquant_llm::{calibrate, compare_many_with_progress, KvStore, StoreFactory};
 
-use crate::model::{default_text, Method, ModelArgs};
+use crate::check::{bad, methods, ArgError, Ctx};
+use crate::files::{check_input, read_bounded, OutputKind, MAX_TEXT_BYTES};
+use crate::model::{default_text, load, Method, ModelArgs};
 use crate::plot::{scatter_svg, Series};
 use crate::util::{print_table_to, progress, write_json, AnyResult};
 
@@ -60,35 +62,56 @@ pub struct EvalArgs {
     pub(crate) batch: usize,
 }
 
-pub fn run(a: &EvalArgs) -> AnyResult {
+/// Checked `eval` arguments: the methods (fp16, always the reference, and duplicates
+/// dropped) and the text file.
+pub struct EvalPlan {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) text: PathBuf,
+}
+
+impl EvalArgs {
+    /// Windows of 4..=n_ctx tokens, methods whose R and S fit the context, calibration within
+    /// it, a regular text file of bounded size, outputs that may be written.
+    pub fn plan(&self, ctx: &Ctx) -> Result<EvalPlan, ArgError> {
+        ctx.within_context("ctx", self.ctx, 4, 0)?;
+        crate::check::count("batch", self.batch, 1..=1024)?;
+        // R and S beyond a window are valid (the window stays exact): bounded by the model.
+        let methods = methods("methods", &self.methods, ctx.n_ctx(), true, true)?;
+        if methods.iter().any(Method::needs_calibration) {
+            ctx.within_context("calib-tokens", self.calib_tokens, 64, 0)?;
+        }
+        let text = self.text.clone().or_else(default_text).ok_or_else(|| {
+            bad("text", "(none)", "no --text given and ../shared/data/wikitext-2-raw-test.txt not found")
+        })?;
+        let len = check_input(&text, "text")?;
+        if len > MAX_TEXT_BYTES {
+            return Err(bad("text", text.display(), format!("{len} B, more than {MAX_TEXT_BYTES} B")));
+        }
+        crate::check::distinct(&[self.json.as_ref(), self.plot.as_ref(), self.md.as_ref()])?;
+        ctx.output(self.json.as_ref(), OutputKind::Json, &[&text])?;
+        ctx.output(self.plot.as_ref(), OutputKind::Svg, &[&text])?;
+        ctx.output(self.md.as_ref(), OutputKind::Markdown, &[&text])?;
+        Ok(EvalPlan { methods, text })
+    }
+}
+
+pub fn run(a: &EvalArgs, p: &EvalPlan, model_path: &Path) -> AnyResult {
     if a.device == crate::gpu::Device::Cuda {
         return crate::gpu::eval(a);
     }
-    let methods: Vec<Method> = a.methods.iter().map(|m| Method::parse(m)).collect::<AnyResult<_>>()?;
-    let text_path = a
-        .text
-        .clone()
-        .or_else(default_text)
-        .ok_or("no --text given and ../shared/data/wikitext-2-raw-test.txt not found")?;
-    let bytes = std::fs::read(&text_path).map_err(|e| format!("{}: {e}", text_path.display()))?;
+    let (methods, text_path) = (&p.methods, &p.text);
+    let bytes = read_bounded(text_path, "text", MAX_TEXT_BYTES)?;
     let text = String::from_utf8_lossy(&bytes);
-    let (model, tok) = a.model.load()?;
+    let (model, tok) = load(model_path)?;
     let c = model.config.clone();
     let tokens = tok.encode(&text)?;
-    let n_windows = if a.windows == 0 { tokens.len() / a.ctx } else { a.windows.min(tokens.len() / a.ctx) };
-    if n_windows == 0 {
-        return Err(format!(
-            "{} holds {} tokens, fewer than one window of {}",
-            text_path.display(),
-            tokens.len(),
-            a.ctx
-        )
-        .into());
-    }
+    let n_windows = veloxquant_llm::eval::WindowPlan::for_model(&model, tokens.len(), a.ctx, a.windows)
+        .map_err(|e| format!("{}: {e}", text_path.display()))?
+        .n_windows;
     // Calibrated formats learn from text that is never scored: right after the windows.
     let cal = if methods.iter().any(Method::needs_calibration) {
         let from = n_windows * a.ctx;
-        let calib = tokens.get(from..(from + a.calib_tokens).min(tokens.len())).unwrap_or(&[]);
+        let calib = tokens.get(from..from.saturating_add(a.calib_tokens).min(tokens.len())).unwrap_or(&[]);
         if calib.len() < 64 {
             return Err("no text left after the evaluated windows to calibrate on: use fewer --windows".into());
         }

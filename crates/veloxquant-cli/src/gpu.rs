@@ -40,6 +40,9 @@ pub struct E2eArgs {
     /// Skip the attention / GEMM / rest split (three more graphs per case).
     #[arg(long)]
     pub no_split: bool,
+    /// Also time one prompt of this many tokens prefilled (chunks of 512) per method.
+    #[arg(long, default_value_t = 0)]
+    pub prefill_tokens: usize,
     /// Write the rows (JSON).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -83,6 +86,12 @@ mod imp {
         no_cuda()
     }
     pub fn generate(_: &crate::demo::GenerateArgs) -> AnyResult {
+        no_cuda()
+    }
+    pub fn passkey(_: &crate::demo::PasskeyArgs, _: &[crate::model::Method], _: &std::path::Path) -> AnyResult {
+        no_cuda()
+    }
+    pub fn demo(_: &crate::demo::GenPlan, _: &std::path::Path) -> AnyResult {
         no_cuda()
     }
 }
@@ -187,11 +196,35 @@ mod imp {
         }))
     }
 
+    /// Prefill of one random prompt of `n` tokens: seconds and tokens/s (synchronized).
+    fn run_prefill(model: &Arc<GpuModel>, name: &str, n: usize, method: &Method) -> AnyResult<Value> {
+        let c = &model.config;
+        if n + 1 > c.n_ctx_train {
+            return Err(format!("--prefill-tokens {n} exceeds the model's context {}", c.n_ctx_train).into());
+        }
+        let mut cfg = EngineConfig::new(gpu_method(method)?, 1, n + 1);
+        cfg.prefill_chunk = 512.min(n.max(1));
+        cfg.prefill_rows = cfg.prefill_chunk;
+        cfg.logits_rows = 1;
+        let mut e = GpuEngine::new(model.clone(), cfg)?;
+        let mut rng = veloxquant::rng::SplitMix64::new(23);
+        let toks: Vec<u32> = (0..n).map(|_| (rng.next_u64() % c.n_vocab as u64) as u32).collect();
+        let s = e.add_sequence()?;
+        let t0 = Instant::now();
+        e.prefill(&[(s, &toks, n - 1)])?;
+        let secs = t0.elapsed().as_secs_f64();
+        eprintln!("{name} prefill of {n} tokens, {method}: {secs:.2} s ({:.0} tokens/s)", n as f64 / secs);
+        Ok(json!({"kind": "prefill", "model": name, "weights": model.weights, "method": method.to_string(),
+                  "prefill_tokens": n, "seconds": secs, "tokens_per_s": n as f64 / secs,
+                  "workspace_bytes": e.device_bytes().workspace}))
+    }
+
     pub fn bench_e2e(a: &E2eArgs) -> AnyResult {
         if a.iters == 0 || a.batch.contains(&0) || a.context.contains(&0) {
             return Err("bench e2e: --iters, --batch and --context must be > 0".into());
         }
-        let methods: Vec<Method> = a.methods.iter().map(|m| Method::parse(m)).collect::<AnyResult<_>>()?;
+        let methods: Vec<Method> =
+            a.methods.iter().map(|m| Method::parse("methods", m).map_err(Into::into)).collect::<AnyResult<_>>()?;
         let dev = device()?;
         let (read_tbps, copy_tbps) = veloxquant_cuda::bench::bandwidth(&dev)?;
         eprintln!("{}: read {read_tbps:.2} TB/s, copy {copy_tbps:.2} TB/s", dev.name);
@@ -223,7 +256,21 @@ mod imp {
                 }
             }
         }
-        let out = json!({"device": dev.name, "read_tbps": read_tbps, "copy_tbps": copy_tbps, "commit": a.commit, "rows": rows});
+        let mut prefill = Vec::new();
+        if a.prefill_tokens > 0 {
+            for m in &methods {
+                match run_prefill(&model, &name, a.prefill_tokens, m) {
+                    Ok(v) => prefill.push(v),
+                    Err(e) => {
+                        eprintln!("prefill {m}: {e}");
+                        prefill.push(
+                            json!({"kind": "prefill", "model": name, "method": m.to_string(), "error": e.to_string()}),
+                        );
+                    }
+                }
+            }
+        }
+        let out = json!({"device": dev.name, "read_tbps": read_tbps, "copy_tbps": copy_tbps, "commit": a.commit, "rows": rows, "prefill": prefill});
         if let Some(p) = &a.json {
             write_json(p, &out)?;
         }
@@ -231,7 +278,8 @@ mod imp {
     }
 
     pub fn eval(a: &crate::eval::EvalArgs) -> AnyResult {
-        let all: Vec<Method> = a.methods.iter().map(|m| Method::parse(m)).collect::<AnyResult<Vec<_>>>()?;
+        let all: Vec<Method> =
+            a.methods.iter().map(|m| Method::parse("methods", m).map_err(Into::into)).collect::<AnyResult<Vec<_>>>()?;
         // Methods the GPU has no kernels for yet are named and left out, not silently dropped.
         let mut methods = Vec::new();
         for m in all.into_iter().filter(|m| *m != Method::Fp16) {
@@ -338,8 +386,144 @@ mod imp {
         Ok(())
     }
 
+    pub fn passkey(a: &crate::demo::PasskeyArgs, methods: &[Method], model_path: &std::path::Path) -> AnyResult {
+        use veloxquant_llm::gpu::passkey_accuracy_gpu;
+        use veloxquant_llm::passkey::{answer_tokens, PasskeyFormat};
+        let tok = Tokenizer::from_gguf_path(model_path)?;
+        let dev = device()?;
+        let model = Arc::new(GpuModel::load(&dev, model_path)?);
+        let trials = a.depths.len() * a.n;
+        let longest = a.lengths.iter().copied().max().unwrap_or(0) + answer_tokens(PasskeyFormat::Plain) + 1;
+        let mut rows = Vec::new();
+        let mut out = Vec::new();
+        for m in methods {
+            let mut e = GpuEngine::new(model.clone(), EngineConfig::new(gpu_method(m)?, trials, longest))?;
+            let mut row = vec![m.to_string()];
+            for &len in &a.lengths {
+                let t0 = Instant::now();
+                let s = passkey_accuracy_gpu(&mut e, &tok, len, &a.depths, a.n, a.seed, PasskeyFormat::Plain)?;
+                eprintln!(
+                    "{m} @ {len}: {}/{} ({:.1} s on {})",
+                    s.n_correct,
+                    s.n_trials,
+                    t0.elapsed().as_secs_f64(),
+                    dev.name
+                );
+                row.push(format!("{}/{}", s.n_correct, s.n_trials));
+                out.push(json!({"method": m.to_string(), "tokens": len, "correct": s.n_correct, "trials": s.n_trials, "accuracy": s.accuracy(), "device": dev.name}));
+            }
+            rows.push(row);
+        }
+        let header: Vec<String> =
+            std::iter::once("method".to_string()).chain(a.lengths.iter().map(|l| format!("{l} tokens"))).collect();
+        let header: Vec<&str> = header.iter().map(String::as_str).collect();
+        print_table_to(&header, &rows, a.md.as_deref())?;
+        if let Some(p) = &a.json {
+            write_json(p, &Value::Array(out))?;
+        }
+        Ok(())
+    }
+
+    /// Greedy continuation of `prompt` by `e` (a fresh sequence, removed after): the ids.
+    fn greedy(e: &mut GpuEngine, prompt: &[u32], max: usize, stop: &[u32]) -> AnyResult<(Vec<u32>, usize, f64)> {
+        let s = e.add_sequence()?;
+        let lg = e.prefill(&[(s, prompt, prompt.len() - 1)])?;
+        let mut next = veloxquant_llm::eval::argmax(&lg[0]) as u32;
+        let t0 = Instant::now();
+        let mut out = Vec::new();
+        while out.len() < max && !stop.contains(&next) {
+            out.push(next);
+            if out.len() < max {
+                next = e.step(&[(s, next)], false)?.ids[0];
+            }
+        }
+        let secs = t0.elapsed().as_secs_f64();
+        let bytes = e.cache.slot_bytes(s)?;
+        e.remove_sequence(s)?;
+        Ok((out, bytes, secs))
+    }
+
+    /// The demo on the GPU: the built-in prompt through fp16 and the method (texts, bytes,
+    /// speed, KL / top-1 on the same tokens), then the long-context passkey case.
+    pub fn demo(p: &crate::demo::GenPlan, model_path: &std::path::Path) -> AnyResult {
+        use crate::demo::{DEMO_PROMPT, LONG_CONTEXT};
+        use veloxquant_llm::eval::{argmax, kl_divergence, log_softmax_in_place};
+        use veloxquant_llm::passkey::{answer_tokens, extract_passkey, passkey_prompt, PasskeyFormat};
+        let t0 = Instant::now();
+        let tok = Tokenizer::from_gguf_path(model_path)?;
+        let dev = device()?;
+        let model = Arc::new(GpuModel::load(&dev, model_path)?);
+        let stop = tok.stop_ids();
+        let prompt = tok.encode(DEMO_PROMPT)?;
+        let ctx = (prompt.len() + p.max_tokens + 1)
+            .max(LONG_CONTEXT + answer_tokens(PasskeyFormat::Plain) + 1)
+            .min(model.config.n_ctx_train);
+        let methods = [Method::Fp16, p.method.clone()];
+        let mut engines: Vec<GpuEngine> = methods
+            .iter()
+            .map(|m| Ok(GpuEngine::new(model.clone(), EngineConfig::new(gpu_method(m)?, 1, ctx))?))
+            .collect::<AnyResult<_>>()?;
+        println!("prompt: {DEMO_PROMPT}\n");
+        let mut runs = Vec::new();
+        for (m, e) in methods.iter().zip(engines.iter_mut()) {
+            let (ids, bytes, secs) = greedy(e, &prompt, p.max_tokens, &stop)?;
+            println!("── {m} ({}) ──\n{DEMO_PROMPT}{}\n", dev.name, tok.decode(&ids)?);
+            runs.push((ids, bytes, secs));
+        }
+        // Agreement on the fp16 run's tokens, both caches teacher-forced.
+        let ids: Vec<u32> = prompt.iter().chain(&runs[0].0).copied().collect();
+        let fed = &ids[..ids.len() - 1];
+        let mut lp = Vec::new();
+        for e in engines.iter_mut() {
+            let s = e.add_sequence()?;
+            let mut l = e.prefill(&[(s, fed, prompt.len() - 1)])?.remove(0);
+            e.remove_sequence(s)?;
+            l.chunks_exact_mut(model.config.n_vocab).for_each(log_softmax_in_place);
+            lp.push(l);
+        }
+        let nv = model.config.n_vocab;
+        let (mut kl, mut same, mut n) = (0.0, 0usize, 0usize);
+        for (a, b) in lp[0].chunks_exact(nv).zip(lp[1].chunks_exact(nv)) {
+            kl += kl_divergence(a, b);
+            same += usize::from(argmax(a) == argmax(b));
+            n += 1;
+        }
+        let rows: Vec<Vec<String>> = methods
+            .iter()
+            .zip(&runs)
+            .map(|(m, (ids, bytes, secs))| {
+                vec![m.to_string(), bytes.to_string(), format!("{:.1}", ids.len() as f64 / secs.max(1e-9))]
+            })
+            .collect();
+        print_table_to(&["KV cache", "bytes on the device", "decode tokens/s"], &rows, None)?;
+        println!(
+            "\n{} vs fp16 on the same {n} generated positions: mean KL {:.5} nats, top-1 agreement {:.1} %\n",
+            p.method,
+            kl / n.max(1) as f64,
+            100.0 * same as f64 / n.max(1) as f64
+        );
+        let len = LONG_CONTEXT.min(model.config.n_ctx_train - answer_tokens(PasskeyFormat::Plain) - 1);
+        let pk = passkey_prompt(&tok, len, 0.5, 7, PasskeyFormat::Plain)?;
+        println!("long context: passkey {} hidden halfway through a {}-token prompt", pk.passkey, pk.tokens.len());
+        let mut rows = Vec::new();
+        for (m, e) in methods.iter().zip(engines.iter_mut()) {
+            let (said, bytes, _) = greedy(e, &pk.tokens, answer_tokens(PasskeyFormat::Plain), &stop)?;
+            let text = tok.decode(&said)?;
+            let right = extract_passkey(&text) == Some(pk.passkey);
+            rows.push(vec![
+                m.to_string(),
+                format!("{:?}", text.trim_end()),
+                if right { "yes".into() } else { "no".into() },
+                bytes.to_string(),
+            ]);
+        }
+        print_table_to(&["KV cache", "answer", "correct", "bytes on the device"], &rows, None)?;
+        println!("\ndemo took {:.1} s on {}", t0.elapsed().as_secs_f64(), dev.name);
+        Ok(())
+    }
+
     pub fn generate(a: &crate::demo::GenerateArgs) -> AnyResult {
-        let method = Method::parse(&a.method)?;
+        let method = Method::parse("method", &a.method)?;
         let gm = gpu_method(&method)?;
         let path = a.model.path()?;
         let tok = Tokenizer::from_gguf_path(&path)?;
@@ -369,22 +553,21 @@ mod imp {
         let prefill_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut out = Vec::new();
-        let mut printed = 0;
+        // Whole characters only (a byte-level token may hold part of one).
+        let mut text = veloxquant_llm::TextStream::new(&tok);
         use std::io::Write;
         while out.len() < a.max_tokens && !stop.contains(&next) {
             out.push(next);
-            if let Ok(text) = tok.decode(&out) {
-                if !text.ends_with('\u{FFFD}') && text.len() > printed {
-                    print!("{}", &text[printed..]);
-                    let _ = std::io::stdout().flush();
-                    printed = text.len();
-                }
+            if let Ok(piece) = text.push(next) {
+                print!("{piece}");
+                let _ = std::io::stdout().flush();
             }
             if out.len() == a.max_tokens {
                 break;
             }
             next = e.step(&[(s, next)], false)?.ids[0];
         }
+        print!("{}", text.finish()?);
         let decode_s = t1.elapsed().as_secs_f64();
         let bytes = e.cache.slot_bytes(s)?;
         println!(
@@ -399,7 +582,7 @@ mod imp {
     }
 }
 
-pub use imp::{bench_e2e, eval, generate};
+pub use imp::{bench_e2e, demo, eval, generate, passkey};
 
 /// Pure JSON work: runs in any build (the results are made on the GPU machine, merged here).
 mod report {
@@ -417,6 +600,7 @@ mod report {
         let mut device = String::new();
         let mut commit = String::new();
         let mut read_tbps = 0.0f64;
+        let mut prefill: Vec<Value> = Vec::new();
         for p in &a.ours {
             let v = read_json(p)?;
             device = v["device"].as_str().unwrap_or_default().to_string();
@@ -424,6 +608,9 @@ mod report {
             read_tbps = read_tbps.max(v["read_tbps"].as_f64().unwrap_or(0.0));
             rows.extend(
                 v["rows"].as_array().cloned().unwrap_or_default().into_iter().filter(|r| r.get("error").is_none()),
+            );
+            prefill.extend(
+                v["prefill"].as_array().cloned().unwrap_or_default().into_iter().filter(|r| r.get("error").is_none()),
             );
         }
         let hf = match &a.hf {
@@ -496,8 +683,31 @@ mod report {
                 f(r["hf_compiled_tokens_per_s"].as_f64(), 1),
             ]);
         }
-        let out = json!({"device": device, "date": a.date, "commit": commit, "read_tbps": read_tbps, "rows": rows});
+        let out = json!({"device": device, "date": a.date, "commit": commit, "read_tbps": read_tbps, "rows": rows, "prefill": prefill});
         write_json(&a.json, &out)?;
+        if !prefill.is_empty() {
+            let t: Vec<Vec<String>> = prefill
+                .iter()
+                .map(|r| {
+                    vec![
+                        r["model"].as_str().unwrap_or_default().to_string(),
+                        r["method"].as_str().unwrap_or_default().to_string(),
+                        r["prefill_tokens"].to_string(),
+                        format!("{:.2}", r["seconds"].as_f64().unwrap_or(0.0)),
+                        format!("{:.0}", r["tokens_per_s"].as_f64().unwrap_or(0.0)),
+                        format!("{:.2}", r["workspace_bytes"].as_f64().unwrap_or(0.0) / 1e9),
+                    ]
+                })
+                .collect();
+            let md = a.md.as_ref().map(|p| {
+                p.with_file_name(format!("{}-prefill.md", p.file_stem().unwrap_or_default().to_string_lossy()))
+            });
+            print_table_to(
+                &["model", "method", "prompt tokens", "seconds", "tokens/s", "workspace GB"],
+                &t,
+                md.as_deref(),
+            )?;
+        }
         print_table_to(
             &[
                 "model",

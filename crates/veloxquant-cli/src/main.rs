@@ -2,14 +2,21 @@
 
 mod bench;
 mod cache_cmd;
+mod check;
 mod demo;
 mod distortion;
 mod eval;
+mod files;
 mod gpu;
 mod model;
 mod plot;
 mod serve_cmd;
 mod util;
+
+/// The tiny random GGUF of the model tests (shared with veloxquant-llm's tests).
+#[cfg(test)]
+#[path = "../../veloxquant-llm/tests/common/tiny.rs"]
+mod tiny;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,6 +32,10 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Replace an existing output file that is not what the command writes (never a GGUF
+    /// model or one of the command's inputs).
+    #[arg(long, global = true)]
+    force: bool,
 }
 
 #[derive(Subcommand)]
@@ -104,22 +115,50 @@ fn bench_cuda(_: Vec<String>) -> util::AnyResult {
     Err("this build has no GPU support: rebuild with `--features cuda`".into())
 }
 
+/// Checks first (without the model, then with its context), then runs the plan.
+fn run(cli: Cli) -> util::AnyResult {
+    check::plan(&cli.cmd, &check::Ctx { force: cli.force, model: None })?;
+    let info = cli.cmd.model_args().map(check::ModelInfo::open).transpose()?;
+    let plan = check::plan(&cli.cmd, &check::Ctx { force: cli.force, model: info.as_ref() })?;
+    let model = info.as_ref().map(|i| i.path.as_path());
+    let need = || model.ok_or("no model for a model command");
+    match (cli.cmd, plan) {
+        (Cmd::Demo(a), check::Plan::Gen(p)) => demo::demo(&a, &p, need()?),
+        (Cmd::Eval(a), check::Plan::Eval(p)) => eval::run(&a, &p, need()?),
+        (Cmd::Generate(a), check::Plan::Gen(p)) => demo::generate(&a, &p, need()?),
+        (Cmd::Passkey(a), check::Plan::Methods(m)) => demo::passkey(&a, &m, need()?),
+        (Cmd::FetchModel(_), _) => demo::fetch(need()?),
+        (Cmd::Distortion { d, n, json, plot, md, .. }, check::Plan::Specs(s)) => {
+            distortion::run(d, n, &s, json, plot, md)
+        }
+        (Cmd::Cache { which }, check::Plan::Cache(p)) => cache_cmd::run(&which, p.as_ref(), model),
+        (Cmd::Serve(a), _) => serve_cmd::run(&a, need()?),
+        (Cmd::Bench { which: BenchCmd::Cpu(args) }, check::Plan::Bench(p)) => bench::run_cpu(&args, &p),
+        (Cmd::Bench { which: BenchCmd::Cuda { args } }, _) => bench_cuda(args),
+        (Cmd::Bench { which: BenchCmd::E2e(a) }, _) => gpu::bench_e2e(&a),
+        (Cmd::Bench { which: BenchCmd::E2eReport(a) }, _) => gpu::e2e_report(&a),
+        _ => Err("internal: the plan does not match the command".into()),
+    }
+}
+
+impl Cmd {
+    /// The model a command runs, if any (fetched before the second round of checks).
+    fn model_args(&self) -> Option<&model::ModelArgs> {
+        match self {
+            Cmd::Demo(a) => Some(&a.model),
+            Cmd::Eval(a) => Some(&a.model),
+            Cmd::Generate(a) => Some(&a.model),
+            Cmd::Passkey(a) => Some(&a.model),
+            Cmd::FetchModel(a) => Some(a),
+            Cmd::Cache { which } => which.model_args(),
+            Cmd::Serve(a) => Some(&a.model),
+            Cmd::Distortion { .. } | Cmd::Bench { .. } => None,
+        }
+    }
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
-    let res = match cli.cmd {
-        Cmd::Demo(a) => demo::demo(&a),
-        Cmd::Eval(a) => eval::run(&a),
-        Cmd::Generate(a) => demo::generate(&a),
-        Cmd::Passkey(a) => demo::passkey(&a),
-        Cmd::FetchModel(a) => demo::fetch(&a),
-        Cmd::Distortion { d, n, formats, json, plot, md } => distortion::run(d, n, formats, json, plot, md),
-        Cmd::Cache { which } => cache_cmd::run(&which),
-        Cmd::Serve(a) => serve_cmd::run(&a),
-        Cmd::Bench { which: BenchCmd::Cpu(args) } => bench::run_cpu(&args),
-        Cmd::Bench { which: BenchCmd::Cuda { args } } => bench_cuda(args),
-        Cmd::Bench { which: BenchCmd::E2e(a) } => gpu::bench_e2e(&a),
-        Cmd::Bench { which: BenchCmd::E2eReport(a) } => gpu::e2e_report(&a),
-    };
+    let res = run(Cli::parse());
     match res {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

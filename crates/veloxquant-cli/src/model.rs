@@ -6,6 +6,7 @@ use std::sync::Arc;
 use veloxquant::{CacheConfig, Calibration, FormatSpec};
 use veloxquant_llm::{fetch_model, CompressedStore, Fp16Store, KvStore, Llama, LlamaConfig, Tokenizer, WeightMode};
 
+use crate::check::{bad, ArgError};
 use crate::util::AnyResult;
 
 /// The default compressed configuration (demo, generate): chosen from `eval` on WikiText-2
@@ -41,11 +42,11 @@ impl ModelArgs {
             }
         }
     }
+}
 
-    pub fn load(&self) -> AnyResult<(Llama, Tokenizer)> {
-        let path = self.path()?;
-        Ok((Llama::load(&path, WeightMode::DequantF32)?, Tokenizer::from_gguf_path(&path)?))
-    }
+/// The model and its tokenizer from a checked model file.
+pub fn load(path: &Path) -> AnyResult<(Llama, Tokenizer)> {
+    Ok((Llama::load(path, WeightMode::DequantF32)?, Tokenizer::from_gguf_path(path)?))
 }
 
 /// A KV-cache method: the fp16 reference, or K and V formats with a recent window R.
@@ -57,22 +58,24 @@ pub enum Method {
 
 impl Method {
     /// `fp16`, or `KSPEC[/VSPEC][@R][+S]`: V defaults to K; R newest and S first (sink)
-    /// tokens stay exact in fp16 (both default to 0).
-    pub fn parse(s: &str) -> AnyResult<Self> {
+    /// tokens stay exact in fp16 (both default to 0). `arg` names the option in errors.
+    pub fn parse(arg: &'static str, s: &str) -> Result<Self, ArgError> {
         if s == "fp16" {
             return Ok(Self::Fp16);
         }
-        let (s, sink) = match s.split_once('+') {
-            Some((a, n)) => (a, n.parse().map_err(|_| format!("method {s:?}: S after '+' must be a number"))?),
+        let number = |t: &str, what: &str| t.parse().map_err(|_| bad(arg, s, format!("{what} must be a number")));
+        let (rest, sink) = match s.split_once('+') {
+            Some((a, n)) => (a, number(n, "S after '+'")?),
             None => (s, 0),
         };
-        let (specs, recent) = match s.split_once('@') {
-            Some((a, r)) => (a, r.parse().map_err(|_| format!("method {s:?}: R after '@' must be a number"))?),
-            None => (s, 0),
+        let (specs, recent) = match rest.split_once('@') {
+            Some((a, r)) => (a, number(r, "R after '@'")?),
+            None => (rest, 0),
         };
+        let spec = |t: &str| FormatSpec::parse(t).map_err(|source| ArgError::Spec { arg, value: s.into(), source });
         let (k, v) = match specs.split_once('/') {
-            Some((k, v)) => (FormatSpec::parse(k)?, FormatSpec::parse(v)?),
-            None => (FormatSpec::parse(specs)?, FormatSpec::parse(specs)?),
+            Some((k, v)) => (spec(k)?, spec(v)?),
+            None => (spec(specs)?, spec(specs)?),
         };
         Ok(Self::Compressed { k, v, recent, sink })
     }

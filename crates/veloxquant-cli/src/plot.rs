@@ -32,9 +32,6 @@ pub fn scatter_svg(
     curves: &[(&str, Vec<(f64, f64)>)],
     log_y: bool,
 ) -> AnyResult {
-    if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
     let all = series.iter().flat_map(|s| s.points.iter()).chain(curves.iter().flat_map(|c| c.1.iter()));
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in all {
@@ -47,7 +44,9 @@ pub fn scatter_svg(
         y1 = y1.max(y);
     }
     let pad = (x1 - x0).max(1e-9) * 0.05;
-    let root = SVGBackend::new(path, (900, 600)).into_drawing_area();
+    // Drawn into memory, then written through a temporary file (files.rs).
+    let mut svg = String::new();
+    let root = SVGBackend::with_string(&mut svg, (900, 600)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut b = ChartBuilder::on(&root);
     b.caption(title, ("sans-serif", 22)).margin(15).x_label_area_size(45).y_label_area_size(70);
@@ -85,6 +84,8 @@ pub fn scatter_svg(
         draw!(b.build_cartesian_2d((x0 - pad)..(x1 + pad), (y0 - ypad)..(y1 + ypad))?);
     }
     root.present()?;
+    drop(root);
+    crate::files::write_atomic(path, |w| Ok(std::io::Write::write_all(w, svg.as_bytes())?))?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }

@@ -87,12 +87,12 @@ fn cache_config(m: &Method, c: &LlamaConfig) -> AnyResult<CacheConfig> {
     Ok(cfg)
 }
 
-pub fn run(a: &ServeArgs) -> AnyResult {
-    let method = Method::parse(&a.method)?;
+pub fn run(a: &ServeArgs, path: &std::path::Path) -> AnyResult {
+    let method = Method::parse("method", &a.method)?;
     if method.needs_calibration() {
         return Err("serve does not calibrate: pick a method without vecinfer".into());
     }
-    let path = a.model.path()?;
+    let path = path.to_path_buf();
     let tok = Arc::new(Tokenizer::from_gguf_path(&path)?);
     let name = a.model_name.clone().unwrap_or_else(|| {
         path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into())

@@ -1,16 +1,26 @@
 //! Small helpers: errors, spec lists, statistics, tables, progress bars.
 
+use std::io::Write;
 use std::path::Path;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use veloxquant::format::FormatSpec;
 
+use crate::check::ArgError;
+use crate::files::write_atomic;
+
 pub type AnyResult<T = ()> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-pub fn parse_specs(list: &Option<Vec<String>>) -> AnyResult<Vec<FormatSpec>> {
+/// Format specs from `--{arg}` (default: every registered variant).
+pub fn parse_specs(arg: &'static str, list: &Option<Vec<String>>) -> Result<Vec<FormatSpec>, ArgError> {
     match list {
         None => Ok(veloxquant::format::variants()),
-        Some(v) => Ok(v.iter().map(|s| FormatSpec::parse(s)).collect::<Result<_, _>>()?),
+        Some(v) => {
+            crate::check::nonempty(arg, v)?;
+            v.iter()
+                .map(|s| FormatSpec::parse(s).map_err(|source| ArgError::Spec { arg, value: s.clone(), source }))
+                .collect()
+        }
     }
 }
 
@@ -21,8 +31,11 @@ pub fn progress(len: u64, msg: &str) -> ProgressBar {
     pb
 }
 
-/// (median, p10, p90) of a sample.
+/// (median, p10, p90) of a sample; NaN for an empty one.
 pub fn quantiles(xs: &[f64]) -> (f64, f64, f64) {
+    if xs.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
     let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
@@ -30,10 +43,7 @@ pub fn quantiles(xs: &[f64]) -> (f64, f64, f64) {
 }
 
 pub fn write_json(path: &Path, value: &serde_json::Value) -> AnyResult {
-    if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)?;
-    }
-    std::fs::write(path, serde_json::to_string_pretty(value)? + "\n")?;
+    write_atomic(path, |w| Ok(w.write_all((serde_json::to_string_pretty(value)? + "\n").as_bytes())?))?;
     eprintln!("wrote {}", path.display());
     Ok(())
 }
@@ -63,10 +73,7 @@ pub fn print_table_to(header: &[&str], rows: &[Vec<String>], md: Option<&Path>) 
     let t = markdown_table(header, rows);
     print!("{t}");
     if let Some(p) = md {
-        if let Some(dir) = p.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(dir)?;
-        }
-        std::fs::write(p, &t)?;
+        write_atomic(p, |w| Ok(w.write_all(t.as_bytes())?))?;
         eprintln!("wrote {}", p.display());
     }
     Ok(())

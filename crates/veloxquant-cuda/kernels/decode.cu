@@ -15,11 +15,14 @@
 #define VC (D / 8)   // value dims per thread row-group in the PV operand
 #define KS (D / 16)  // k-steps of the score mma, = M-tiles of the PV mma
 #define NEG_INF (-__int_as_float(0x7f800000))
-// FAST: 2- and 4-bit codes for both streams, dequantized in registers: 4-bit codes by one
+// FAST (sm_90: bulk copies; NOFAST=1 on older GPUs): 2- and 4-bit codes for both streams, dequantized in registers: 4-bit codes by one
 // lookup per byte (two codes) in a lane-replicated f16x2 table in shared memory, 2-bit
 // codes by byte lookups too when both streams are 2-bit (K2L / V2L), else the 4 centroids as
 // f16 in two registers, two codes -> f16x2 by one prmt; pages streamed through a ring.
-#if KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB == 2 || VB == 4) && (KB == 2 || VB == 2 || KVSAME)
+#ifndef NOFAST
+#define NOFAST 0
+#endif
+#if !NOFAST && KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB == 2 || VB == 4) && (KB == 2 || VB == 2 || KVSAME)
 #define FAST 1
 #else
 #define FAST 0

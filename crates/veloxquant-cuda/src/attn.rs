@@ -15,16 +15,13 @@ use crate::cache::GpuKvCache;
 use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
 use crate::format::{GpuFormat, KernelKind};
+use crate::tuning::Tuning;
 
 /// Warps per decode block (each owns pages of the block's split in turn).
 pub const NWARPS: usize = 4;
 /// Warps per block of the pipelined 2/4-bit path: one block of 12 per SM shares one lookup
 /// table (measured on the H200: 4 and 8 warps per block were slower).
 pub const PIPE_WARPS: usize = 12;
-
-fn env_knob(name: &str, default: i64) -> i64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// Splits per (sequence, KV head) row: the fewest that fill the last wave of `target`
 /// resident blocks to ≥ 90 % (a split-K grid of rows·s blocks runs in ⌈rows·s / target⌉
@@ -62,19 +59,22 @@ struct Pipe {
     fuse_q: bool,
 }
 
+/// Whether the device runs the Hopper-only parts: the FAST path's bulk copies and mbarrier
+/// transactions, and PDL's griddepcontrol (sm_90 and newer). Older GPUs (sm_80–89) take the
+/// generic path and plain stream order.
+pub fn hopper(cc: (i32, i32)) -> bool {
+    cc.0 >= 9
+}
+
 impl Pipe {
-    fn new(kf: &GpuFormat, vf: &GpuFormat) -> Self {
-        let fast = fast_path(kf, vf);
+    fn new(kf: &GpuFormat, vf: &GpuFormat, cc: (i32, i32), generic: bool, t: &Tuning) -> Self {
+        let fast = fast_path(kf, vf) && hopper(cc) && !generic;
         Self {
             fast,
-            stages: env_knob("VELOXQUANT_DECODE_STAGES", 2).clamp(2, 8) as usize,
-            warps: if fast {
-                env_knob("VELOXQUANT_DECODE_WARPS", PIPE_WARPS as i64).clamp(4, 16) as usize
-            } else {
-                NWARPS
-            },
-            minb: env_knob("VELOXQUANT_DECODE_MINB", 0).clamp(0, 16),
-            fuse_q: fast && env_knob("VELOXQUANT_DECODE_FUSEQ", 1) != 0,
+            stages: t.decode_stages,
+            warps: if fast { t.decode_warps } else { NWARPS },
+            minb: t.decode_minb,
+            fuse_q: fast && t.decode_fuse_q,
         }
     }
     /// One warp's ring of page slots (bytes).
@@ -98,8 +98,8 @@ impl Pipe {
     }
 }
 
-/// Softmax variants (benchmarks only; defaults are the measured best on the H200,
-/// benchmarks/results/cuda-decode.md): `VELOXQUANT_DECODE_EXPFTZ` (1), `_SLACK` (8).
+/// Softmax variants (`Tuning`; defaults are the measured best on the H200,
+/// benchmarks/results/cuda-decode.md).
 #[derive(Clone, Copy, Debug)]
 struct Variants {
     expftz: bool,
@@ -108,11 +108,8 @@ struct Variants {
 }
 
 impl Variants {
-    fn new() -> Self {
-        Self {
-            expftz: env_knob("VELOXQUANT_DECODE_EXPFTZ", 1) != 0,
-            slack: env_knob("VELOXQUANT_DECODE_SLACK", 8).clamp(0, 12),
-        }
+    fn new(t: &Tuning) -> Self {
+        Self { expftz: t.decode_expftz, slack: t.decode_slack }
     }
 }
 
@@ -132,6 +129,9 @@ fn decode_defines(
     defs.extend(kind_defines('K', kf));
     defs.extend(kind_defines('V', vf));
     defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
+    if !pipe.fast && fast_path(kf, vf) {
+        defs.push(("NOFAST".into(), 1)); // a pre-Hopper device: the generic path
+    }
     defs.push(("KROT".into(), kf.rotation.is_some() as i64));
     defs.push(("EXPFTZ".into(), var.expftz as i64));
     defs.push(("SLACK".into(), var.slack));
@@ -152,10 +152,11 @@ fn decode_defines(
 
 /// Every module a decode plan for `kf`/`vf` and group `g` compiles: (family, defines,
 /// kernel names), for compile-only checks (CPU-side test).
-pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize) -> Vec<(Family, Vec<(String, i64)>)> {
-    let pipe = Pipe::new(kf, vf);
-    let var = Variants::new();
-    let pdl = env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
+pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) -> Vec<(Family, Vec<(String, i64)>)> {
+    let t = Tuning::default();
+    let pipe = Pipe::new(kf, vf, cc, false, &t);
+    let var = Variants::new(&t);
+    let pdl = hopper(cc) && t.decode_pdl;
     vec![(Family::Decode, decode_defines(kf, vf, g, &pipe, &var, pdl)), (Family::Attn, attn_defines(kf, vf, g, pdl))]
 }
 
@@ -178,11 +179,14 @@ pub struct DecodeOptions {
     pub blocks_per_sm: usize,
     /// Fewest pages per split (bounds the partials' traffic).
     pub min_pages_per_split: usize,
+    /// Take the generic path even where the Hopper-only FAST path applies (what pre-Hopper
+    /// GPUs run; tests check it on Hopper).
+    pub generic: bool,
 }
 
 impl Default for DecodeOptions {
     fn default() -> Self {
-        Self { blocks_per_sm: 4, min_pages_per_split: 16 }
+        Self { blocks_per_sm: 4, min_pages_per_split: 16, generic: false }
     }
 }
 
@@ -300,11 +304,13 @@ impl PlanCore {
         let g = n_q_heads / cfg.n_kv_heads;
         let d = cfg.head_dim;
         let (kf, vf) = (&cache.k.fmt, &cache.v.fmt);
-        let pipe = Pipe::new(kf, vf);
-        let var = Variants::new();
+        let cc = dev.compute_capability;
+        let t = dev.tuning;
+        let pipe = Pipe::new(kf, vf, cc, opts.generic, &t);
+        let var = Variants::new(&t);
         let b = batch;
         let max_pages = max_pages.clamp(1, cfg.max_pages_per_seq);
-        let pdl = env_knob("VELOXQUANT_DECODE_PDL", 1) != 0;
+        let pdl = hopper(cc) && t.decode_pdl;
         // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
         let post = if pipe.fast { pipe.warps * 8 * d * 4 } else { 0 };
         let defs = decode_defines(kf, vf, g, &pipe, &var, pdl);
@@ -580,9 +586,21 @@ unsafe fn launch_raw(
 /// One decode step of `layer` from the host: sequence b of the batch reads cache slot
 /// `slots[b]`; q is `[batch][n_q_heads][d]`; returns the same shape.
 pub fn decode(cache: &mut GpuKvCache, slots: &[usize], layer: usize, q: &[f32], n_q_heads: usize) -> Result<Vec<f32>> {
+    decode_with(cache, slots, layer, q, n_q_heads, DecodeOptions::default())
+}
+
+/// As [`decode`], with explicit options.
+pub fn decode_with(
+    cache: &mut GpuKvCache,
+    slots: &[usize],
+    layer: usize,
+    q: &[f32],
+    n_q_heads: usize,
+    opts: DecodeOptions,
+) -> Result<Vec<f32>> {
     cache.sync_meta()?;
     let max_pages = cache.max_pages(slots);
-    let mut plan = PlanCore::new(cache, n_q_heads, slots.len(), max_pages, DecodeOptions::default())?;
+    let mut plan = PlanCore::new(cache, n_q_heads, slots.len(), max_pages, opts)?;
     let rows: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
     plan.set_rows(cache, &rows)?;
     let want = slots.len() * n_q_heads * cache.cfg.head_dim;

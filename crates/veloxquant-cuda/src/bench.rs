@@ -30,6 +30,33 @@ const SHAPES: [(usize, usize, usize, usize); 5] =
 const FORMATS: [&str; 6] = ["fp16", "q8_0", "q4_0", "turboquant_mse:4", "turboquant_mse:3", "turboquant_mse:2"];
 const D: usize = 128;
 
+/// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
+/// EXPFTZ,SLACK,PDL}` and `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}`,
+/// PTX kept in `VELOXQUANT_PTX_DIR` (A/B runs of variants; the library reads none of these).
+fn bench_device() -> Result<Arc<GpuDevice>> {
+    let knob = |name: &str, default: i64| -> i64 {
+        std::env::var(format!("VELOXQUANT_{name}")).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    };
+    let d = crate::Tuning::default();
+    let t = crate::Tuning {
+        decode_stages: knob("DECODE_STAGES", d.decode_stages as i64) as usize,
+        decode_warps: knob("DECODE_WARPS", d.decode_warps as i64) as usize,
+        decode_minb: knob("DECODE_MINB", d.decode_minb),
+        decode_fuse_q: knob("DECODE_FUSEQ", d.decode_fuse_q as i64) != 0,
+        decode_expftz: knob("DECODE_EXPFTZ", d.decode_expftz as i64) != 0,
+        decode_slack: knob("DECODE_SLACK", d.decode_slack),
+        decode_pdl: knob("DECODE_PDL", d.decode_pdl as i64) != 0,
+        encode_warps: knob("ENCODE_WARPS", d.encode_warps as i64) as usize,
+        encode_lockstep: knob("ENCODE_LOCKSTEP", d.encode_lockstep as i64) != 0,
+        encode_minb: knob("ENCODE_MINB", d.encode_minb),
+        encode_prefetch: knob("ENCODE_PF", d.encode_prefetch as i64) != 0,
+        encode_two_per_row: knob("ENCODE_TPR2", d.encode_two_per_row as i64) != 0,
+        encode_warps2: knob("ENCODE_WARPS2", d.encode_warps2 as i64) as usize,
+        encode_minb2: knob("ENCODE_MINB2", d.encode_minb2),
+    };
+    GpuDevice::new_with(0, t, std::env::var_os("VELOXQUANT_PTX_DIR").map(std::path::PathBuf::from))
+}
+
 fn arg(args: &[String], name: &str) -> Option<String> {
     args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
 }
@@ -186,7 +213,7 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
 fn encode_only(args: &[String]) -> Result<()> {
     let f = args.get(2).map(String::as_str).unwrap_or("turboquant_mse:4");
     let reps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(3);
-    let dev = GpuDevice::new(0)?;
+    let dev = bench_device()?;
     let (n_vec, t) = (1usize << 21, 32);
     let jobs = n_vec / t;
     let s = dev.stream.clone();
@@ -301,7 +328,7 @@ fn run(args: &[String]) -> Result<()> {
     if let Some(v) = arg(args, "--min-pages").and_then(|s| s.parse().ok()) {
         opts.min_pages_per_split = v;
     }
-    let dev = GpuDevice::new(0)?;
+    let dev = bench_device()?;
     eprintln!("device: {dev:?}, {} SMs", dev.sm_count);
     let (read_tbps, copy_tbps) = bandwidth(&dev)?;
     eprintln!("read probe {read_tbps:.2} TB/s, device copy {copy_tbps:.2} TB/s (read+write)");

@@ -13,6 +13,7 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use cudarc::nvrtc::{CompileError, CompileOptions};
 
 use crate::error::{drv, CudaError, Result};
+use crate::tuning::Tuning;
 
 const COMMON: &str = include_str!("../kernels/common.cuh");
 
@@ -142,6 +143,10 @@ pub struct GpuDevice {
     pub name: String,
     /// NVRTC target, `compute_{major}{minor}`.
     pub arch: &'static str,
+    /// Kernel variants (defaults unless built by `new_with`).
+    pub tuning: Tuning,
+    /// Where each compiled module's PTX is also written (a development aid for ptxas / SASS).
+    pub ptx_dir: Option<std::path::PathBuf>,
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
 }
 
@@ -172,6 +177,11 @@ pub fn libraries_present() -> Result<()> {
 impl GpuDevice {
     /// Open device `ordinal`; a missing library or device is a typed error, never a panic.
     pub fn new(ordinal: usize) -> Result<Arc<Self>> {
+        Self::new_with(ordinal, Tuning::default(), None)
+    }
+
+    /// As `new`, with kernel variants and a PTX dump folder (benchmarks).
+    pub fn new_with(ordinal: usize, tuning: Tuning, ptx_dir: Option<std::path::PathBuf>) -> Result<Arc<Self>> {
         libraries_present()?;
         let ctx = catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| CudaError::CudaUnavailable {
@@ -198,6 +208,8 @@ impl GpuDevice {
             sm_count,
             name,
             arch,
+            tuning: tuning.clamped(),
+            ptx_dir,
             modules: Mutex::new(HashMap::new()),
         }))
     }
@@ -221,9 +233,8 @@ impl GpuDevice {
 
     fn compile(&self, family: Family, defines: &[(&str, i64)], key: &str) -> Result<Arc<CudaModule>> {
         let ptx = compile_ptx(family, defines, self.arch)?;
-        // Development aid: VELOXQUANT_PTX_DIR=dir keeps each module's PTX (for ptxas -v / SASS).
-        if let Some(dir) = std::env::var_os("VELOXQUANT_PTX_DIR") {
-            let _ = std::fs::write(std::path::Path::new(&dir).join(format!("{key}.ptx")), ptx.to_src());
+        if let Some(dir) = &self.ptx_dir {
+            let _ = std::fs::write(dir.join(format!("{key}.ptx")), ptx.to_src());
         }
         self.ctx.load_module(ptx).map_err(drv("load_module"))
     }

@@ -11,16 +11,7 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
 use crate::format::{GpuFormat, KernelKind, BIN_QK, BIN_QS};
-
-/// Warps (pages) per block of the thread-per-row kernel.
-fn tpr_warps() -> usize {
-    env_knob("VELOXQUANT_ENCODE_WARPS", 4).clamp(1, 16) as usize
-}
-
-/// A tuning override from the environment (benchmarks), else `default`.
-fn env_knob(name: &str, default: i64) -> i64 {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
+use crate::tuning::Tuning;
 
 /// Element type of the encoder's input.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,7 +22,7 @@ pub enum InputKind {
 }
 
 /// The encode module's defines for `fmt` and `input` (`pf`: the cp.async prefetch, sm_80+).
-pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64) -> [(&'static str, i64); 17] {
+pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 17] {
     [
         ("D", fmt.d as i64),
         ("T", fmt.t as i64),
@@ -42,15 +33,15 @@ pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64) -> [(&'static 
         ("IN_KIND", input as i64),
         ("ROW_BYTES", fmt.row_bytes as i64),
         ("PAGE_BYTES", fmt.page_bytes as i64),
-        ("WARPS", tpr_warps() as i64),
+        ("WARPS", t.encode_warps as i64),
         // Keep a block's warps in step (one barrier per page) to share instruction fetch.
-        ("LOCKSTEP", env_knob("VELOXQUANT_ENCODE_LOCKSTEP", 0)),
+        ("LOCKSTEP", t.encode_lockstep as i64),
         // Blocks per SM the register allocation must allow (2: up to 255 registers, 8 warps).
-        ("MINB", env_knob("VELOXQUANT_ENCODE_MINB", 2)),
+        ("MINB", t.encode_minb),
         // Prefetch the next page's rows by cp.async into a second stage (sm_80+).
         ("PF", pf),
-        ("WARPS2", env_knob("VELOXQUANT_ENCODE_WARPS2", 8).clamp(1, 16)),
-        ("MINB2", env_knob("VELOXQUANT_ENCODE_MINB2", 2)),
+        ("WARPS2", t.encode_warps2 as i64),
+        ("MINB2", t.encode_minb2),
         ("QK", BIN_QK as i64),
         ("QS", BIN_QS as i64),
     ]
@@ -70,12 +61,13 @@ pub struct GpuEncoder {
 
 impl GpuEncoder {
     pub fn new(dev: &Arc<GpuDevice>, fmt: &GpuFormat, input: InputKind) -> Result<Self> {
-        let self_warps = tpr_warps();
-        let pf = if dev.compute_capability.0 >= 8 { env_knob("VELOXQUANT_ENCODE_PF", 1) } else { 0 };
+        let t = dev.tuning;
+        let self_warps = t.encode_warps;
+        let pf = (dev.compute_capability.0 >= 8 && t.encode_prefetch) as i64;
         // turboquant_mse codes: two threads per row (half the registers, twice the warps).
-        let two_per_row = fmt.kind == KernelKind::Codes && pf != 0 && env_knob("VELOXQUANT_ENCODE_TPR2", 1) != 0;
-        let warps2 = env_knob("VELOXQUANT_ENCODE_WARPS2", 8).clamp(1, 16) as usize;
-        let defines = encode_defines(fmt, input, pf);
+        let two_per_row = fmt.kind == KernelKind::Codes && pf != 0 && t.encode_two_per_row;
+        let warps2 = t.encode_warps2;
+        let defines = encode_defines(fmt, input, pf, &t);
         let func = dev.function(Family::Encode, &defines, "encode_rows")?;
         let s = &dev.stream;
         let use_tpr = fmt.t == 32

@@ -34,6 +34,7 @@ pub mod error;
 pub mod format;
 pub mod ops;
 pub mod prefill;
+pub mod tuning;
 
 pub use blas::{cublas_present, Blas};
 pub use cache::{AppendRow, GpuCacheConfig, GpuKvCache};
@@ -43,3 +44,4 @@ pub use error::{CudaError, Result};
 pub use format::GpuFormat;
 pub use ops::ModelOps;
 pub use prefill::PrefillAttn;
+pub use tuning::Tuning;

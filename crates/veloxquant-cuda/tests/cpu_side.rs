@@ -115,7 +115,8 @@ fn every_kernel_configuration_compiles() {
         eprintln!("SKIPPED: {e} (set LD_LIBRARY_PATH to a libnvrtc, e.g. from the nvidia-cuda-nvrtc wheel)");
         return;
     }
-    let arch = "compute_90";
+    // Every target the host can pick (device.rs `arch_name`), with its capability's choices.
+    let archs = [("compute_80", (8, 0)), ("compute_86", (8, 6)), ("compute_89", (8, 9)), ("compute_90", (9, 0))];
     let specs = [
         "fp16",
         "q8_0",
@@ -130,46 +131,48 @@ fn every_kernel_configuration_compiles() {
         "turboquant_mse:4:eden",
     ];
     let mut built: Vec<String> = Vec::new();
-    let mut compile = |fam: Family, defs: Vec<(String, i64)>| {
-        let d: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        let key = veloxquant_cuda::device::module_key(fam, &d);
-        if built.contains(&key) {
-            return;
-        }
-        if let Err(e) = compile_ptx(fam, &d, arch) {
-            panic!("{key}: {e}");
-        }
-        built.push(key);
-    };
-    let owned = |d: &[(&str, i64)]| d.iter().map(|(k, v)| (k.to_string(), *v)).collect::<Vec<_>>();
-    compile(Family::Model, Vec::new());
-    for d in [64usize, 128] {
-        let fmts: Vec<GpuFormat> =
-            specs.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();
-        for f in &fmts {
-            for input in [InputKind::F32, InputKind::F16] {
-                compile(Family::Encode, owned(&encode_defines(f, input, 1)));
+    for (arch, cc) in archs {
+        let mut compile = |fam: Family, defs: Vec<(String, i64)>| {
+            let d: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            let key = format!("{arch}/{}", veloxquant_cuda::device::module_key(fam, &d));
+            if built.contains(&key) {
+                return;
             }
-            for (sink, recent, rows) in [(0, 0, true), (4, 8, true), (0, 32, false)] {
-                let mut cpu = CacheConfig::new(1, 2, d, f.spec.clone(), f.spec.clone());
-                (cpu.sink, cpu.recent) = (sink, recent);
-                let cfg = GpuCacheConfig::from_cpu(&cpu, 2, 1024, 2048);
-                compile(Family::Kv, owned(&kv_defines(&cfg, f, rows)));
-                for g in [1, 3, 4] {
-                    compile(Family::Prefill, owned(&prefill_defines(&cfg, g, rows)));
+            if let Err(e) = compile_ptx(fam, &d, arch) {
+                panic!("{key}: {e}");
+            }
+            built.push(key);
+        };
+        let owned = |d: &[(&str, i64)]| d.iter().map(|(k, v)| (k.to_string(), *v)).collect::<Vec<_>>();
+        compile(Family::Model, Vec::new());
+        for d in [64usize, 128] {
+            let fmts: Vec<GpuFormat> =
+                specs.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();
+            for f in &fmts {
+                for input in [InputKind::F32, InputKind::F16] {
+                    compile(Family::Encode, owned(&encode_defines(f, input, 1, &veloxquant_cuda::Tuning::default())));
+                }
+                for (sink, recent, rows) in [(0, 0, true), (4, 8, true), (0, 32, false)] {
+                    let mut cpu = CacheConfig::new(1, 2, d, f.spec.clone(), f.spec.clone());
+                    (cpu.sink, cpu.recent) = (sink, recent);
+                    let cfg = GpuCacheConfig::from_cpu(&cpu, 2, 1024, 2048);
+                    compile(Family::Kv, owned(&kv_defines(&cfg, f, rows)));
+                    for g in [1, 3, 4] {
+                        compile(Family::Prefill, owned(&prefill_defines(&cfg, g, rows)));
+                    }
                 }
             }
-        }
-        // Decode: every same-format pair and the mixed pairs the engine's methods use.
-        let mut pairs: Vec<(usize, usize)> = (0..fmts.len()).map(|i| (i, i)).collect();
-        pairs.extend([(10, 7), (9, 6), (8, 6), (9, 1), (2, 4)]);
-        for (ki, vi) in pairs {
-            for g in [1, 2, 3, 4, 8] {
-                for (fam, defs) in veloxquant_cuda::attn::decode_modules(&fmts[ki], &fmts[vi], g) {
-                    compile(fam, defs);
+            // Decode: every same-format pair and the mixed pairs the engine's methods use.
+            let mut pairs: Vec<(usize, usize)> = (0..fmts.len()).map(|i| (i, i)).collect();
+            pairs.extend([(10, 7), (9, 6), (8, 6), (9, 1), (2, 4)]);
+            for (ki, vi) in pairs {
+                for g in [1, 2, 3, 4, 8] {
+                    for (fam, defs) in veloxquant_cuda::attn::decode_modules(&fmts[ki], &fmts[vi], g, cc) {
+                        compile(fam, defs);
+                    }
                 }
             }
         }
     }
-    eprintln!("compiled {} module configurations for {arch}:\n{}", built.len(), built.join("\n"));
+    eprintln!("compiled {} module configurations:\n{}", built.len(), built.join("\n"));
 }

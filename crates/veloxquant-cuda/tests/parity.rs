@@ -228,6 +228,10 @@ fn assert_same_contents(gpu: &GpuKvCache, slot: usize, cpu: &PagedCache, what: &
 }
 
 fn run_case(dev: &Arc<GpuDevice>, c: &Case, seed: u64) -> f64 {
+    run_case_with(dev, c, seed, attn::DecodeOptions::default())
+}
+
+fn run_case_with(dev: &Arc<GpuDevice>, c: &Case, seed: u64, opts: attn::DecodeOptions) -> f64 {
     let n_kv = 2;
     let d = c.d;
     let hq = n_kv * c.gqa;
@@ -261,7 +265,7 @@ fn run_case(dev: &Arc<GpuDevice>, c: &Case, seed: u64) -> f64 {
         slots.push(slot);
     }
     let q = rng.gaussian_vec(c.lens.len() * hq * d);
-    let out = attn::decode(&mut gpu, &slots, 0, &q, hq).unwrap();
+    let out = attn::decode_with(&mut gpu, &slots, 0, &q, hq, opts).unwrap();
     let mut worst = 0f64;
     for (b, cpu) in cpus.iter().enumerate() {
         let qb = &q[b * hq * d..(b + 1) * hq * d];
@@ -348,6 +352,29 @@ fn decode_long_ragged_rows_match_cpu_reference() {
     }
     eprintln!("decode parity, long ragged rows: worst rel err {worst_all:.2e}, failures {}", bad.len());
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
+}
+
+/// The generic path pre-Hopper GPUs run (no bulk copies, no PDL) for the formats Hopper takes
+/// on the FAST path, checked here on Hopper against the CPU reference.
+#[test]
+fn decode_generic_path_matches_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let opts = attn::DecodeOptions { generic: true, ..Default::default() };
+    let mut worst = 0f64;
+    for (k, v) in [
+        ("turboquant_mse:4", "turboquant_mse:4"),
+        ("turboquant_mse:2", "turboquant_mse:2"),
+        ("turboquant_mse:4:eden", "turboquant_mse:2"),
+    ] {
+        for d in [64, 128] {
+            for gqa in [1, 3, 8] {
+                let c = Case { k, v, d, gqa, recent: 8, sink: 4, page_mode: false, lens: &[700, 33, 1] };
+                worst = worst.max(run_case_with(&dev, &c, (d + gqa) as u64, opts));
+            }
+        }
+    }
+    eprintln!("decode parity, generic path: worst rel err {worst:.2e}");
+    assert!(worst <= 2e-3, "{worst:.2e}");
 }
 
 /// Fork shares pages; appending into a shared open page copies it first; trim keeps what

@@ -14,6 +14,9 @@ pub struct CodedSource<'a> {
     pub keys: &'a [&'a [f32]],
     pub values: &'a [&'a [f32]],
     pub range: &'a (dyn Fn(usize) -> std::ops::Range<usize> + Sync),
+    /// The query these keys are scored with, `[n_heads][n_q][head_dim]` and already scaled
+    /// by 1/√head_dim (a format that quantizes the query, e.g. rabitq); `None`: q itself.
+    pub query: Option<&'a [f32]>,
 }
 
 /// Exact causal attention over f32 keys/values, parallel over (head, query block).
@@ -64,6 +67,9 @@ pub fn causal_attention_mixed(
             got: n_heads,
         });
     }
+    if let Some(qq) = coded.and_then(|c| c.query).filter(|qq| qq.len() != q.len()) {
+        return Err(LlmError::ShapeMismatch { op: "attend: coded query length", expected: q.len(), got: qq.len() });
+    }
     for kv in keys.iter().chain(values.iter()) {
         if kv.len() < len * head_dim {
             return Err(LlmError::ShapeMismatch {
@@ -91,7 +97,11 @@ pub fn causal_attention_mixed(
             gemm_rowmajor(rows, n_keys, head_dim, &mut scores, q_blk, head_dim, 1, keys[g], 1, head_dim, scale);
             let mut coded_p = coded.map(|c| {
                 let mut sc = vec![0f32; rows * n_keys];
-                gemm_rowmajor(rows, n_keys, head_dim, &mut sc, q_blk, head_dim, 1, c.keys[g], 1, head_dim, scale);
+                let (qc, alpha) = match c.query {
+                    Some(qq) => (&qq[(h * n_q + r0) * head_dim..(h * n_q + r0 + rows) * head_dim], 1.0),
+                    None => (q_blk, scale),
+                };
+                gemm_rowmajor(rows, n_keys, head_dim, &mut sc, qc, head_dim, 1, c.keys[g], 1, head_dim, alpha);
                 for (i, (row, crow)) in scores.chunks_exact_mut(n_keys).zip(sc.chunks_exact(n_keys)).enumerate() {
                     let r = (c.range)(first_pos + i);
                     row[r.clone()].copy_from_slice(&crow[r]);

@@ -128,20 +128,26 @@ impl KvStore for CompressedStore {
         let d = self.cache.config().head_dim;
         let n_sink = self.cache.config().sink;
         let len = self.cache.n_tokens(layer).map_err(backend)?;
+        if n_q == 0 {
+            return Ok(Vec::new());
+        }
         if n_q == 1 {
             return decode_attention(&self.cache, layer, q, q.len() / d).map_err(backend);
         }
         let p = self
             .pending
             .take()
-            .filter(|p| p.layer == layer && len - n_q == p.start)
+            .filter(|p| p.layer == layer && len.checked_sub(n_q) == Some(p.start))
             .ok_or_else(|| LlmError::Store("a multi-token attend must follow the append of those tokens".into()))?;
         let lc = self.cache.layer(layer).map_err(backend)?;
         // Decoded codes at their absolute positions [S, S + paged); exact values elsewhere.
+        // (No codes yet while the sinks are still filling: len may be below S.)
         let place = |s: &StreamStore| {
             let mut full = vec![0f32; len * d];
             let dec = materialize_pages(s);
-            full[n_sink * d..n_sink * d + dec.len()].copy_from_slice(&dec);
+            if !dec.is_empty() {
+                full[n_sink * d..n_sink * d + dec.len()].copy_from_slice(&dec);
+            }
             full
         };
         let k_dec: Vec<Vec<f32>> = lc.keys.iter().map(place).collect();
@@ -150,9 +156,21 @@ impl KvStore for CompressedStore {
         // keys [S, S + coded) through the codes, the rest exact.
         let cfg = self.cache.config();
         let (recent, t, row_mode, coded_before) = (cfg.recent, cfg.page_tokens, self.cache.row_mode(), p.coded_before);
-        let range = move |pos: usize| n_sink..n_sink + coded_after(pos + 1, n_sink, recent, t, row_mode, coded_before);
+        let range = move |pos: usize| match coded_after(pos + 1, n_sink, recent, t, row_mode, coded_before) {
+            0 => 0..0, // nothing coded yet: S may lie beyond this query's keys
+            c => n_sink..n_sink + c,
+        };
+        let n_kv = lc.keys.len();
+        if !q.len().is_multiple_of(n_q * d) || !(q.len() / (n_q * d)).is_multiple_of(n_kv) || q.is_empty() {
+            return Err(LlmError::ShapeMismatch {
+                op: "attend: q of whole query heads per KV head",
+                expected: n_kv * n_q * d,
+                got: q.len(),
+            });
+        }
+        let q_coded = scoring_queries(lc, q, n_q, d);
         let (kd, vd, ke, ve) = (refs(&k_dec), refs(&v_dec), refs(&p.keys), refs(&p.values));
-        let coded = CodedSource { keys: &kd, values: &vd, range: &range };
+        let coded = CodedSource { keys: &kd, values: &vd, range: &range, query: Some(&q_coded) };
         let out = causal_attention_mixed(q, n_q, &ke, &ve, Some(&coded), len, d)?;
         Ok(out)
     }
@@ -164,6 +182,24 @@ impl KvStore for CompressedStore {
     fn resident_bytes(&self) -> usize {
         self.cache.resident_bytes()
     }
+}
+
+/// What decode scores the coded keys with, for every query row ([n_heads][n_q][d]): the
+/// query scaled by 1/√d through the key format's scoring semantics (rabitq's 4-bit query;
+/// the scaled query itself for the others), so prefill describes the estimator that runs.
+fn scoring_queries(lc: &veloxquant::cache::LayerCache, q: &[f32], n_q: usize, d: usize) -> Vec<f32> {
+    let scale = 1.0 / (d as f32).sqrt();
+    let n_heads = q.len() / (n_q * d);
+    let group = n_heads / lc.keys.len();
+    let mut out = Vec::with_capacity(q.len());
+    for (h, rows) in q.chunks_exact(n_q * d).enumerate() {
+        let f = lc.keys[h / group].format();
+        for row in rows.chunks_exact(d) {
+            let scaled: Vec<f32> = row.iter().map(|v| v * scale).collect();
+            out.extend(f.scoring_query_ref(&scaled, 1));
+        }
+    }
+    out
 }
 
 /// Keys and values of the model on `tokens` (one forward pass through an fp16 store that

@@ -77,6 +77,17 @@ impl WindowPlan {
         Ok(Self { n_ctx, n_windows, first: n_ctx / 2 })
     }
 
+    /// As [`new`](Self::new), and a window must fit `model`'s context (checked before any
+    /// window is evaluated).
+    pub fn for_model(model: &Llama, n_tokens: usize, n_ctx: usize, n_windows: usize) -> Result<Self> {
+        let plan = Self::new(n_tokens, n_ctx, n_windows)?;
+        // A window evaluates n_ctx − 1 positions.
+        if n_ctx - 1 > model.config.n_ctx_train {
+            return Err(LlmError::ContextOverflow { pos: n_ctx - 1, n_ctx_train: model.config.n_ctx_train });
+        }
+        Ok(plan)
+    }
+
     pub fn n_scored_per_window(&self) -> usize {
         self.n_ctx - 1 - self.first
     }
@@ -130,7 +141,7 @@ pub fn perplexity_with_progress(
     factory: &mut StoreFactory,
     progress: &mut dyn FnMut(usize, &PplStats),
 ) -> Result<PplStats> {
-    let plan = WindowPlan::new(tokens.len(), n_ctx, n_windows)?;
+    let plan = WindowPlan::for_model(model, tokens.len(), n_ctx, n_windows)?;
     let n_vocab = model.config.n_vocab;
     let t0 = Instant::now();
     let mut acc = NllAccumulator::default();
@@ -224,7 +235,7 @@ pub fn compare_many_with_progress(
     candidates: &mut [&mut StoreFactory],
     progress: &mut dyn FnMut(usize),
 ) -> Result<Vec<CompareStats>> {
-    let plan = WindowPlan::new(tokens.len(), n_ctx, n_windows)?;
+    let plan = WindowPlan::for_model(model, tokens.len(), n_ctx, n_windows)?;
     let n_vocab = model.config.n_vocab;
     let mut r = CompareAcc::default();
     let mut cs: Vec<CompareAcc> = candidates.iter().map(|_| CompareAcc::default()).collect();

@@ -52,6 +52,7 @@ pub fn generate_ids(
     if prompt.is_empty() {
         return Err(LlmError::InvalidArgument("empty prompt".into()));
     }
+    check_room(model, store, prompt.len(), max_tokens)?;
     let t0 = Instant::now();
     let mut logits = Vec::new();
     for chunk in prompt.chunks(PREFILL_CHUNK) {
@@ -84,8 +85,20 @@ pub fn continue_ids(
     sampler: &mut dyn Sampler,
     on_token: &mut dyn FnMut(u32) -> bool,
 ) -> Result<Vec<u32>> {
+    check_room(model, store, 1, max_tokens)?;
     let logits = model.forward(&[next], store, 0)?;
     decode_loop(model, logits, max_tokens, stop, store, sampler, on_token)
+}
+
+/// The whole text — what `store` holds, `n_input` new tokens and `max_tokens` generated —
+/// must fit the model's context: checked before any work (and before `max_tokens` sizes
+/// anything), so a huge request is a clear error, not an allocation failure.
+fn check_room(model: &Llama, store: &dyn KvStore, n_input: usize, max_tokens: usize) -> Result<()> {
+    let n_ctx_train = model.config.n_ctx_train;
+    match store.len(0).checked_add(n_input).and_then(|n| n.checked_add(max_tokens)) {
+        Some(pos) if pos <= n_ctx_train => Ok(()),
+        pos => Err(LlmError::ContextOverflow { pos: pos.unwrap_or(usize::MAX), n_ctx_train }),
+    }
 }
 
 fn decode_loop(
@@ -134,31 +147,66 @@ pub fn generate_from_ids(
     sampler: &mut dyn Sampler,
     on_text: &mut dyn FnMut(&str),
 ) -> Result<GenStats> {
-    let stop: Vec<u32> = tok.eos.into_iter().chain(tok.token_id("<|im_end|>")).collect();
-    let mut generated = Vec::new();
-    let mut printed = 0usize;
+    let stop = tok.stop_ids();
+    let mut stream = TextStream::new(tok);
     let mut err = None;
     let stats = generate_ids(model, ids, max_tokens, &stop, store, sampler, &mut |id| {
         if stop.contains(&id) {
             return false;
         }
-        generated.push(id);
-        match tok.decode(&generated) {
-            // A trailing U+FFFD is a character split across tokens: wait for the rest.
-            Ok(text) if !text.ends_with('\u{FFFD}') && text.len() > printed => {
-                on_text(&text[printed..]);
-                printed = text.len();
+        match stream.push(id) {
+            Ok(text) => {
+                if !text.is_empty() {
+                    on_text(&text);
+                }
                 true
             }
-            Ok(_) => true,
             Err(e) => {
                 err = Some(e);
                 false
             }
         }
     })?;
-    match err {
-        Some(e) => Err(e),
-        None => Ok(stats),
+    if let Some(e) = err {
+        return Err(e);
+    }
+    let rest = stream.finish()?;
+    if !rest.is_empty() {
+        on_text(&rest);
+    }
+    Ok(stats)
+}
+
+/// The decoded text of a growing token sequence, handed out in whole UTF-8 characters: a
+/// character whose bytes span several byte-level tokens waits for its last byte (decoding
+/// one token at a time prints U+FFFD instead).
+pub struct TextStream<'a> {
+    tok: &'a Tokenizer,
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl<'a> TextStream<'a> {
+    pub fn new(tok: &'a Tokenizer) -> Self {
+        Self { tok, ids: Vec::new(), printed: 0 }
+    }
+
+    /// Adds `id`; returns the text completed by it (empty while a character is unfinished).
+    pub fn push(&mut self, id: u32) -> Result<String> {
+        self.ids.push(id);
+        let text = self.tok.decode(&self.ids)?;
+        // A trailing U+FFFD is a character split across tokens: wait for the rest.
+        if text.ends_with('\u{FFFD}') {
+            return Ok(String::new());
+        }
+        let new = text.get(self.printed..).unwrap_or_default().to_string();
+        self.printed = text.len();
+        Ok(new)
+    }
+
+    /// What is left: an unfinished character at the end, as U+FFFD.
+    pub fn finish(self) -> Result<String> {
+        let text = self.tok.decode(&self.ids)?;
+        Ok(text.get(self.printed..).unwrap_or_default().to_string())
     }
 }

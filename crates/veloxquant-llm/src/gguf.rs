@@ -82,6 +82,11 @@ impl<R> Gguf<R> {
         arr.iter().map(|v| v.to_string().map(|s| s.as_str()).map_err(|_| missing(key))).collect()
     }
 
+    /// Length of an array value (e.g. the vocabulary), without converting its elements.
+    pub fn array_len(&self, key: &str) -> Result<usize> {
+        Ok(self.value(key)?.to_vec().map_err(|_| missing(key))?.len())
+    }
+
     pub fn i32_array(&self, key: &str) -> Result<Vec<i32>> {
         let arr = self.value(key)?.to_vec().map_err(|_| missing(key))?;
         arr.iter()

@@ -37,7 +37,7 @@ pub use compressed::{calibrate, CompressedStore};
 pub use error::{LlmError, Result};
 pub use eval::{compare_many, compare_many_with_progress, compare_stores, perplexity, CompareStats, PplStats};
 pub use fetch::{fetch_model, model_fingerprint};
-pub use generate::{generate, GenStats, Greedy, Sampler};
+pub use generate::{generate, GenStats, Greedy, Sampler, TextStream};
 pub use model::batch::{BatchItem, BatchStore};
 pub use model::{Llama, LlamaConfig, WeightMode};
 pub use passkey::{passkey_accuracy, passkey_prompt, PasskeyFormat, PasskeyStats};

@@ -6,6 +6,7 @@ use crate::store::KvStore;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use rayon::prelude::*;
+use std::io::{Seek, SeekFrom};
 use std::path::Path;
 
 pub mod batch;
@@ -30,8 +31,10 @@ pub struct LlamaConfig {
 /// the tables sized from them stay small.
 const MAX_LAYERS: usize = 1 << 10;
 const MAX_HEADS: usize = 1 << 10;
-const MAX_HEAD_DIM: usize = 1 << 10;
+use veloxquant::format::MAX_HEAD_DIM;
 const MAX_HIDDEN: usize = 1 << 16;
+/// Largest vocabulary (real ones reach ≈ 256k).
+const MAX_VOCAB: usize = 1 << 20;
 /// RoPE table entries (n_ctx_train × head_dim / 2; Llama 3.1 at 128k needs 2^23).
 const MAX_ROPE_ENTRIES: usize = 1 << 25;
 
@@ -145,9 +148,8 @@ impl Llama {
         let config = LlamaConfig::from_metadata(g)?;
         let (hidden, n_kv_heads, head_dim) = (config.hidden, config.n_kv_heads, config.head_dim);
         let (h, kvd, f) = (hidden, n_kv_heads * head_dim, config.ffn_hidden);
-        let embed_q = tensor(g, "token_embd.weight", None)?;
-        let n_vocab = embed_q.shape().dims().first().copied().unwrap_or(0);
-        expect_shape("token_embd.weight", &embed_q, &[n_vocab, h])?;
+        let n_vocab = check_tensors(g, &config)?;
+        let embed_q = tensor(g, "token_embd.weight", Some(&[n_vocab, h]))?;
         let embed = embed_q.dequantize(&Device::Cpu)?;
         let output = if g.content.tensor_infos.contains_key("output.weight") {
             linear(tensor(g, "output.weight", Some(&[n_vocab, h]))?, mode)?
@@ -269,6 +271,63 @@ pub(crate) fn rope_table(n_pos: usize, head_dim: usize, base: f32) -> (Vec<f32>,
         }
     }
     (cos, sin)
+}
+
+/// Every tensor the model reads, checked before any is read (a corrupt dimension must not
+/// size an allocation): its shape against the metadata, with n_vocab the tokenizer's
+/// vocabulary size (the embedding's rows, bounded, in a file without a vocabulary), and its
+/// bytes inside the file. Returns n_vocab.
+pub(crate) fn check_tensors(g: &mut Gguf, c: &LlamaConfig) -> Result<usize> {
+    let n_vocab = if g.has("tokenizer.ggml.tokens") {
+        g.array_len("tokenizer.ggml.tokens")?
+    } else {
+        let embd = g.content.tensor_infos.get("token_embd.weight");
+        embd.and_then(|t| t.shape.dims().first().copied()).unwrap_or(0)
+    };
+    if n_vocab == 0 || n_vocab > MAX_VOCAB {
+        return Err(LlmError::InvalidArgument(format!(
+            "GGUF metadata: vocabulary of {n_vocab} not in 1..={MAX_VOCAB}"
+        )));
+    }
+    let (h, kvd, f) = (c.hidden, c.n_kv_heads * c.head_dim, c.ffn_hidden);
+    let mut want = vec![("token_embd.weight".to_string(), vec![n_vocab, h]), ("output_norm.weight".into(), vec![h])];
+    if g.content.tensor_infos.contains_key("output.weight") {
+        want.push(("output.weight".into(), vec![n_vocab, h]));
+    }
+    for i in 0..c.n_layers {
+        for (name, shape) in [
+            ("attn_norm", vec![h]),
+            ("ffn_norm", vec![h]),
+            ("attn_q", vec![h, h]),
+            ("attn_k", vec![kvd, h]),
+            ("attn_v", vec![kvd, h]),
+            ("attn_output", vec![h, h]),
+            ("ffn_gate", vec![f, h]),
+            ("ffn_up", vec![f, h]),
+            ("ffn_down", vec![h, f]),
+        ] {
+            want.push((format!("blk.{i}.{name}.weight"), shape));
+        }
+    }
+    let file_len = g.reader.seek(SeekFrom::End(0)).map_err(|e| LlmError::io(&g.path, e))?;
+    let data_start = g.content.tensor_data_offset;
+    for (name, shape) in want {
+        let info = g.content.tensor_infos.get(&name).ok_or_else(|| LlmError::MissingTensor { name: name.clone() })?;
+        if info.shape.dims() != shape.as_slice() {
+            return Err(LlmError::BadTensorShape { name, expected: shape, got: info.shape.dims().to_vec() });
+        }
+        // Shapes equal bounded metadata, so the element count fits; the bytes must be there.
+        let (block, size) = (info.ggml_dtype.block_size(), info.ggml_dtype.type_size());
+        let elems: usize = shape.iter().product();
+        let end = data_start.checked_add(info.offset).and_then(|s| s.checked_add((elems / block * size) as u64));
+        if !elems.is_multiple_of(block) || end.is_none_or(|e| e > file_len) {
+            return Err(LlmError::Truncated {
+                path: g.path.clone(),
+                detail: format!("tensor {name}: its {elems} values are not inside the file"),
+            });
+        }
+    }
+    Ok(n_vocab)
 }
 
 pub(crate) fn tensor(g: &mut Gguf, name: &str, shape: Option<&[usize]>) -> Result<QTensor> {

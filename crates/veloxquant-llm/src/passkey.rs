@@ -16,6 +16,8 @@ const QUESTION: &str = "\n\nWhat is the pass key? The pass key is ";
 /// answer first restates "The pass key is".
 const ANSWER_TOKENS_PLAIN: usize = 8;
 const ANSWER_TOKENS_CHAT: usize = 16;
+/// Longest prompt built (far above any context here; the text grows with it).
+pub const MAX_PASSKEY_TOKENS: usize = 1 << 20;
 
 /// Prompt wrapping: plain text, or SmolLM2's ChatML template around the same text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -44,6 +46,11 @@ pub fn passkey_prompt(
 ) -> Result<PasskeyPrompt> {
     if !(0.0..=1.0).contains(&depth) {
         return Err(LlmError::InvalidArgument(format!("depth {depth} not in [0, 1]")));
+    }
+    if target_tokens > MAX_PASSKEY_TOKENS {
+        return Err(LlmError::InvalidArgument(format!(
+            "passkey prompt of {target_tokens} tokens: at most {MAX_PASSKEY_TOKENS}"
+        )));
     }
     let passkey = 10_000 + (veloxquant::rng::SplitMix64::new(seed).next_u64() % 90_000) as u32;
     let needle = format!("The pass key is {passkey}. Remember it. {passkey} is the pass key. ");
@@ -128,6 +135,20 @@ impl PasskeyStats {
     }
 }
 
+/// Tokens decoded for an answer: a prompt of `target_tokens` needs this many more in the
+/// model's context.
+pub fn answer_tokens(format: PasskeyFormat) -> usize {
+    match format {
+        PasskeyFormat::Plain => ANSWER_TOKENS_PLAIN,
+        PasskeyFormat::Chat => ANSWER_TOKENS_CHAT,
+    }
+}
+
+/// The seed of trial `trial` at depth index `di` (the CPU and GPU runs build the same prompts).
+pub fn trial_seed(seed: u64, di: usize, trial: usize) -> u64 {
+    seed ^ ((di as u64) << 32) ^ (trial as u64).wrapping_mul(0x9E37_79B9)
+}
+
 /// Greedy-decodes the answer for `n` seeded prompts at each depth; a trial is correct when
 /// the first five-digit number generated equals the passkey.
 #[allow(clippy::too_many_arguments)]
@@ -141,19 +162,28 @@ pub fn passkey_accuracy(
     seed: u64,
     format: PasskeyFormat,
 ) -> Result<PasskeyStats> {
+    if n == 0 || depths.is_empty() {
+        return Err(LlmError::InvalidArgument(format!(
+            "passkey: {n} trials at {} depths: nothing to measure",
+            depths.len()
+        )));
+    }
+    let answer = answer_tokens(format);
+    // Prompt and answer must fit the context: refused before any prompt is built.
+    let n_ctx_train = model.config.n_ctx_train;
+    match target_tokens.checked_add(answer) {
+        Some(pos) if pos <= n_ctx_train => {}
+        pos => return Err(LlmError::ContextOverflow { pos: pos.unwrap_or(usize::MAX), n_ctx_train }),
+    }
+    let stop = tok.stop_ids();
     let mut stats = PasskeyStats { target_tokens, ..Default::default() };
     for (di, &depth) in depths.iter().enumerate() {
         let mut correct = 0;
         for trial in 0..n {
-            let trial_seed = seed ^ ((di as u64) << 32) ^ (trial as u64).wrapping_mul(0x9E37_79B9);
+            let trial_seed = trial_seed(seed, di, trial);
             let p = passkey_prompt(tok, target_tokens, depth, trial_seed, format)?;
             let mut store = factory()?;
-            let stop: Vec<u32> = tok.eos.into_iter().chain(tok.token_id("<|im_end|>")).collect();
-            let max_tokens = match format {
-                PasskeyFormat::Plain => ANSWER_TOKENS_PLAIN,
-                PasskeyFormat::Chat => ANSWER_TOKENS_CHAT,
-            };
-            let g = generate_ids(model, &p.tokens, max_tokens, &stop, store.as_mut(), &mut Greedy, &mut |_| true)?;
+            let g = generate_ids(model, &p.tokens, answer, &stop, store.as_mut(), &mut Greedy, &mut |_| true)?;
             let text = tok.decode(&g.tokens)?;
             if extract_passkey(&text) == Some(p.passkey) {
                 correct += 1;

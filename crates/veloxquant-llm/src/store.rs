@@ -16,7 +16,8 @@ pub trait KvStore {
     /// Returns [n_q][n_heads * head_dim].
     fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>>;
     fn len(&self, layer: usize) -> usize;
-    /// Bytes actually allocated for keys and values.
+    /// Bytes the held tokens occupy: keys, values and side information (room reserved ahead
+    /// of the tokens is not counted).
     fn resident_bytes(&self) -> usize;
 }
 
@@ -77,17 +78,25 @@ impl<T: StoredValue> DenseStore<T> {
         Self::with_capacity(n_layers, n_kv_heads, head_dim, 0)
     }
 
-    /// Reserves room for `n_tokens` per layer up front (no regrowth during a window).
+    /// Reserves room for `n_tokens` per layer up front (no regrowth during a window). The
+    /// room is a hint: a size that overflows or cannot be reserved reserves nothing.
     pub fn with_capacity(n_layers: usize, n_kv_heads: usize, head_dim: usize, n_tokens: usize) -> Self {
-        let empty = || {
-            (0..n_layers).map(|_| (0..n_kv_heads).map(|_| Vec::with_capacity(n_tokens * head_dim)).collect()).collect()
+        let room = n_tokens.checked_mul(head_dim).unwrap_or(0);
+        let head = || {
+            let mut v = Vec::new();
+            if v.try_reserve_exact(room).is_err() {
+                v = Vec::new();
+            }
+            v
         };
+        let empty = || (0..n_layers).map(|_| (0..n_kv_heads).map(|_| head()).collect()).collect();
         Self { n_kv_heads, head_dim, keys: empty(), values: empty(), lens: vec![0; n_layers] }
     }
 
-    /// Empty cache shaped for `config`, with room for `n_tokens` per layer.
+    /// Empty cache shaped for `config`, with room for `n_tokens` per layer (at most the
+    /// model's context: no more can ever be appended).
     pub fn for_config(config: &crate::model::LlamaConfig, n_tokens: usize) -> Self {
-        Self::with_capacity(config.n_layers, config.n_kv_heads, config.head_dim, n_tokens)
+        Self::with_capacity(config.n_layers, config.n_kv_heads, config.head_dim, n_tokens.min(config.n_ctx_train))
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
@@ -128,8 +137,10 @@ impl<T: StoredValue> KvStore for DenseStore<T> {
         self.lens.get(layer).copied().unwrap_or(0)
     }
 
+    /// Bytes of the keys and values held (reserved room not counted, as for the compressed
+    /// cache: the same tokens cost the same whatever was reserved).
     fn resident_bytes(&self) -> usize {
-        self.keys.iter().chain(self.values.iter()).flatten().map(|h| h.capacity() * std::mem::size_of::<T>()).sum()
+        self.keys.iter().chain(self.values.iter()).flatten().map(|h| std::mem::size_of_val(h.as_slice())).sum()
     }
 }
 
@@ -155,7 +166,10 @@ mod tests {
         assert_eq!(one.len(0), len);
         assert_eq!(two.len(0), len);
         assert_eq!(one.attend(0, &q, 1).unwrap(), two.attend(0, &q, 1).unwrap());
-        assert!(one.resident_bytes() >= 2 * n_kv * len * hd * 2);
+        assert_eq!(one.resident_bytes(), 2 * n_kv * len * hd * 2);
+        // A reservation beyond memory, or one whose size overflows, is only a hint.
+        assert_eq!(Fp16Store::with_capacity(1, 2, 64, usize::MAX / 8).resident_bytes(), 0);
+        assert_eq!(Fp16Store::with_capacity(1, 1, 1 << 20, 1 << 50).resident_bytes(), 0);
     }
 
     #[test]

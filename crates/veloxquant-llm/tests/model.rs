@@ -142,9 +142,21 @@ fn kl_and_log_softmax_basics() {
     let z: f32 = p.iter().map(|x| x.exp()).sum();
     assert!((z - 1.0).abs() < 1e-6);
     assert_eq!(kl_divergence(&p, &p), 0.0);
-    let mut q = vec![3.0f32, 2.0, 1.0];
-    log_softmax_in_place(&mut q);
-    assert!(kl_divergence(&p, &q) > 0.1);
+    // Asymmetric pair, so swapped arguments fail: KL(p‖q) = Σ p ln(p/q) by hand.
+    // p = (0.7, 0.2, 0.1), q = (0.2, 0.3, 0.5):
+    // KL(p‖q) = 0.7 ln 3.5 + 0.2 ln(2/3) + 0.1 ln 0.2 = 0.634897…
+    // KL(q‖p) = 0.2 ln(2/7) + 0.3 ln 1.5 + 0.5 ln 5 = 0.675806…
+    let (pp, qq) = ([0.7f64, 0.2, 0.1], [0.2f64, 0.3, 0.5]);
+    let by_hand = |a: &[f64; 3], b: &[f64; 3]| a.iter().zip(b).map(|(x, y)| x * (x / y).ln()).sum::<f64>();
+    let (want_pq, want_qp) = (by_hand(&pp, &qq), by_hand(&qq, &pp));
+    assert!((want_pq - 0.634897).abs() < 1e-6 && (want_qp - 0.675806).abs() < 1e-6);
+    // As log-softmax rows of logits (shifted by arbitrary constants).
+    let mut lp: Vec<f32> = pp.iter().map(|x| x.ln() as f32 + 3.0).collect();
+    let mut lq: Vec<f32> = qq.iter().map(|x| x.ln() as f32 - 1.5).collect();
+    log_softmax_in_place(&mut lp);
+    log_softmax_in_place(&mut lq);
+    assert!((kl_divergence(&lp, &lq) - want_pq).abs() < 1e-6, "KL(p‖q) {}", kl_divergence(&lp, &lq));
+    assert!((kl_divergence(&lq, &lp) - want_qp).abs() < 1e-6, "KL(q‖p) {}", kl_divergence(&lq, &lp));
 }
 
 #[test]
@@ -203,4 +215,28 @@ fn compare_many_sees_a_lossy_cache() {
     assert!(lossy.kl_mean > 1e-4 && lossy.top1_agreement < 1.0, "{lossy:?}");
     assert!(lossy.top1_agreement > 0.5, "{lossy:?}");
     assert_eq!(lossy.reference, out[0].reference);
+}
+
+/// Without the model or the text, model tests pass but say that they skipped and why, on
+/// stderr that `cargo test` shows (this binary rerun with both made unavailable).
+#[test]
+fn tests_without_the_model_or_the_text_say_that_they_skip() {
+    if std::env::var_os("VELOXQUANT_MODEL").is_some_and(|p| p == "/nonexistent/model.gguf") {
+        return; // the rerun itself
+    }
+    let run = |test: &str, env: (&str, &str)| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--test-threads", "1"])
+            .env(env.0, env.1)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = run("config_matches_reference", ("VELOXQUANT_MODEL", "/nonexistent/model.gguf"));
+    assert!(err.contains("SKIP config_matches_reference: VELOXQUANT_MODEL=/nonexistent/model.gguf"), "{err}");
+    if common::loaded().is_some() {
+        let err = run("perplexity_first_windows_regression", ("VELOXQUANT_TEXT", "/nonexistent/text.txt"));
+        assert!(err.contains("SKIP perplexity_first_windows_regression: wikitext-2-raw-test.txt not found"), "{err}");
+    }
 }

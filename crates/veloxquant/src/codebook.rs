@@ -80,6 +80,11 @@ pub struct ScaledCodebook {
 }
 
 impl ScaledCodebook {
+    /// Bytes of its centroid and threshold tables.
+    pub fn state_bytes(&self) -> usize {
+        (self.centroids.len() + self.thresholds.len()) * std::mem::size_of::<f32>()
+    }
+
     pub fn new(bits: u32, d: usize) -> Self {
         let g = gaussian(bits);
         let s = 1.0 / (d as f64).sqrt();

@@ -52,6 +52,14 @@ impl Rotation {
         Self::Dense { d, m: rows.into_iter().flatten().map(|x| x as f32).collect() }
     }
 
+    /// Bytes this rotation holds: d sign floats (Hadamard) or the d² dense matrix.
+    pub fn state_bytes(&self) -> usize {
+        match self {
+            Self::Hadamard { signs, .. } => std::mem::size_of_val(signs.as_slice()),
+            Self::Dense { m, .. } => std::mem::size_of_val(m.as_slice()),
+        }
+    }
+
     pub fn dim(&self) -> usize {
         match self {
             Self::Hadamard { signs, .. } => signs.len(),

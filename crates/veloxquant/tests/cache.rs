@@ -105,19 +105,26 @@ fn resident_bytes_is_the_sum_of_the_buffers() {
     let n = 1000;
     cache.append(0, &rng.gaussian_vec(3 * n * 64), &rng.gaussian_vec(3 * n * 64), n).unwrap();
     let grown = cache.resident_bytes() - fresh;
-    // Independent count: 31 pages per head; K page = 32·(32 B codes + 2 B norm), V page = 32·128 B.
+    // Independent count of the bytes in use: 31 pages per head and stream, each with its
+    // Arc counters (16 B) and page-table entry (16 B); K page = 32·(32 B codes + 2 B norm),
+    // V page = 32·128 B; the tail holds the 8 newest tokens in fp16 (128 B each).
     let pages = (n - 8) / 32;
-    let per_page_overhead = 16 + 16; // Arc counters + page-table entry (lower bound)
-    let payload = 3 * pages * (32 * 34 + 32 * 128);
-    assert!(grown >= payload + 3 * 2 * pages * per_page_overhead, "{grown} < payload {payload}");
-    // Page-table capacity may round up to a power of two: at most 2× the entries.
-    assert!(grown <= payload + 3 * 2 * pages * (16 + 2 * 16), "{grown}");
-    // Effective bits include the fp16 tail: above the page format's own bits.
+    let (k_page, v_page, overhead, tail) = (32 * 34, 32 * 128, 16 + 16, 8 * 128);
+    let k_bytes = 3 * (pages * (k_page + overhead) + tail);
+    assert_eq!(grown, k_bytes + 3 * (pages * (v_page + overhead) + tail));
     let (kb, vb) = cache.bits_per_value();
     assert!((kb - 4.25).abs() < 1e-9 && (vb - 16.0).abs() < 1e-9);
+    // Effective bits: those bytes plus the K formats' state (the Hadamard signs and the
+    // 16 + 15 codebook entries, f32, for each of 2 layers × 3 heads) over the values held.
     let (ek, _) = cache.effective_bits();
-    // Tail capacity (R+T tokens of f16 per stream, both layers) is ≈ 1.3 bits/value here.
-    assert!(ek > kb + 1.0 && ek < kb + 2.0, "effective K bits {ek}");
+    let k_state = 2 * 3 * (64 + 31) * 4;
+    let want = 8.0 * (k_bytes + k_state) as f64 / (3 * n * 64) as f64;
+    assert!((ek - want).abs() < 1e-9, "effective K bits {ek}, want {want}");
+    // A window of any size costs only the tokens it holds (nothing is reserved up front).
+    let mut big = cfg("turboquant_mse:4", "fp16", 1 << 24);
+    big.sink = 1 << 24;
+    let big = PagedCache::new(big).unwrap();
+    assert_eq!(big.resident_bytes(), fresh);
 }
 
 #[test]

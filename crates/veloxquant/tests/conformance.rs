@@ -315,3 +315,37 @@ fn non_power_of_two_head_dims_work() {
         assert!(mse < 0.034548 * 1.2, "d={d} mse {mse}");
     }
 }
+
+/// Shared state each format must report, counted by hand from what it holds: a rotation is
+/// d sign floats (Hadamard, power-of-two d) or the d × d matrix (other d); a sketch m × d
+/// floats; a b-bit codebook 2^b centroids and 2^b − 1 thresholds. None: trained state.
+fn expected_state_floats(spec: &FormatSpec, d: usize) -> Option<usize> {
+    let rot = if d.is_power_of_two() { d } else { d * d };
+    let cb = |b: u32| (2usize << b) - 1;
+    Some(match spec.name {
+        "fp16" | "kivi" => 0,
+        "q8_0" | "q4_0" => usize::from(spec.rotate) * rot,
+        "turboquant_mse" => rot + cb(spec.bits),
+        "turboquant_prod" => rot + d * d + cb(spec.bits - 1),
+        "turboquant_rvq" => 2 * rot + cb(spec.bits) + cb(spec.bits2),
+        "qjl" => spec.mult as usize * d * d,
+        "rabitq" => rot,
+        "vecinfer" => return None,
+        other => panic!("add {other} to the state table"),
+    })
+}
+
+#[test]
+fn state_bytes_count_rotations_sketches_and_codebooks() {
+    for spec in all_specs() {
+        for d in [96, 64] {
+            let Some(floats) = expected_state_floats(&spec, d) else { continue };
+            let stream = streams(&spec)[0];
+            if unsupported(&spec, d, stream) {
+                continue;
+            }
+            let f = spec.build(&ctx_stream(d, stream)).unwrap();
+            assert_eq!(f.state_bytes(), 4 * floats, "{spec} d={d}");
+        }
+    }
+}

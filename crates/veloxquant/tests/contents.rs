@@ -37,7 +37,10 @@ fn contents_round_trip_to_the_bit() {
         for l in 0..2 {
             let a = decode_attention(&cache, l, &q, 4).unwrap();
             let b = decode_attention(&back, l, &q, 4).unwrap();
-            assert_eq!(a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), b.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+            assert_eq!(
+                a.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+            );
         }
     }
 }

@@ -265,7 +265,9 @@ impl GpuEngine {
     /// `export` or by the CPU): decoding continues from them.
     pub fn import(&mut self, cache: &veloxquant::PagedCache) -> Result<usize> {
         if cache.n_tokens(0).map_err(|e| LlmError::StoreBackend(Box::new(e)))? > self.cfg.max_context {
-            return Err(LlmError::InvalidArgument("import: the cache holds more tokens than the engine's context".into()));
+            return Err(LlmError::InvalidArgument(
+                "import: the cache holds more tokens than the engine's context".into(),
+            ));
         }
         self.cache.upload(cache).map_err(gpu)
     }

@@ -108,8 +108,8 @@ impl GpuModel {
         let mut g = Gguf::open(path)?;
         let config = LlamaConfig::from_metadata(&g)?;
         let (h, kvd, f) = (config.hidden, config.n_kv_heads * config.head_dim, config.ffn_hidden);
-        let embed_t = tensor(&mut g, "token_embd.weight", None)?;
-        let n_vocab = embed_t.shape().dims().first().copied().unwrap_or(0);
+        // Every shape checked against the metadata before any tensor is read (model.rs).
+        let n_vocab = crate::model::check_tensors(&mut g, &config)?;
         let config = LlamaConfig { n_vocab, ..config };
         let tied = !g.content.tensor_infos.contains_key("output.weight");
         check_fits(dev, "the model's weights", weight_bytes(&config, tied))?;

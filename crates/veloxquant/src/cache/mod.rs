@@ -13,8 +13,8 @@ mod stream;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-pub use persist::{LoadCheck, SaveInfo, FILE_VERSION};
-pub use stream::StreamStore;
+pub use persist::{is_cache_file, LoadCheck, SaveInfo, FILE_VERSION};
+pub use stream::{StreamStore, MAX_WINDOW_TOKENS};
 
 use crate::error::{Result, VqError};
 use crate::format::{check_finite, FormatCtx, FormatSpec, Stream};
@@ -25,6 +25,10 @@ pub type Page = Arc<[u8]>;
 
 /// Default page size: KIVI-style per-channel groups and GPU tiles both want 32.
 pub const DEFAULT_PAGE_TOKENS: usize = 32;
+/// Bounds [`CacheConfig::validate`] enforces (far above any real model), so a config never
+/// builds millions of format instances.
+pub const MAX_LAYERS: usize = 1 << 12;
+pub const MAX_HEADS: usize = 1 << 10;
 
 #[derive(Clone, Debug)]
 pub struct CacheConfig {
@@ -100,6 +104,20 @@ impl CacheConfig {
         }
     }
 
+    /// Checks the sizes against their bounds before anything is built: layers, KV heads, R
+    /// and S (head and page sizes are checked by [`FormatSpec::build`]).
+    pub fn validate(&self) -> Result<()> {
+        let bad =
+            |what: &str, v: usize, max: usize| Err(VqError::InvalidConfig(format!("{what} = {v} not in 1..={max}")));
+        if !(1..=MAX_LAYERS).contains(&self.n_layers) {
+            return bad("n_layers", self.n_layers, MAX_LAYERS);
+        }
+        if !(1..=MAX_HEADS).contains(&self.n_kv_heads) {
+            return bad("n_kv_heads", self.n_kv_heads, MAX_HEADS);
+        }
+        stream::check_window(self.recent, self.sink)
+    }
+
     /// Tokens held in pages once `n` tokens have been appended (`row_mode`: see
     /// [`PagedCache::row_mode`]); they are positions [S, S + paged) after the S sinks.
     pub fn paged_tokens(&self, n: usize, row_mode: bool) -> usize {
@@ -138,9 +156,7 @@ pub struct PagedCache {
 
 impl PagedCache {
     pub fn new(cfg: CacheConfig) -> Result<Self> {
-        if cfg.n_layers == 0 || cfg.n_kv_heads == 0 {
-            return Err(VqError::InvalidConfig("n_layers and n_kv_heads must be > 0".into()));
-        }
+        cfg.validate()?;
         let built = Self::build_formats(&cfg, |_, _, _| None)?;
         let row_mode = Self::row_mode_of(&cfg, &built);
         let wrap = |fs: Vec<Arc<dyn crate::Format>>| -> Result<Vec<StreamStore>> {
@@ -254,7 +270,8 @@ impl PagedCache {
         self.clone()
     }
 
-    /// Bytes actually allocated: pages, page table, fp16 tails and per-instance state.
+    /// Bytes in use: pages, page-table entries, the fp16 tail and sink tokens held, and
+    /// per-instance state (growth slack of buffers not counted).
     pub fn resident_bytes(&self) -> usize {
         self.streams().map(StreamStore::resident_bytes).sum()
     }

@@ -40,15 +40,13 @@ const FILE_KIND: &str = "veloxquant-cache";
 const MAX_HEADER_BYTES: u64 = 16 << 20;
 /// Read granularity: memory grows with the bytes actually received, never the declared size.
 const CHUNK: usize = 1 << 16;
-/// Sanity bounds on declared dimensions (far above any real model).
-const MAX_LAYERS: usize = 1 << 12;
-const MAX_HEADS: usize = 1 << 10;
-const MAX_HEAD_DIM: usize = 1 << 10;
+// Sanity bounds on declared dimensions: the ones `CacheConfig::validate` enforces.
+use super::{MAX_HEADS, MAX_LAYERS};
+use crate::format::{MAX_HEAD_DIM, MAX_PAGE_TOKENS};
 /// Memory the header may make the loader build (format state, tail and sink buffers) beyond
 /// what the payload pays for: a few bytes of header must not declare gigabytes of structure.
 const STRUCTURE_ALLOWANCE: usize = 64 << 20;
 const STRUCTURE_PER_PAYLOAD_BYTE: usize = 32;
-const MAX_PAGE_TOKENS: usize = 1 << 12;
 
 /// What a save records besides the cache: the model fingerprint and caller strings
 /// (e.g. the token ids of the prompt, to continue generating after a load).
@@ -596,4 +594,16 @@ fn read_bounded<R: Read>(r: &mut R, n: usize, section: &str) -> Result<Vec<u8>> 
         read_full(r, &mut out[at..], section)?;
     }
     Ok(out)
+}
+
+/// Whether `r` starts as a cache file of this crate (framing and the `format` entry; the
+/// payload is not read): lets a caller refuse to overwrite a file of another kind.
+pub fn is_cache_file<R: Read>(r: &mut R) -> bool {
+    let mut len = [0u8; 8];
+    if read_full(r, &mut len, "header length").is_err() || u64::from_le_bytes(len) > MAX_HEADER_BYTES {
+        return false;
+    }
+    let Ok(header) = read_bounded(r, u64::from_le_bytes(len) as usize, "header") else { return false };
+    let meta = serde_json::from_slice::<Metadata>(&header).ok().and_then(|m| m.metadata().clone());
+    meta.is_some_and(|m| m.get("format").map(String::as_str) == Some(FILE_KIND))
 }

@@ -31,21 +31,21 @@ pub struct StreamStore {
 }
 
 impl StreamStore {
-    /// Reserves the fp16 tail (R + slack tokens) and sinks up front, so appends never
-    /// reallocate; a window too large to reserve is an `InvalidConfig` error, not an abort.
+    /// An empty stream. The fp16 tail and sinks grow with the tokens they hold (doubling,
+    /// capped at their full size R + slack and S), so a large window costs nothing until
+    /// it fills; R and S beyond [`MAX_WINDOW_TOKENS`] are an `InvalidConfig` error.
     pub fn new(format: Arc<dyn Format>, recent: usize, row_mode: bool, n_sink: usize) -> Result<Self> {
-        let slack = if row_mode { 1 } else { format.page_tokens() };
-        let d = format.head_dim();
-        let reserve = |tokens: Option<usize>| -> Result<Vec<f16>> {
-            let mut v = Vec::new();
-            tokens.and_then(|t| t.checked_mul(d)).and_then(|n| v.try_reserve_exact(n).ok()).ok_or_else(|| {
-                VqError::InvalidConfig(format!("cannot reserve an fp16 window of R = {recent}, S = {n_sink}"))
-            })?;
-            Ok(v)
-        };
-        let tail = reserve(recent.checked_add(slack))?;
-        let sink = reserve(Some(n_sink))?;
-        Ok(Self { format, pages: Vec::new(), open_rows: 0, tail, sink, n_sink, recent, row_mode })
+        check_window(recent, n_sink)?;
+        Ok(Self {
+            format,
+            pages: Vec::new(),
+            open_rows: 0,
+            tail: Vec::new(),
+            sink: Vec::new(),
+            n_sink,
+            recent,
+            row_mode,
+        })
     }
 
     /// The sink tokens held so far (≤ n_sink), exact f16.
@@ -195,11 +195,13 @@ impl StreamStore {
         let (d, t) = (self.format.head_dim(), self.format.page_tokens());
         let cap_tokens = self.recent + if self.row_mode { 1 } else { t };
         let room = (self.n_sink * d).saturating_sub(self.sink.len()).min(x.len());
+        grow(&mut self.sink, room, self.n_sink * d);
         self.sink.extend(x[..room].iter().map(|&v| f16::from_f32(v)));
         let mut rest = &x[room..];
         while !rest.is_empty() {
             let room = cap_tokens - self.tail_tokens();
             let take = room.min(rest.len() / d);
+            grow(&mut self.tail, take * d, cap_tokens * d);
             self.tail.extend(rest[..take * d].iter().map(|&v| f16::from_f32(v)));
             rest = &rest[take * d..];
             self.flush()?;
@@ -244,13 +246,38 @@ impl StreamStore {
         self.pages.iter().map(|p| (p.as_ptr(), p.len()))
     }
 
-    /// Pages + page table + tail capacity + format state, as allocated.
+    /// Bytes in use: pages with their counters, page-table entries, the fp16 tokens held
+    /// (tail and sinks) and the format state; growth slack of the buffers is not counted.
     pub fn resident_bytes(&self) -> usize {
         self.pages.iter().map(|p| p.len() + ARC_HEADER).sum::<usize>()
-            + self.pages.capacity() * std::mem::size_of::<Page>()
-            + self.tail.capacity() * 2
-            + self.sink.capacity() * 2
+            + self.pages.len() * std::mem::size_of::<Page>()
+            + std::mem::size_of_val(self.tail.as_slice())
+            + std::mem::size_of_val(self.sink.as_slice())
             + self.format.state_bytes()
+    }
+}
+
+/// Tokens R or S may name: far above any model's context, low enough that R + T and the
+/// buffer sizes derived from them cannot overflow.
+pub const MAX_WINDOW_TOKENS: usize = 1 << 24;
+
+/// R and S within [`MAX_WINDOW_TOKENS`].
+pub(crate) fn check_window(recent: usize, n_sink: usize) -> Result<()> {
+    if recent > MAX_WINDOW_TOKENS || n_sink > MAX_WINDOW_TOKENS {
+        return Err(VqError::InvalidConfig(format!(
+            "window R = {recent} or sinks S = {n_sink} exceed {MAX_WINDOW_TOKENS} tokens"
+        )));
+    }
+    Ok(())
+}
+
+/// Room for `extra` more values: capacity doubles, but never past `cap` (the buffer's full
+/// size), so a full window holds exactly its size and an unfilled one only what it holds.
+fn grow(v: &mut Vec<f16>, extra: usize, cap: usize) {
+    let need = v.len() + extra;
+    if need > v.capacity() {
+        let target = need.max(v.capacity().saturating_mul(2).min(cap));
+        v.reserve_exact(target - v.len());
     }
 }
 

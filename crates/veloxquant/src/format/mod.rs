@@ -24,6 +24,12 @@ use std::sync::Arc;
 
 use crate::error::{Result, VqError};
 
+/// Largest head size a format is built for: far above real models (≤ 256), low enough that
+/// a dense d × d rotation (4 MiB) and its Gram–Schmidt stay cheap.
+pub const MAX_HEAD_DIM: usize = 1 << 10;
+/// Largest page size T.
+pub const MAX_PAGE_TOKENS: usize = 1 << 12;
+
 /// Which stream a format instance serves (rotation seeds differ per stream).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Stream {
@@ -244,11 +250,15 @@ impl FormatSpec {
     }
 
     pub fn build(&self, ctx: &FormatCtx) -> Result<Arc<dyn Format>> {
-        if ctx.head_dim == 0 {
-            return Err(VqError::UnsupportedHeadDim { format: self.name.into(), d: 0, why: "d must be > 0" });
+        if ctx.head_dim == 0 || ctx.head_dim > MAX_HEAD_DIM {
+            let why = "d must be in 1..=MAX_HEAD_DIM (1024)";
+            return Err(VqError::UnsupportedHeadDim { format: self.name.into(), d: ctx.head_dim, why });
         }
-        if ctx.page_tokens == 0 {
-            return Err(VqError::InvalidConfig("page size T must be > 0".into()));
+        if ctx.page_tokens == 0 || ctx.page_tokens > MAX_PAGE_TOKENS {
+            return Err(VqError::InvalidConfig(format!(
+                "page size T = {} not in 1..={MAX_PAGE_TOKENS}",
+                ctx.page_tokens
+            )));
         }
         let desc = self.desc();
         let ok_stream = match ctx.stream {

@@ -114,7 +114,7 @@ impl Format for Rabitq {
         self.layout.page_bytes()
     }
     fn state_bytes(&self) -> usize {
-        self.d * 4
+        self.rot.state_bytes()
     }
 
     fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {

@@ -220,12 +220,8 @@ impl Format for RowFormat {
         self.layout.page_bytes()
     }
     fn state_bytes(&self) -> usize {
-        let rot = match &self.rot {
-            Some(Rotation::Hadamard { signs, .. }) => signs.len() * 4,
-            Some(Rotation::Dense { m, .. }) => m.len() * 4,
-            None => 0,
-        };
-        rot + self.codebook.as_ref().map_or(0, |c| (c.centroids.len() + c.thresholds.len()) * 4)
+        self.rot.as_ref().map_or(0, Rotation::state_bytes)
+            + self.codebook.as_ref().map_or(0, ScaledCodebook::state_bytes)
     }
 
     fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {

@@ -92,7 +92,7 @@ impl Format for Prod {
         self.layout.page_bytes()
     }
     fn state_bytes(&self) -> usize {
-        self.sketch.rows.len() * 4 + self.d * 4
+        self.sketch.rows.len() * 4 + self.rot.state_bytes() + self.cb.state_bytes()
     }
 
     fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {

@@ -113,7 +113,7 @@ impl Format for Rvq {
         self.layout.page_bytes()
     }
     fn state_bytes(&self) -> usize {
-        2 * self.d * 4
+        self.r1.state_bytes() + self.r2.state_bytes() + self.s1.cb.state_bytes() + self.s2.cb.state_bytes()
     }
     fn acc_width(&self) -> usize {
         2 * self.d

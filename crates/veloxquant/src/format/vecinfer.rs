@@ -195,12 +195,7 @@ impl Format for VecInfer {
         self.t * self.row_bytes
     }
     fn state_bytes(&self) -> usize {
-        let rot = match &self.rot {
-            Some(Rotation::Hadamard { signs, .. }) => signs.len() * 4,
-            Some(Rotation::Dense { m, .. }) => m.len() * 4,
-            None => 0,
-        };
-        (self.codebooks.len() + self.lambda.len()) * 4 + rot
+        (self.codebooks.len() + self.lambda.len()) * 4 + self.rot.as_ref().map_or(0, Rotation::state_bytes)
     }
     fn export_state(&self) -> Vec<f32> {
         self.lambda.iter().chain(&self.codebooks).copied().collect()

@@ -1,0 +1,72 @@
+//! Kernel variants and their parameters, fixed per device. The defaults are the variants
+//! measured best on the H200 (benchmarks/results/cuda-decode.md); benchmarks build others
+//! explicitly (the library reads no environment: `bench` maps `VELOXQUANT_*` variables to a
+//! `Tuning` for its own runs).
+
+/// Every tunable of the decode and encode kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Tuning {
+    /// FAST decode: page slots in each warp's ring (2..=8).
+    pub decode_stages: usize,
+    /// FAST decode: warps per block (4..=16).
+    pub decode_warps: usize,
+    /// FAST decode: blocks per SM the registers are held to (0 = the compiler's bound).
+    pub decode_minb: i64,
+    /// FAST decode: prep_query fused into the decode kernel.
+    pub decode_fuse_q: bool,
+    /// Softmax weights by ex2.approx.ftz.
+    pub decode_expftz: bool,
+    /// Headroom of the running softmax max (log2 units, 0..=12).
+    pub decode_slack: i64,
+    /// The merge launched as a programmatic dependent of the decode kernel (sm_90).
+    pub decode_pdl: bool,
+    /// Thread-per-row encode: warps (pages) per block.
+    pub encode_warps: usize,
+    /// Keep an encode block's warps in step (one barrier per page).
+    pub encode_lockstep: bool,
+    /// Blocks per SM the thread-per-row encoder's registers allow.
+    pub encode_minb: i64,
+    /// Prefetch the next page's rows by cp.async (sm_80+).
+    pub encode_prefetch: bool,
+    /// turboquant_mse codes: two threads per row.
+    pub encode_two_per_row: bool,
+    /// Two-threads-per-row encode: warps per block, and blocks per SM.
+    pub encode_warps2: usize,
+    pub encode_minb2: i64,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Self {
+            decode_stages: 2,
+            decode_warps: 12,
+            decode_minb: 0,
+            decode_fuse_q: true,
+            decode_expftz: true,
+            decode_slack: 8,
+            decode_pdl: true,
+            encode_warps: 4,
+            encode_lockstep: false,
+            encode_minb: 2,
+            encode_prefetch: true,
+            encode_two_per_row: true,
+            encode_warps2: 8,
+            encode_minb2: 2,
+        }
+    }
+}
+
+impl Tuning {
+    /// The same values, each clamped to the range its kernel supports.
+    pub fn clamped(self) -> Self {
+        Self {
+            decode_stages: self.decode_stages.clamp(2, 8),
+            decode_warps: self.decode_warps.clamp(4, 16),
+            decode_minb: self.decode_minb.clamp(0, 16),
+            decode_slack: self.decode_slack.clamp(0, 12),
+            encode_warps: self.encode_warps.clamp(1, 16),
+            encode_warps2: self.encode_warps2.clamp(1, 16),
+            ..self
+        }
+    }
+}
