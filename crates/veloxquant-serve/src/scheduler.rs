@@ -170,7 +170,19 @@ impl<E: Engine> Scheduler<E> {
             self.reap();
             self.admit();
             if !self.running.is_empty() {
-                self.step();
+                // A panic inside the engine must not take the server down: the step's
+                // sequences may be half-appended, so their requests fail (500) and go.
+                let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()));
+                if let Err(p) = stepped {
+                    let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+                    let what = what.unwrap_or_else(|| "a panic".into());
+                    eprintln!("veloxquant serve: a step panicked ({what}); its requests fail, the server goes on");
+                    for a in std::mem::take(&mut self.running) {
+                        Metrics::inc(&self.metrics.requests_failed_total);
+                        let _ = a.req.events.send(Event::Error(ApiError::internal(format!("internal error: {what}"))));
+                        self.engine.remove(a.seq);
+                    }
+                }
             }
             self.publish();
         }
