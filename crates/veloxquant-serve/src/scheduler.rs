@@ -174,7 +174,8 @@ impl<E: Engine> Scheduler<E> {
                 // sequences may be half-appended, so their requests fail (500) and go.
                 let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()));
                 if let Err(p) = stepped {
-                    let what = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+                    let what =
+                        p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
                     let what = what.unwrap_or_else(|| "a panic".into());
                     eprintln!("veloxquant serve: a step panicked ({what}); its requests fail, the server goes on");
                     for a in std::mem::take(&mut self.running) {
@@ -305,11 +306,12 @@ impl<E: Engine> Scheduler<E> {
             let hit = self.prefix_hit(&prompt, &hashes, slot);
             let chunk = self.cfg.prefill_chunk;
             let sharing = self.cfg.max_prefixes > 0;
-            let waits = sharing && self.running.iter().filter(|a| a.fed < a.req.prompt.len()).any(|a| {
-                let shared = common_blocks(&hashes, &a.hashes) * t;
-                let will = shared.min(a.req.prompt.len() - 1) / chunk * chunk;
-                will > hit.map_or(0, |h| h.1)
-            });
+            let waits = sharing
+                && self.running.iter().filter(|a| a.fed < a.req.prompt.len()).any(|a| {
+                    let shared = common_blocks(&hashes, &a.hashes) * t;
+                    let will = shared.min(a.req.prompt.len() - 1) / chunk * chunk;
+                    will > hit.map_or(0, |h| h.1)
+                });
             if waits {
                 i += 1;
                 continue;
