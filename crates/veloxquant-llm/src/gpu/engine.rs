@@ -104,6 +104,10 @@ struct Bufs {
     act: CudaSlice<u16>,
     logits: CudaSlice<f32>,
     ids_out: CudaSlice<i32>,
+}
+
+/// Host-written inputs of a forward (graphs hold their addresses too).
+struct Uploads {
     /// Step upload: [ids (B)] [positions (B)] [append rows (6 B)] [deltas (1 + 2 D)].
     up: CudaSlice<i32>,
     /// Prefill upload: [ids (N)] [positions (N)].
@@ -139,6 +143,7 @@ pub struct GpuEngine {
     blas: Blas,
     prefill: PrefillAttn,
     bufs: Bufs,
+    uploads: Uploads,
     graphs: HashMap<(usize, usize, StepPart), StepGraph>,
     max_deltas: usize,
     stream: Arc<CudaStream>,
@@ -161,6 +166,73 @@ fn linear(blas: &Blas, n: usize, m: usize, k: usize, x: Mat, w: Mat, y: Mat, bet
 
 fn act_rows(cfg: &EngineConfig) -> usize {
     cfg.prefill_rows.max(cfg.max_seqs)
+}
+
+/// The Llama layers over the `n` rows of `bufs.x` (embedded): per layer RMSNorm → fused QKV
+/// GEMM → RoPE (queries to `q16`, grouped for the prefill GEMM, or `q32`) → `attend(layer,
+/// bufs)` (reads the queries, `k32` and the V columns of `qkv`; writes `att`) → output GEMM
+/// (+residual) → RMSNorm → gate/up GEMM → SwiGLU → down GEMM (+residual). The one
+/// description of the layers that prefill and the decode step both run; `part` keeps a subset
+/// of the launches (the benchmark's split: GEMMs, attention, the rest).
+#[allow(clippy::too_many_arguments)]
+fn forward_layers(
+    model: &GpuModel,
+    blas: &Blas,
+    bufs: &mut Bufs,
+    st: &Arc<CudaStream>,
+    n: usize,
+    pos: &cudarc::driver::CudaView<'_, i32>,
+    grouped_q: bool,
+    part: StepPart,
+    attend: &mut dyn FnMut(usize, &mut Bufs) -> Result<()>,
+) -> Result<()> {
+    let c = &model.config;
+    let (h, d, hq, hkv, f) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_hidden);
+    let qkv_w = (hq + 2 * hkv) * d;
+    let ops = &model.ops;
+    let gemm = matches!(part, StepPart::All | StepPart::Gemm);
+    let rest = matches!(part, StepPart::All | StepPart::Rest);
+    for (l, w) in model.layers.iter().enumerate() {
+        if rest {
+            ops.rmsnorm(st, &bufs.x.slice(..), h, n, &w.attn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
+                .map_err(gpu)?;
+        }
+        if gemm {
+            let (x, wq, y) = (Mat::f16(&bufs.xn, h, st), Mat::f16(&w.wqkv, h, st), Mat::f32(&bufs.qkv, qkv_w, st));
+            linear(blas, n, qkv_w, h, x, wq, y, 0.0)?;
+        }
+        if rest {
+            let q = if grouped_q {
+                QOut::Grouped16(&mut bufs.q16.slice_mut(..))
+            } else {
+                QOut::F32(&mut bufs.q32.slice_mut(..))
+            };
+            let tables = (&model.rope_cos, &model.rope_sin);
+            ops.rope(st, &bufs.qkv.slice(..), qkv_w, pos, n, tables, (hq, hkv, d), q, &mut bufs.k32.slice_mut(..))
+                .map_err(gpu)?;
+        }
+        attend(l, bufs)?;
+        if gemm {
+            let (x, wo, y) = (Mat::f16(&bufs.att, hq * d, st), Mat::f16(&w.wo, hq * d, st), Mat::f32(&bufs.x, h, st));
+            linear(blas, n, h, hq * d, x, wo, y, 1.0)?;
+        }
+        if rest {
+            ops.rmsnorm(st, &bufs.x.slice(..), h, n, &w.ffn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
+                .map_err(gpu)?;
+        }
+        if gemm {
+            let (x, wg, y) = (Mat::f16(&bufs.xn, h, st), Mat::f16(&w.w_gate_up, h, st), Mat::f32(&bufs.gu, 2 * f, st));
+            linear(blas, n, 2 * f, h, x, wg, y, 0.0)?;
+        }
+        if rest {
+            ops.swiglu(st, &bufs.gu.slice(..), f, n, &mut bufs.act.slice_mut(..)).map_err(gpu)?;
+        }
+        if gemm {
+            let (x, wd, y) = (Mat::f16(&bufs.act, f, st), Mat::f16(&w.w_down, f, st), Mat::f32(&bufs.x, h, st));
+            linear(blas, n, h, f, x, wd, y, 1.0)?;
+        }
+    }
+    Ok(())
 }
 
 impl GpuEngine {
@@ -201,12 +273,14 @@ impl GpuEngine {
             act: a16(rows * f)?,
             logits: a32(cfg.logits_rows.max(cfg.max_seqs) * c.n_vocab)?,
             ids_out: st.alloc_zeros::<i32>(cfg.max_seqs).map_err(drv("alloc"))?,
+        };
+        let uploads = Uploads {
             up: st.alloc_zeros::<i32>(8 * cfg.max_seqs + 1 + 2 * max_deltas).map_err(drv("alloc"))?,
             pre_up: st.alloc_zeros::<i32>(2 * cfg.prefill_rows).map_err(drv("alloc"))?,
             pre_rows: st.alloc_zeros::<AppendRow>(cfg.prefill_rows).map_err(drv("alloc"))?,
         };
         let blas = Blas::new(&model.dev).map_err(gpu)?;
-        Ok(Self { model, cfg, cache, blas, prefill, bufs, graphs: HashMap::new(), max_deltas, stream: st })
+        Ok(Self { model, cfg, cache, blas, prefill, bufs, uploads, graphs: HashMap::new(), max_deltas, stream: st })
     }
 
     fn activation_bytes(c: &crate::LlamaConfig, cfg: &EngineConfig) -> usize {
@@ -332,7 +406,7 @@ impl GpuEngine {
         round: &[(usize, usize, usize)],
     ) -> Result<Vec<Vec<f32>>> {
         let c = self.model.config.clone();
-        let (h, d, hq, hkv, f, nv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.n_vocab);
+        let (h, d, hq, hkv, nv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.n_vocab);
         let qkv_w = (hq + 2 * hkv) * d;
         let mut ids = Vec::new();
         let mut pos = Vec::new();
@@ -349,92 +423,28 @@ impl GpuEngine {
         let n = ids.len();
         self.cache.sync_meta().map_err(gpu)?;
         let st = self.stream.clone();
-        let Self { cache, blas, prefill, bufs, model, .. } = self;
+        let Self { cache, blas, prefill, bufs, uploads, model, .. } = self;
         ids.extend_from_slice(&pos);
-        st.memcpy_htod(&ids, &mut bufs.pre_up.slice_mut(..2 * n)).map_err(drv("htod prefill"))?;
-        st.memcpy_htod(&rows, &mut bufs.pre_rows.slice_mut(..rows.len())).map_err(drv("htod prefill"))?;
+        st.memcpy_htod(&ids, &mut uploads.pre_up.slice_mut(..2 * n)).map_err(drv("htod prefill"))?;
+        st.memcpy_htod(&rows, &mut uploads.pre_rows.slice_mut(..rows.len())).map_err(drv("htod prefill"))?;
         let ops = &model.ops;
-        let ids_v = bufs.pre_up.slice(..n);
-        let pos_v = bufs.pre_up.slice(n..2 * n);
+        let ids_v = uploads.pre_up.slice(..n);
+        let pos_v = uploads.pre_up.slice(n..2 * n);
         ops.embed(&st, &ids_v, n, &model.embed, h, &mut bufs.x.slice_mut(..)).map_err(gpu)?;
-        for (l, w) in model.layers.iter().enumerate() {
-            ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.attn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
-                .map_err(gpu)?;
-            linear(
-                blas,
-                n,
-                qkv_w,
-                h,
-                Mat::f16(&bufs.xn, h, &st),
-                Mat::f16(&w.wqkv, h, &st),
-                Mat::f32(&bufs.qkv, qkv_w, &st),
-                0.0,
-            )?;
-            ops.rope(
-                &st,
-                &bufs.qkv.slice(..),
-                qkv_w,
-                &pos_v,
-                n,
-                (&model.rope_cos, &model.rope_sin),
-                (hq, hkv, d),
-                QOut::Grouped16(&mut bufs.q16.slice_mut(..)),
-                &mut bufs.k32.slice_mut(..),
-            )
-            .map_err(gpu)?;
+        let pre_rows = &uploads.pre_rows;
+        let mut attend = |l: usize, bufs: &mut Bufs| -> Result<()> {
             let ksrc = AppendSrc { data: bufs.k32.slice(..), stride: hkv * d };
             let vsrc = AppendSrc { data: bufs.qkv.slice((hq + hkv) * d..), stride: qkv_w };
             for (i, row) in rows.iter().enumerate() {
-                let rv = bufs.pre_rows.slice(i..i + 1);
+                let rv = pre_rows.slice(i..i + 1);
+                let q = bufs.q16.slice(..);
                 prefill
-                    .run(
-                        blas,
-                        cache,
-                        l,
-                        row,
-                        &rv,
-                        (&ksrc, &vsrc),
-                        &bufs.q16.slice(..),
-                        n,
-                        &mut bufs.att.slice_mut(..),
-                        &st,
-                    )
+                    .run(blas, cache, l, row, &rv, (&ksrc, &vsrc), &q, n, &mut bufs.att.slice_mut(..), &st)
                     .map_err(gpu)?;
             }
-            linear(
-                blas,
-                n,
-                h,
-                hq * d,
-                Mat::f16(&bufs.att, hq * d, &st),
-                Mat::f16(&w.wo, hq * d, &st),
-                Mat::f32(&bufs.x, h, &st),
-                1.0,
-            )?;
-            ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.ffn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
-                .map_err(gpu)?;
-            linear(
-                blas,
-                n,
-                2 * f,
-                h,
-                Mat::f16(&bufs.xn, h, &st),
-                Mat::f16(&w.w_gate_up, h, &st),
-                Mat::f32(&bufs.gu, 2 * f, &st),
-                0.0,
-            )?;
-            ops.swiglu(&st, &bufs.gu.slice(..), f, n, &mut bufs.act.slice_mut(..)).map_err(gpu)?;
-            linear(
-                blas,
-                n,
-                h,
-                f,
-                Mat::f16(&bufs.act, f, &st),
-                Mat::f16(&w.w_down, f, &st),
-                Mat::f32(&bufs.x, h, &st),
-                1.0,
-            )?;
-        }
+            Ok(())
+        };
+        forward_layers(model, blas, bufs, &st, n, &pos_v, true, StepPart::All, &mut attend)?;
         // Logits of the wanted rows, chunk by chunk (each chunk's rows are contiguous).
         let logits_cap = bufs.logits.len() / nv;
         let mut out = Vec::with_capacity(round.len());
@@ -549,7 +559,7 @@ impl GpuEngine {
         }
         let mut deltas = encode_deltas(&pending);
         deltas.resize(1 + 2 * self.max_deltas, 0);
-        let mut up = Vec::with_capacity(self.bufs.up.len());
+        let mut up = Vec::with_capacity(self.uploads.up.len());
         up.extend_from_slice(&ids[..bucket]);
         up.extend_from_slice(&pos[..bucket]);
         for r in rows {
@@ -558,7 +568,7 @@ impl GpuEngine {
         up.resize(self.up_deltas_at(bucket), 0);
         up.extend_from_slice(&deltas);
         let st = self.stream.clone();
-        st.memcpy_htod(&up, &mut self.bufs.up.slice_mut(..up.len())).map_err(drv("htod step"))?;
+        st.memcpy_htod(&up, &mut self.uploads.up.slice_mut(..up.len())).map_err(drv("htod step"))?;
         let g = self.graphs.get_mut(&key).expect("graph inserted above");
         st.memcpy_htod(slot_of, g.plan.rows_mut()).map_err(drv("htod rows"))?;
         g.plan.note_rows(slot_of);
@@ -583,7 +593,7 @@ impl GpuEngine {
             up.extend_from_slice(&[-1, 0, 0, 0, 0, 0]);
         }
         up.resize(self.up_deltas_at(bucket) + 1, 0);
-        st.memcpy_htod(&up, &mut self.bufs.up.slice_mut(..up.len())).map_err(drv("htod"))?;
+        st.memcpy_htod(&up, &mut self.uploads.up.slice_mut(..up.len())).map_err(drv("htod"))?;
         st.memcpy_htod(&idle, plan.rows_mut()).map_err(drv("htod"))?;
         plan.note_rows(&idle);
         self.record_step(&mut plan, bucket, part)?;
@@ -601,110 +611,39 @@ impl GpuEngine {
     /// The step's launches (see the module docs), reading the step upload.
     fn record_step(&mut self, plan: &mut PlanCore, bucket: usize, part: StepPart) -> Result<()> {
         let c = self.model.config.clone();
-        let (h, d, hq, hkv, f, nv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.n_vocab);
+        let (h, d, hq, hkv, nv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.n_vocab);
         let qkv_w = (hq + 2 * hkv) * d;
         let n = bucket;
         let st = self.stream.clone();
         let deltas_at = self.up_deltas_at(bucket);
-        let Self { cache, blas, bufs, model, .. } = self;
+        let Self { cache, blas, bufs, uploads, model, .. } = self;
         let ops = &model.ops;
         let gemm = matches!(part, StepPart::All | StepPart::Gemm);
         let attn = matches!(part, StepPart::All | StepPart::Attention);
         let rest = matches!(part, StepPart::All | StepPart::Rest);
+        let up = &uploads.up;
         if attn {
-            cache.launch_deltas_from(&bufs.up.slice(deltas_at..), &st).map_err(gpu)?;
+            cache.launch_deltas_from(&up.slice(deltas_at..), &st).map_err(gpu)?;
         }
-        let ids_v = bufs.up.slice(..n);
-        let pos_v = bufs.up.slice(n..2 * n);
+        let ids_v = up.slice(..n);
+        let pos_v = up.slice(n..2 * n);
         // SAFETY: AppendRow is six i32 (repr(C)); the upload holds 6·n i32 at 2n.. .
-        let rows_v = unsafe { bufs.up.slice(2 * n..8 * n).transmute::<AppendRow>(n) }
+        let rows_v = unsafe { up.slice(2 * n..8 * n).transmute::<AppendRow>(n) }
             .ok_or_else(|| LlmError::InvalidArgument("step upload too small".into()))?;
         if rest {
             ops.embed(&st, &ids_v, n, &model.embed, h, &mut bufs.x.slice_mut(..)).map_err(gpu)?;
         }
         let max_enc = if cache.row_mode { 1 } else { cache.cfg.page_tokens };
-        for (l, w) in model.layers.iter().enumerate() {
-            if rest {
-                ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.attn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
-                    .map_err(gpu)?;
+        let mut attend = |l: usize, bufs: &mut Bufs| -> Result<()> {
+            if !attn {
+                return Ok(());
             }
-            if gemm {
-                linear(
-                    blas,
-                    n,
-                    qkv_w,
-                    h,
-                    Mat::f16(&bufs.xn, h, &st),
-                    Mat::f16(&w.wqkv, h, &st),
-                    Mat::f32(&bufs.qkv, qkv_w, &st),
-                    0.0,
-                )?;
-            }
-            if rest {
-                ops.rope(
-                    &st,
-                    &bufs.qkv.slice(..),
-                    qkv_w,
-                    &pos_v,
-                    n,
-                    (&model.rope_cos, &model.rope_sin),
-                    (hq, hkv, d),
-                    QOut::F32(&mut bufs.q32.slice_mut(..)),
-                    &mut bufs.k32.slice_mut(..),
-                )
-                .map_err(gpu)?;
-            }
-            if attn {
-                let ksrc = AppendSrc { data: bufs.k32.slice(..), stride: hkv * d };
-                let vsrc = AppendSrc { data: bufs.qkv.slice((hq + hkv) * d..), stride: qkv_w };
-                cache.launch_append(l, &rows_v, n, 1, max_enc, &ksrc, &vsrc, &st).map_err(gpu)?;
-                plan.run_on(cache, l, &bufs.q32.slice(..), DecodeOut::F16(&mut bufs.att.slice_mut(..)), &st)
-                    .map_err(gpu)?;
-            }
-            if gemm {
-                linear(
-                    blas,
-                    n,
-                    h,
-                    hq * d,
-                    Mat::f16(&bufs.att, hq * d, &st),
-                    Mat::f16(&w.wo, hq * d, &st),
-                    Mat::f32(&bufs.x, h, &st),
-                    1.0,
-                )?;
-            }
-            if rest {
-                ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &w.ffn_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
-                    .map_err(gpu)?;
-            }
-            if gemm {
-                linear(
-                    blas,
-                    n,
-                    2 * f,
-                    h,
-                    Mat::f16(&bufs.xn, h, &st),
-                    Mat::f16(&w.w_gate_up, h, &st),
-                    Mat::f32(&bufs.gu, 2 * f, &st),
-                    0.0,
-                )?;
-            }
-            if rest {
-                ops.swiglu(&st, &bufs.gu.slice(..), f, n, &mut bufs.act.slice_mut(..)).map_err(gpu)?;
-            }
-            if gemm {
-                linear(
-                    blas,
-                    n,
-                    h,
-                    f,
-                    Mat::f16(&bufs.act, f, &st),
-                    Mat::f16(&w.w_down, f, &st),
-                    Mat::f32(&bufs.x, h, &st),
-                    1.0,
-                )?;
-            }
-        }
+            let ksrc = AppendSrc { data: bufs.k32.slice(..), stride: hkv * d };
+            let vsrc = AppendSrc { data: bufs.qkv.slice((hq + hkv) * d..), stride: qkv_w };
+            cache.launch_append(l, &rows_v, n, 1, max_enc, &ksrc, &vsrc, &st).map_err(gpu)?;
+            plan.run_on(cache, l, &bufs.q32.slice(..), DecodeOut::F16(&mut bufs.att.slice_mut(..)), &st).map_err(gpu)
+        };
+        forward_layers(model, blas, bufs, &st, n, &pos_v, false, part, &mut attend)?;
         if rest {
             ops.rmsnorm(&st, &bufs.x.slice(..), h, n, &model.output_norm, c.rms_eps, &mut bufs.xn.slice_mut(..))
                 .map_err(gpu)?;
