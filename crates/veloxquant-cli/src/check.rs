@@ -181,6 +181,8 @@ pub fn plan(cmd: &crate::Cmd, ctx: &Ctx) -> Result<Plan, ArgError> {
             Plan::Specs(crate::distortion::plan((*d, *n), formats, [json.as_ref(), plot.as_ref(), md.as_ref()], ctx)?)
         }
         Cmd::Cache { which } => Plan::Cache(which.plan(ctx)?),
+        // Checked by the serve command itself (and per request by the server).
+        Cmd::Serve(_) => Plan::Nothing,
         Cmd::Bench { which: BenchCmd::Cpu(a) } => Plan::Bench(a.plan(ctx)?),
         // Parsed and checked by veloxquant-cuda's own bench driver.
         Cmd::Bench { which: BenchCmd::Cuda { .. } } => Plan::Nothing,

@@ -10,6 +10,7 @@ mod files;
 mod gpu;
 mod model;
 mod plot;
+mod serve_cmd;
 mod util;
 
 /// The tiny random GGUF of the model tests (shared with veloxquant-llm's tests).
@@ -75,6 +76,8 @@ enum Cmd {
         #[command(subcommand)]
         which: cache_cmd::CacheCmd,
     },
+    /// OpenAI-compatible HTTP server with continuous batching over the compressed cache.
+    Serve(serve_cmd::ServeArgs),
     /// Benchmarks.
     Bench {
         #[command(subcommand)]
@@ -129,6 +132,7 @@ fn run(cli: Cli) -> util::AnyResult {
             distortion::run(d, n, &s, json, plot, md)
         }
         (Cmd::Cache { which }, check::Plan::Cache(p)) => cache_cmd::run(&which, p.as_ref(), model),
+        (Cmd::Serve(a), _) => serve_cmd::run(&a, need()?),
         (Cmd::Bench { which: BenchCmd::Cpu(args) }, check::Plan::Bench(p)) => bench::run_cpu(&args, &p),
         (Cmd::Bench { which: BenchCmd::Cuda { args } }, _) => bench_cuda(args),
         (Cmd::Bench { which: BenchCmd::E2e(a) }, _) => gpu::bench_e2e(&a),
@@ -147,6 +151,7 @@ impl Cmd {
             Cmd::Passkey(a) => Some(&a.model),
             Cmd::FetchModel(a) => Some(a),
             Cmd::Cache { which } => which.model_args(),
+            Cmd::Serve(a) => Some(&a.model),
             Cmd::Distortion { .. } | Cmd::Bench { .. } => None,
         }
     }

@@ -38,6 +38,7 @@ pub use error::{LlmError, Result};
 pub use eval::{compare_many, compare_many_with_progress, compare_stores, perplexity, CompareStats, PplStats};
 pub use fetch::{fetch_model, model_fingerprint};
 pub use generate::{generate, GenStats, Greedy, Sampler, TextStream};
+pub use model::batch::{BatchItem, BatchStore};
 pub use model::{Llama, LlamaConfig, WeightMode};
 pub use passkey::{passkey_accuracy, passkey_prompt, PasskeyFormat, PasskeyStats};
 pub use store::{causal_attention_f32, DenseStore, F32Store, Fp16Store, KvStore, StoreFactory, StoredValue};

@@ -9,6 +9,8 @@ use rayon::prelude::*;
 use std::io::{Seek, SeekFrom};
 use std::path::Path;
 
+pub mod batch;
+
 /// Shapes and constants of a Llama model, from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {

@@ -1,0 +1,44 @@
+#!/bin/bash
+# `veloxquant serve --device cuda` under load on the H200: the same load test as on the CPU
+# (benchmarks/serve_load.py), at 256 concurrent clients with ~4k-token contexts, fp16 cache
+# vs the default compressed method at the same --kv-budget-mib. One device call:
+#   benchmarks/serve_gpu.sh PART1 PART2        (the model carried in two parts, as gpu_model_run.sh)
+# Needs the cuda build of the binary in $BIN (default .gpur/veloxquant). Results: $OUT/serve-gpu-*.json.
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+BIN=${BIN:-.gpur}
+lib() { find /usr/local /opt /usr/lib /usr/lib64 -name "$1" 2>/dev/null | grep -v stub | head -1; }
+export LD_LIBRARY_PATH=$(dirname "$(lib 'libnvrtc.so.13*')"):$(dirname "$(lib 'libcublas.so.13*')"):/usr/local/cuda/lib64:$LD_LIBRARY_PATH
+cat "$1" "$2" > /tmp/model.gguf
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/model.gguf" | sha256sum -c || exit 3
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
+# fp16 holds ~23 KB/token here (SmolLM2: 30 layers × 3 KV heads × 64 × 2 × 2 B): at 4.3k tokens
+# per sequence, BUDGET_MIB=7000 fits ~70 fp16 sequences, so 256 clients oversubscribe it.
+BUDGET=${BUDGET_MIB:-7000}
+CLIENTS=${CLIENTS:-256}
+REQUESTS=${REQUESTS:-768}
+COMMON="--device cuda --model /tmp/model.gguf --kv-budget-mib $BUDGET --max-context 4352 --gpu-slots 320 \
+  --max-running $CLIENTS --max-queue 1024 --prefill-chunk 512 --step-prefill-tokens 8192"
+for M in fp16 turboquant_mse:4:eden/turboquant_mse:3@8+4; do
+  TAG=$(echo "$M" | tr '/:@+' '____')
+  timeout ${T_RUN:-280} python3 benchmarks/serve_load.py load --binary $BIN/veloxquant --port 18300 \
+    --server-args "$COMMON --method $M" --clients $CLIENTS --requests $REQUESTS \
+    --min-prompt 3500 --max-prompt 4000 --max-tokens ${MAX_TOKENS:-256} --disconnect 0.1 --timeout 250 \
+    --json $OUT/serve-gpu-$TAG.json > $OUT/serve-gpu-$TAG.log 2>&1
+  echo "$M: exit $?"; python3 - "$OUT/serve-gpu-$TAG.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))["runs"][0]
+print({k: r.get(k) for k in ["outcomes", "tokens_per_s", "sequences_running_max", "kv_bytes_max_sampled",
+                             "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "drained", "pass",
+                             "sigterm_exit_code"]})
+EOF
+done
+python3 - "$OUT" <<'EOF'
+import glob, json, sys
+runs = {p: json.load(open(p))["runs"][0] for p in sorted(glob.glob(sys.argv[1] + "/serve-gpu-*.json"))}
+fp = next(r for p, r in runs.items() if p.endswith("fp16.json"))
+cq = next(r for p, r in runs.items() if not p.endswith("fp16.json"))
+print("sequences held: compressed / fp16 = %.2f× (target ≥ 3×)" % (cq["sequences_running_max"] / fp["sequences_running_max"]))
+print("tokens/s:       compressed / fp16 = %.2f× (target ≥ 2×)" % (cq["tokens_per_s"] / fp["tokens_per_s"]))
+EOF

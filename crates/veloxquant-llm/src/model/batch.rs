@@ -1,0 +1,200 @@
+//! One forward pass over several sequences at once (continuous batching on the CPU).
+//!
+//! Every sequence brings its own new tokens (a prefill chunk, or one decode token) and its
+//! own [`KvStore`]. The rows of all sequences are concatenated, so each matrix product
+//! (QKV, output, gate/up, down, logits) reads the weights once for the whole batch — on a
+//! memory-bound CPU that is where batching pays. RoPE, the cache append and attention run
+//! per sequence: decode rows over paged caches go through one
+//! [`decode_attention_batch`] call per layer (all sequences' page runs in one parallel
+//! pass), prefill chunks through their store's own `attend`, in parallel.
+//!
+//! Each sequence sees exactly what [`Llama::forward`] on it alone would compute, up to
+//! the rounding of the matrix products (a GEMM over B rows may sum in another order than
+//! over one); greedy tokens agree (tested against `generate` in the server crate).
+
+use rayon::prelude::*;
+use veloxquant::attn::decode_attention_batch;
+use veloxquant::PagedCache;
+
+use super::{add_assign, matmul, rms_norm, to_heads, Llama};
+use crate::compressed::CompressedStore;
+use crate::error::{LlmError, Result};
+use crate::store::{DenseStore, KvStore, StoredValue};
+use candle_core::{Device, Tensor};
+
+/// A store that can take part in a batched forward.
+pub trait BatchStore: KvStore + Send {
+    /// The paged cache behind the store, when its one-token attention is the fused decode
+    /// over that cache (then a batch's decode rows share one parallel pass).
+    fn paged(&self) -> Option<&PagedCache> {
+        None
+    }
+}
+
+impl BatchStore for CompressedStore {
+    fn paged(&self) -> Option<&PagedCache> {
+        Some(self.cache())
+    }
+}
+
+impl<T: StoredValue> BatchStore for DenseStore<T> {}
+
+/// One sequence's share of a batched forward.
+pub struct BatchItem<'a> {
+    /// New tokens, continuing at position `store.len(0)`.
+    pub tokens: &'a [u32],
+    pub store: &'a mut dyn BatchStore,
+    /// Logits are returned for chunk positions `logits_from..` (`tokens.len()`: none).
+    pub logits_from: usize,
+}
+
+impl Llama {
+    /// [`Llama::forward`] for several sequences in one pass; returns each item's logits
+    /// `[tokens.len() - logits_from][n_vocab]`, in order. Every item is checked before
+    /// anything is appended.
+    pub fn forward_batch(&self, items: &mut [BatchItem<'_>]) -> Result<Vec<Vec<f32>>> {
+        let c = &self.config;
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut offsets = Vec::with_capacity(items.len() + 1);
+        let mut pos0s = Vec::with_capacity(items.len());
+        let mut all = Vec::new();
+        offsets.push(0);
+        for it in items.iter() {
+            let n = it.tokens.len();
+            if n == 0 || it.logits_from > n {
+                return Err(LlmError::InvalidArgument(format!(
+                    "forward_batch: {n} tokens, logits_from {}",
+                    it.logits_from
+                )));
+            }
+            let pos0 = it.store.len(0);
+            if pos0 + n > c.n_ctx_train {
+                return Err(LlmError::ContextOverflow { pos: pos0 + n, n_ctx_train: c.n_ctx_train });
+            }
+            if let Some(&id) = it.tokens.iter().find(|&&t| t as usize >= c.n_vocab) {
+                return Err(LlmError::TokenOutOfRange { id, n_vocab: c.n_vocab });
+            }
+            all.extend_from_slice(it.tokens);
+            pos0s.push(pos0);
+            offsets.push(all.len());
+        }
+        let n_rows = all.len();
+        let ids = Tensor::new(all.as_slice(), &Device::Cpu)?;
+        let mut x: Vec<f32> = self.embed.index_select(&ids, 0)?.flatten_all()?.to_vec1()?;
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qw, kw) = (c.n_heads * hd, c.n_kv_heads * hd);
+        for (li, layer) in self.layers.iter().enumerate() {
+            let xn = Tensor::from_vec(rms_norm(&x, &layer.attn_norm, c.rms_eps), (n_rows, h), &Device::Cpu)?;
+            let mut qkv = layer.qkv.forward(&xn)?.into_iter();
+            let (mut q, mut k, v) =
+                (qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default());
+            for (i, w) in offsets.windows(2).enumerate() {
+                self.rope(&mut q[w[0] * qw..w[1] * qw], pos0s[i], c.n_heads);
+                self.rope(&mut k[w[0] * kw..w[1] * kw], pos0s[i], c.n_kv_heads);
+            }
+            let att = self.attend_batch(items, li, &offsets, (&q, &k, &v))?;
+            let att = Tensor::from_vec(att, (n_rows, h), &Device::Cpu)?;
+            add_assign(&mut x, &matmul(&layer.wo, &att)?);
+
+            let xn = Tensor::from_vec(rms_norm(&x, &layer.ffn_norm, c.rms_eps), (n_rows, h), &Device::Cpu)?;
+            let mut gu = layer.gate_up.forward(&xn)?.into_iter();
+            let (mut gate, up) = (gu.next().unwrap_or_default(), gu.next().unwrap_or_default());
+            gate.par_iter_mut().zip(up.par_iter()).for_each(|(g, u)| {
+                *g = *g / (1.0 + (-*g).exp()) * u; // SwiGLU: silu(gate) * up
+            });
+            let act = Tensor::from_vec(gate, (n_rows, c.ffn_hidden), &Device::Cpu)?;
+            add_assign(&mut x, &matmul(&layer.w_down, &act)?);
+        }
+        self.batch_logits(items, &offsets, &x)
+    }
+
+    /// Append each item's K/V to its store and attend; returns `[n_rows][hidden]`.
+    fn attend_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        layer: usize,
+        offsets: &[usize],
+        (q, k, v): (&[f32], &[f32], &[f32]),
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
+        let (h, hd) = (c.hidden, c.head_dim);
+        let (qw, kw) = (c.n_heads * hd, c.n_kv_heads * hd);
+        let mut out = vec![0f32; offsets[offsets.len() - 1] * h];
+        let mut heads_q = Vec::with_capacity(items.len());
+        for (i, it) in items.iter_mut().enumerate() {
+            let (r0, r1) = (offsets[i], offsets[i + 1]);
+            let n = r1 - r0;
+            let kh = to_heads(&k[r0 * kw..r1 * kw], n, c.n_kv_heads, hd);
+            let vh = to_heads(&v[r0 * kw..r1 * kw], n, c.n_kv_heads, hd);
+            it.store.append(layer, &kh, &vh, n)?;
+            heads_q.push(to_heads(&q[r0 * qw..r1 * qw], n, c.n_heads, hd));
+        }
+        // Decode rows over paged caches: one fused pass for all of them.
+        let fused: Vec<usize> = (0..items.len())
+            .filter(|&i| offsets[i + 1] - offsets[i] == 1 && items[i].store.paged().is_some())
+            .collect();
+        if !fused.is_empty() {
+            let seqs: Vec<(&PagedCache, &[f32])> =
+                fused.iter().filter_map(|&i| items[i].store.paged().map(|p| (p, heads_q[i].as_slice()))).collect();
+            let outs =
+                decode_attention_batch(&seqs, layer, c.n_heads).map_err(|e| LlmError::StoreBackend(Box::new(e)))?;
+            for (&i, o) in fused.iter().zip(outs) {
+                check_len(&o, h)?;
+                out[offsets[i] * h..offsets[i + 1] * h].copy_from_slice(&o);
+            }
+        }
+        // Everything else (prefill chunks, dense stores): each store's own attention.
+        let rest: Vec<Result<(usize, Vec<f32>)>> = items
+            .par_iter_mut()
+            .zip(heads_q.par_iter())
+            .enumerate()
+            .filter(|(i, _)| !fused.contains(i))
+            .map(|(i, (it, qh))| {
+                let n = offsets[i + 1] - offsets[i];
+                let a = it.store.attend(layer, qh, n)?;
+                check_len(&a, n * h)?;
+                Ok((i, a))
+            })
+            .collect();
+        for r in rest {
+            let (i, a) = r?;
+            out[offsets[i] * h..offsets[i + 1] * h].copy_from_slice(&a);
+        }
+        Ok(out)
+    }
+
+    /// The final norm and the output projection over the rows that want logits, in one GEMM.
+    fn batch_logits(&self, items: &[BatchItem<'_>], offsets: &[usize], x: &[f32]) -> Result<Vec<Vec<f32>>> {
+        let (h, nv) = (self.config.hidden, self.config.n_vocab);
+        let mut rows = Vec::new();
+        let mut counts = Vec::with_capacity(items.len());
+        for (i, it) in items.iter().enumerate() {
+            let (from, to) = (offsets[i] + it.logits_from, offsets[i + 1]);
+            rows.extend_from_slice(&x[from * h..to * h]);
+            counts.push(to - from);
+        }
+        let n_out: usize = counts.iter().sum();
+        let logits = if n_out == 0 {
+            Vec::new()
+        } else {
+            let xn = rms_norm(&rows, &self.output_norm, self.config.rms_eps);
+            matmul(&self.output, &Tensor::from_vec(xn, (n_out, h), &Device::Cpu)?)?
+        };
+        let mut out = Vec::with_capacity(items.len());
+        let mut at = 0;
+        for n in counts {
+            out.push(logits[at * nv..(at + n) * nv].to_vec());
+            at += n;
+        }
+        Ok(out)
+    }
+}
+
+fn check_len(a: &[f32], expected: usize) -> Result<()> {
+    if a.len() != expected {
+        return Err(LlmError::ShapeMismatch { op: "batched attention output", expected, got: a.len() });
+    }
+    Ok(())
+}
