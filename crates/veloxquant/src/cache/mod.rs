@@ -61,6 +61,8 @@ type CalibKey = (Option<(usize, usize)>, Stream);
 #[derive(Clone, Debug, Default)]
 pub struct Calibration {
     sets: HashMap<CalibKey, Arc<[f32]>>,
+    /// E[q qᵀ] (d × d) per (layer, KV head) of the queries of its group.
+    query_moments: HashMap<(usize, usize), Arc<[f32]>>,
 }
 
 impl Calibration {
@@ -80,6 +82,15 @@ impl Calibration {
 
     pub fn get(&self, layer: usize, head: usize, stream: Stream) -> Option<Arc<[f32]>> {
         self.sets.get(&(Some((layer, head)), stream)).or_else(|| self.sets.get(&(None, stream))).cloned()
+    }
+
+    /// Second moments E[q qᵀ] (d × d, row-major) of the queries that score (layer, KV head).
+    pub fn insert_query_moments(&mut self, layer: usize, head: usize, moments: Vec<f32>) {
+        self.query_moments.insert((layer, head), moments.into());
+    }
+
+    pub fn query_moments(&self, layer: usize, head: usize) -> Option<Arc<[f32]>> {
+        self.query_moments.get(&(layer, head)).cloned()
     }
 }
 
@@ -167,6 +178,7 @@ impl PagedCache {
                         let seed = derive_seed(cfg.seed, &[l as u64, h as u64, stream as u64]);
                         let mut ctx = FormatCtx::new(cfg.head_dim, cfg.page_tokens, stream, seed);
                         ctx.calibration = cfg.calibration.as_ref().and_then(|c| c.get(l, h, stream));
+                        ctx.query_moments = cfg.calibration.as_ref().and_then(|c| c.query_moments(l, h));
                         ctx.state = state(l, h, stream);
                         spec.build(&ctx)
                     })

@@ -1,6 +1,7 @@
-//! Row-coded page layouts shared by fp16, q8_0, q4_0 and turboquant_mse: every token is one
-//! fixed-size row of codes, optionally followed (after all T rows) by one f16 scale per
-//! token. The fused CPU kernels in `cpu/` read exactly these bytes; the GPU kernels will too.
+//! Row-coded page layouts shared by fp16, q8_0, q4_0, turboquant_mse and turboquant_frac:
+//! every token is one fixed-size row of codes, optionally followed (after all T rows) by one
+//! f16 scale per token. The fused CPU kernels in `cpu/` read exactly these bytes; the GPU
+//! kernels will too.
 //!
 //! | kind     | row bytes                  | per-token tail  |
 //! |----------|----------------------------|-----------------|
@@ -8,6 +9,10 @@
 //! | Q8_0     | d/32 blocks × 34 (f16 scale, 32 × i8)      | – |
 //! | Q4_0     | d/32 blocks × 18 (f16 scale, 16 B nibbles) | – |
 //! | Codes(b) | ⌈d·b/32⌉·4 (pack.rs stream) | f16 norm       |
+//! | Split(b+1, n) | (n·(b+1) + (d−n)·b)/8: one pack.rs stream, n codes of b+1 bits then d−n of b | f16 norm |
+//!
+//! Split rows are whole bytes, not whole words (n and d are multiples of 8), so a fractional
+//! width costs exactly its bits; the second segment starts on a byte boundary.
 
 use half::f16;
 
@@ -24,6 +29,24 @@ pub enum RowKind {
         bits: u32,
         table: [f32; 16],
     },
+    /// The first `n_hi` values coded at `hi_bits`, the other d − n_hi at `hi_bits − 1`
+    /// (2 ≤ hi_bits ≤ 4), each into its own 16-entry table; n_hi and d multiples of 8.
+    Split {
+        hi_bits: u32,
+        n_hi: usize,
+        hi_table: [f32; 16],
+        lo_table: [f32; 16],
+    },
+}
+
+impl RowKind {
+    /// Byte offset of a split row's second segment (the low-width codes).
+    pub fn lo_offset(&self) -> usize {
+        match self {
+            RowKind::Split { hi_bits, n_hi, .. } => n_hi * *hi_bits as usize / 8,
+            _ => 0,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -47,8 +70,11 @@ impl RowLayout {
             RowKind::Q8_0 => d / QBLOCK * Q8_BLOCK_BYTES,
             RowKind::Q4_0 => d / QBLOCK * Q4_BLOCK_BYTES,
             RowKind::Codes { bits, .. } => pack::packed_bytes(d, *bits),
+            RowKind::Split { hi_bits, n_hi, .. } => {
+                (n_hi * *hi_bits as usize + (d - n_hi) * (*hi_bits as usize - 1)) / 8
+            }
         };
-        let scales_at = matches!(kind, RowKind::Codes { .. }).then_some(row_bytes * t);
+        let scales_at = matches!(kind, RowKind::Codes { .. } | RowKind::Split { .. }).then_some(row_bytes * t);
         Self { kind, d, t, row_bytes, scales_at }
     }
 
@@ -110,6 +136,16 @@ impl RowLayout {
             RowKind::Codes { bits, table } => {
                 for (i, o) in out.iter_mut().enumerate() {
                     *o = table[pack::get(row, i, *bits) as usize];
+                }
+            }
+            RowKind::Split { hi_bits, n_hi, hi_table, lo_table } => {
+                let (hi, lo) = out.split_at_mut(*n_hi);
+                for (i, o) in hi.iter_mut().enumerate() {
+                    *o = hi_table[pack::get(row, i, *hi_bits) as usize];
+                }
+                let rest = &row[self.kind.lo_offset()..];
+                for (i, o) in lo.iter_mut().enumerate() {
+                    *o = lo_table[pack::get(rest, i, hi_bits - 1) as usize];
                 }
             }
         }
