@@ -13,7 +13,7 @@ mod stream;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-pub use persist::{LoadCheck, SaveInfo, FILE_VERSION};
+pub use persist::{LoadCheck, SaveInfo, FILE_VERSION, FILE_VERSIONS_READ};
 pub use stream::StreamStore;
 
 use crate::error::{Result, VqError};
@@ -35,8 +35,12 @@ pub struct CacheConfig {
     pub page_tokens: usize,
     /// Newest tokens always kept exact in the fp16 tail (R).
     pub recent: usize,
+    /// The K and V formats of every layer without an entry in `layers`.
     pub k: FormatSpec,
     pub v: FormatSpec,
+    /// Per-layer K and V formats (one entry per layer), overriding `k` / `v`; `None`: every
+    /// layer uses `k` / `v`. Code that needs a layer's format asks [`CacheConfig::spec`].
+    pub layers: Option<Vec<LayerSpec>>,
     /// Base seed; rotations are derived per (layer, head, stream).
     pub seed: u64,
     /// Calibration vectors for calibrated formats (vecinfer); `None` for the others.
@@ -48,6 +52,26 @@ pub struct CacheConfig {
     /// 2309.17453): models put large attention weight on them, so their keys' quantization
     /// error costs more than S·16 bits buy elsewhere.
     pub sink: usize,
+}
+
+/// One layer's K and V formats (per-layer configurations, e.g. from an allocator).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerSpec {
+    pub k: FormatSpec,
+    pub v: FormatSpec,
+}
+
+impl LayerSpec {
+    pub fn new(k: FormatSpec, v: FormatSpec) -> Self {
+        Self { k, v }
+    }
+
+    pub fn get(&self, stream: Stream) -> &FormatSpec {
+        match stream {
+            Stream::Keys => &self.k,
+            Stream::Values => &self.v,
+        }
+    }
 }
 
 /// Calibration vectors for calibrated formats, per (layer, KV head, stream): each set is
@@ -104,11 +128,29 @@ impl CacheConfig {
             recent: 0,
             k,
             v,
+            layers: None,
             seed: 0x5EED,
             calibration: None,
             encode_rows: true,
             sink: 0,
         }
+    }
+
+    /// The format of `stream` in `layer`: its per-layer entry when `layers` is set, else
+    /// `k` / `v` (also for a layer index past the list, which [`PagedCache::new`] rejects).
+    pub fn spec(&self, layer: usize, stream: Stream) -> &FormatSpec {
+        match self.layers.as_ref().and_then(|l| l.get(layer)) {
+            Some(ls) => ls.get(stream),
+            None => match stream {
+                Stream::Keys => &self.k,
+                Stream::Values => &self.v,
+            },
+        }
+    }
+
+    /// Whether every layer uses `k` / `v` (no per-layer entry differs from them).
+    pub fn is_uniform(&self) -> bool {
+        self.layers.as_ref().is_none_or(|ls| ls.iter().all(|l| l.k == self.k && l.v == self.v))
     }
 
     /// Tokens held in pages once `n` tokens have been appended (`row_mode`: see
@@ -152,6 +194,15 @@ impl PagedCache {
         if cfg.n_layers == 0 || cfg.n_kv_heads == 0 {
             return Err(VqError::InvalidConfig("n_layers and n_kv_heads must be > 0".into()));
         }
+        if let Some(ls) = &cfg.layers {
+            if ls.len() != cfg.n_layers {
+                return Err(VqError::InvalidConfig(format!(
+                    "{} per-layer specs for {} layers",
+                    ls.len(),
+                    cfg.n_layers
+                )));
+            }
+        }
         let built = Self::build_formats(&cfg, |_, _, _| None)?;
         let row_mode = Self::row_mode_of(&cfg, &built);
         let wrap = |fs: Vec<Arc<dyn crate::Format>>| -> Result<Vec<StreamStore>> {
@@ -184,14 +235,16 @@ impl PagedCache {
                     })
                     .collect()
             };
-            built.push((mk(&cfg.k, Stream::Keys)?, mk(&cfg.v, Stream::Values)?));
+            built
+                .push((mk(cfg.spec(l, Stream::Keys), Stream::Keys)?, mk(cfg.spec(l, Stream::Values), Stream::Values)?));
         }
         Ok(built)
     }
 
-    /// Row mode needs both streams row-granular (their pages must stay aligned).
+    /// Row mode needs both streams of every layer row-granular (their pages must stay
+    /// aligned, and the mode is one for the cache).
     fn row_mode_of(cfg: &CacheConfig, built: &[FormatPair]) -> bool {
-        cfg.encode_rows && built[0].0[0].row_granular() && built[0].1[0].row_granular()
+        cfg.encode_rows && built.iter().all(|(k, v)| k[0].row_granular() && v[0].row_granular())
     }
 
     pub fn config(&self) -> &CacheConfig {
@@ -295,10 +348,14 @@ impl PagedCache {
         self.layers.iter().flat_map(|l| l.keys.iter().chain(&l.values))
     }
 
-    /// Bits per value of the K and V page formats, side information included.
+    /// Bits per value of the K and V page formats, side information included (averaged over
+    /// layers when they differ).
     pub fn bits_per_value(&self) -> (f64, f64) {
-        let l = &self.layers[0];
-        (l.keys[0].format().bits_per_value(), l.values[0].format().bits_per_value())
+        let n = self.layers.len() as f64;
+        let mean = |f: fn(&LayerCache) -> &StreamStore| {
+            self.layers.iter().map(|l| f(l).format().bits_per_value()).sum::<f64>() / n
+        };
+        (mean(|l| &l.keys[0]), mean(|l| &l.values[0]))
     }
 
     /// Resident bits per stored value for K and V at the current length, counting the fp16
