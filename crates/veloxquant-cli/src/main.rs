@@ -1,11 +1,13 @@
 //! `veloxquant`: measure what each KV-cache format costs and buys.
 
+mod allocate;
 mod bench;
 mod cache_cmd;
 mod demo;
 mod distortion;
 mod eval;
 mod model;
+mod per_layer;
 mod plot;
 mod util;
 
@@ -32,6 +34,9 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Perplexity (llama.cpp protocol), KL and top-1 vs the fp16 cache, per method.
     Eval(eval::EvalArgs),
+    /// Per-layer K/V widths for an average bit budget (sensitivity on calibration text,
+    /// reverse water-filling); writes a method file `eval --methods` accepts.
+    Allocate(allocate::AllocateArgs),
     /// Stream a completion with a chosen cache; report speed and memory vs fp16.
     Generate(demo::GenerateArgs),
     /// Passkey retrieval accuracy per method at several prompt lengths.
@@ -100,6 +105,7 @@ fn main() -> ExitCode {
     let res = match cli.cmd {
         Cmd::Demo(a) => demo::demo(&a),
         Cmd::Eval(a) => eval::run(&a),
+        Cmd::Allocate(a) => allocate::run(&a),
         Cmd::Generate(a) => demo::generate(&a),
         Cmd::Passkey(a) => demo::passkey(&a),
         Cmd::FetchModel(a) => demo::fetch(&a),

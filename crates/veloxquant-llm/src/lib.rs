@@ -19,6 +19,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod allocate;
 pub mod attention;
 pub mod compressed;
 pub mod error;
@@ -26,8 +27,10 @@ pub mod eval;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;
+pub mod kl_base;
 pub mod model;
 pub mod passkey;
+pub mod report;
 pub mod store;
 pub mod tokenizer;
 
