@@ -174,18 +174,32 @@ pub struct PasskeyArgs {
     json: Option<std::path::PathBuf>,
     #[arg(long)]
     md: Option<std::path::PathBuf>,
+    /// Calibration text for calibrated formats (default: ../shared/data/wikitext-2-raw-test.txt).
+    #[arg(long)]
+    text: Option<std::path::PathBuf>,
+    /// First calibration token in that text (default: where `eval`'s default run calibrates,
+    /// after its 80 windows of 512) and how many.
+    #[arg(long, default_value_t = 80 * 512)]
+    calib_from: usize,
+    #[arg(long, default_value_t = 2048)]
+    calib_tokens: usize,
 }
 
 pub fn passkey(a: &PasskeyArgs) -> AnyResult {
     let methods: Vec<Method> = a.methods.iter().map(|m| Method::parse(m)).collect::<AnyResult<_>>()?;
     let (model, tok) = a.model.load()?;
+    let cal = if methods.iter().any(Method::needs_calibration) {
+        Some(crate::model::calibration_from_text(&model, &tok, a.text.as_deref(), a.calib_from, a.calib_tokens)?)
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     let mut out = Vec::new();
     for m in &methods {
         let mut row = vec![m.to_string()];
         for &len in &a.lengths {
-            let (mm, c) = (m.clone(), model.config.clone());
-            let mut f = move || mm.store(&c, len + 64, None).map_err(veloxquant_llm::LlmError::StoreBackend);
+            let (mm, c, cal) = (m.clone(), model.config.clone(), cal.clone());
+            let mut f = move || mm.store(&c, len + 64, cal.as_ref()).map_err(veloxquant_llm::LlmError::StoreBackend);
             let s = passkey_accuracy(&model, &tok, &mut f, len, &a.depths, a.n, a.seed, PasskeyFormat::Plain)?;
             eprintln!("{m} @ {len}: {}/{}", s.n_correct, s.n_trials);
             row.push(format!("{}/{}", s.n_correct, s.n_trials));

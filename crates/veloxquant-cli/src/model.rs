@@ -195,6 +195,26 @@ impl std::fmt::Display for Method {
     }
 }
 
+/// Calibration vectors from `n` tokens of a text starting at token `from` (text the caller
+/// does not score), for methods with calibrated formats.
+pub fn calibration_from_text(
+    model: &Llama,
+    tok: &Tokenizer,
+    text: Option<&Path>,
+    from: usize,
+    n: usize,
+) -> AnyResult<Arc<Calibration>> {
+    let path = text.map(Path::to_path_buf).or_else(default_text).ok_or("no calibration --text and no default text")?;
+    let bytes = std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let tokens = tok.encode(&String::from_utf8_lossy(&bytes))?;
+    let calib = tokens.get(from..from.saturating_add(n).min(tokens.len())).unwrap_or(&[]);
+    if calib.len() < 64 {
+        return Err(format!("{}: fewer than 64 tokens from token {from} to calibrate on", path.display()).into());
+    }
+    eprintln!("calibrating on tokens [{from}, {}) of {}", from + calib.len(), path.display());
+    Ok(Arc::new(veloxquant_llm::calibrate(model, calib)?))
+}
+
 /// The default evaluation text: shared/data next to the project, found from the working dir.
 pub fn default_text() -> Option<PathBuf> {
     ["../shared/data", "shared/data", "../../shared/data"]

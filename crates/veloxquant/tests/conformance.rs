@@ -30,8 +30,8 @@ fn expected_bits(spec: &FormatSpec, d: usize) -> f64 {
         "q8_0" => 8.5,
         "q4_0" => 4.5,
         "turboquant_mse" => spec.bits as f64 + 16.0 / d as f64,
-        // n = e·d/8 channels at b + 1 bits, the rest at b, one f16 scale per token.
-        "turboquant_frac" => spec.bits as f64 + spec.hi_eighths as f64 / 8.0 + 16.0 / d as f64,
+        // n = e·d/8 channels at b + 1 bits, the rest at b, one scale byte per token.
+        "turboquant_frac" => spec.bits as f64 + spec.hi_eighths as f64 / 8.0 + 8.0 / d as f64,
         // (b−1) code bits + 1 sketch bit + f16 ‖x‖ and γ per token.
         "turboquant_prod" => spec.bits as f64 + 32.0 / d as f64,
         "turboquant_rvq" => (spec.bits + spec.bits2) as f64 + 32.0 / d as f64,

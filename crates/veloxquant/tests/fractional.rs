@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use veloxquant::format::rows::{RowKind, RowLayout};
+use veloxquant::format::rows::{RowKind, RowLayout, RowScale};
 use veloxquant::format::{FormatCtx, FormatSpec, Stream};
 use veloxquant::rng::SplitMix64;
 use veloxquant::rotate::Rotation;
@@ -29,6 +29,32 @@ fn split_row_layout_by_hand() {
     assert_eq!(out, want);
 }
 
+#[test]
+fn log_scale_bytes_by_hand() {
+    let l =
+        RowLayout::new(RowKind::Codes { bits: 2, table: [0.0; 16] }, 64, 4).with_scale(RowScale::LogU8 { base: 2.0 });
+    // 4 rows of 16 bytes, then max(4, 8) scale bytes: 72 bytes.
+    assert_eq!((l.row_bytes, l.page_bytes()), (16, 72));
+    let mut page = vec![0u8; l.page_bytes()];
+    // code = 128 + 16·log2(s / base), rounded, clamped to 1..=255; 0 encodes exactly 0.
+    for (t, s, code) in [(0, 2.0f32, 128u8), (1, 8.0, 160), (2, 0.0, 0), (3, 1e9, 255)] {
+        l.set_row_scale(&mut page, t, s);
+        assert_eq!(page[64 + t], code, "s = {s}");
+    }
+    assert_eq!(l.row_scale(&page, 0), 2.0);
+    assert_eq!(l.row_scale(&page, 1), 8.0);
+    assert_eq!(l.row_scale(&page, 2), 0.0);
+    assert!((l.row_scale(&page, 3) - 2.0 * 2f32.powf(127.0 / 16.0)).abs() < 1e-2);
+    // Inside the range the relative rounding error is at most half a step, 2^(1/32) − 1.
+    let mut worst = 0f64;
+    for i in 0..4000 {
+        let s = 2.0 * 2f32.powf(-7.0 + i as f32 * 14.0 / 4000.0);
+        l.set_row_scale(&mut page, 0, s);
+        worst = worst.max((l.row_scale(&page, 0) as f64 / s as f64 - 1.0).abs());
+    }
+    assert!(worst <= 2f64.powf(1.0 / 32.0) - 1.0 + 1e-6, "{worst}");
+}
+
 /// Vectors whose rotated coordinates (the format's own rotation, seed `seed`) have standard
 /// deviation `big` on `wide` and 1 elsewhere, plus an optional mean `offset` per channel.
 fn shaped(n: usize, seed: u64, rot_seed: u64, wide: &[usize], big: f32, offset: &[f32]) -> Vec<f32> {
@@ -50,9 +76,10 @@ fn ctx(stream: Stream, seed: u64, calibration: Vec<f32>) -> FormatCtx {
     c
 }
 
-/// The rotated channels the format codes wide (`export_state`'s first d floats).
+/// The rotated channels the format codes wide (`export_state`: the scale base, then d
+/// floats of channel map).
 fn wide_channels(f: &dyn veloxquant::Format) -> Vec<usize> {
-    f.export_state()[..D].iter().enumerate().filter(|(_, &v)| v == 1.0).map(|(j, _)| j).collect()
+    f.export_state()[1..=D].iter().enumerate().filter(|(_, &v)| v == 1.0).map(|(j, _)| j).collect()
 }
 
 #[test]
@@ -181,14 +208,13 @@ fn specs_parse_print_and_fail_typed() {
     let mut c = FormatCtx::new(32, T, Stream::Keys, 1);
     c.calibration = Some(vec![0.5f32; 32 * 64].into());
     assert!(matches!(s.build(&c), Err(VqError::UnsupportedHeadDim { d: 32, .. })));
-    // No calibration (or too little) for a channel map or a mean; none needed otherwise.
-    for s in ["turboquant_frac:3.5", "turboquant_frac:3:center"] {
+    // No calibration (or too little): every instance calibrates (its scale base at least).
+    for s in ["turboquant_frac:3.5", "turboquant_frac:3:center", "turboquant_frac:3"] {
         let spec = FormatSpec::parse(s).unwrap();
         assert!(matches!(spec.build(&FormatCtx::new(D, T, Stream::Keys, 1)), Err(VqError::MissingCalibration { .. })));
         let few = ctx(Stream::Keys, 1, vec![0.5; D * 8]);
         assert!(matches!(spec.build(&few), Err(VqError::MissingCalibration { .. })));
     }
-    assert!(FormatSpec::parse("turboquant_frac:3").unwrap().build(&FormatCtx::new(D, T, Stream::Keys, 1)).is_ok());
 }
 
 #[test]
@@ -197,7 +223,7 @@ fn saved_state_restores_the_same_instance_and_bad_state_is_refused() {
     let spec = FormatSpec::parse("turboquant_frac:2.5:center:eden").unwrap();
     let a = spec.build(&ctx(Stream::Keys, 4, calib)).unwrap();
     let state = a.export_state();
-    assert_eq!(state.len(), 2 * D);
+    assert_eq!(state.len(), 1 + 2 * D);
     let mut c = FormatCtx::new(D, T, Stream::Keys, 4);
     c.state = Some(state.clone().into());
     let b = spec.build(&c).unwrap();
@@ -206,11 +232,12 @@ fn saved_state_restores_the_same_instance_and_bad_state_is_refused() {
     a.encode_page(&x, &mut pa).unwrap();
     b.encode_page(&x, &mut pb).unwrap();
     assert_eq!(pa, pb);
-    let edits: [fn(&mut Vec<f32>); 4] = [
-        |s| s[0] = 0.5,                                  // a map entry neither 0 nor 1
-        |s| s.iter_mut().take(D).for_each(|v| *v = 1.0), // too many wide channels
-        |s| s[D + 3] = f32::NAN,                         // a non-finite mean
-        |s| s.truncate(D),                               // the mean missing
+    let edits: [fn(&mut Vec<f32>); 5] = [
+        |s| s[1] = 0.5,                                          // a map entry neither 0 nor 1
+        |s| s.iter_mut().skip(1).take(D).for_each(|v| *v = 1.0), // too many wide channels
+        |s| s[D + 3] = f32::NAN,                                 // a non-finite mean
+        |s| s.truncate(1 + D),                                   // the mean missing
+        |s| s[0] = -1.0,                                         // a scale base ≤ 0
     ];
     for edit in edits {
         let mut bad = state.clone();

@@ -13,6 +13,10 @@
 //!
 //! Split rows are whole bytes, not whole words (n and d are multiples of 8), so a fractional
 //! width costs exactly its bits; the second segment starts on a byte boundary.
+//!
+//! The per-token scales are f16 ([`RowScale::F16`]) or one byte each on a log scale around a
+//! calibrated base ([`RowScale::LogU8`]: code c → base·2^((c − 128)/16), c = 0 → 0; steps of
+//! 1/16 octave, ±8 octaves), padded to ≥ 8 bytes and a multiple of 4.
 
 use half::f16;
 
@@ -49,14 +53,63 @@ impl RowKind {
     }
 }
 
+/// How the per-token scales are stored.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RowScale {
+    F16,
+    /// One byte: base·2^((c − 128)/16) for c ≥ 1, 0 for c = 0. Relative rounding error
+    /// ≤ 2^(1/32) − 1 ≈ 2.2 %; values beyond base·2^(±127/16) clamp to the end codes.
+    LogU8 {
+        base: f32,
+    },
+}
+
+/// Octaves per log-scale step's inverse (1/16 octave steps).
+const LOG_STEPS: f32 = 16.0;
+
+impl RowScale {
+    fn bytes(self) -> usize {
+        match self {
+            Self::F16 => 2,
+            Self::LogU8 { .. } => 1,
+        }
+    }
+
+    /// The stored form of `s` (≥ 0) decoded back: what `row_scale` returns after
+    /// `set_row_scale(s)`.
+    pub fn round(self, s: f32) -> f32 {
+        match self {
+            Self::F16 => f16::from_f32(s).to_f32(),
+            Self::LogU8 { base } => Self::log_decode(base, Self::log_code(base, s)),
+        }
+    }
+
+    fn log_code(base: f32, s: f32) -> u8 {
+        if s.is_nan() || s <= 0.0 || base.is_nan() || base <= 0.0 {
+            return 0;
+        }
+        ((s / base).log2() * LOG_STEPS + 128.0).round().clamp(1.0, 255.0) as u8
+    }
+
+    #[inline]
+    fn log_decode(base: f32, c: u8) -> f32 {
+        if c == 0 {
+            0.0
+        } else {
+            base * ((c as f32 - 128.0) / LOG_STEPS).exp2()
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct RowLayout {
     pub kind: RowKind,
     pub d: usize,
     pub t: usize,
     pub row_bytes: usize,
-    /// Offset of the T f16 per-token scales, if the kind has them.
+    /// Offset of the T per-token scales, if the kind has them.
     pub scales_at: Option<usize>,
+    pub scale: RowScale,
 }
 
 pub const Q8_BLOCK_BYTES: usize = 34;
@@ -75,14 +128,20 @@ impl RowLayout {
             }
         };
         let scales_at = matches!(kind, RowKind::Codes { .. } | RowKind::Split { .. }).then_some(row_bytes * t);
-        Self { kind, d, t, row_bytes, scales_at }
+        Self { kind, d, t, row_bytes, scales_at, scale: RowScale::F16 }
+    }
+
+    /// The same layout with `scale`-coded per-token scales.
+    pub fn with_scale(mut self, scale: RowScale) -> Self {
+        self.scale = scale;
+        self
     }
 
     pub fn page_bytes(&self) -> usize {
         let rows = self.row_bytes * self.t;
         match self.scales_at {
             // ≥ 8 bytes after the last row: the SIMD code loads read a whole qword.
-            Some(_) => (rows + (2 * self.t).max(8)).div_ceil(4) * 4,
+            Some(_) => (rows + (self.scale.bytes() * self.t).max(8)).div_ceil(4) * 4,
             None => rows,
         }
     }
@@ -90,15 +149,18 @@ impl RowLayout {
     /// Per-token scale (the stored norm), 1 for kinds without one.
     #[inline]
     pub fn row_scale(&self, page: &[u8], t: usize) -> f32 {
-        match self.scales_at {
-            Some(o) => f16::from_le_bytes([page[o + 2 * t], page[o + 2 * t + 1]]).to_f32(),
-            None => 1.0,
+        match (self.scales_at, self.scale) {
+            (Some(o), RowScale::F16) => f16::from_le_bytes([page[o + 2 * t], page[o + 2 * t + 1]]).to_f32(),
+            (Some(o), RowScale::LogU8 { base }) => RowScale::log_decode(base, page[o + t]),
+            (None, _) => 1.0,
         }
     }
 
     pub fn set_row_scale(&self, page: &mut [u8], t: usize, s: f32) {
-        if let Some(o) = self.scales_at {
-            page[o + 2 * t..o + 2 * t + 2].copy_from_slice(&f16::from_f32(s).to_le_bytes());
+        match (self.scales_at, self.scale) {
+            (Some(o), RowScale::F16) => page[o + 2 * t..o + 2 * t + 2].copy_from_slice(&f16::from_f32(s).to_le_bytes()),
+            (Some(o), RowScale::LogU8 { base }) => page[o + t] = RowScale::log_code(base, s),
+            (None, _) => {}
         }
     }
 
