@@ -60,10 +60,10 @@ pub struct AllocateArgs {
     #[arg(long, default_value_t = 4)]
     sink: usize,
     /// Widths at which the sensitivity is measured.
-    #[arg(long, value_delimiter = ',', default_value = "1.5,2,3,4")]
+    #[arg(long, value_delimiter = ',', default_value = "1,1.5,2,3,4")]
     measure: Vec<f64>,
     /// Widths the allocation may choose (between the measured ones: interpolated).
-    #[arg(long, value_delimiter = ',', default_value = "1.5,1.75,2,2.25,2.5,2.75,3,3.25,3.5,3.75,4")]
+    #[arg(long, value_delimiter = ',', default_value = "1,1.25,1.5,1.75,2,2.25,2.5,2.75,3,3.25,3.5,3.75,4")]
     widths: Vec<f64>,
     /// Measured sensitivities: read from this file if it exists (same model, text, ctx,
     /// families and window), else measured and written to it.
