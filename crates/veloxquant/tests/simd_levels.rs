@@ -14,7 +14,7 @@ fn kinds(d: usize) -> Vec<RowKind> {
     // Split rows (fractional widths): every width pair, wide sets of 8, half and 7/8 of d.
     for hi_bits in 2..=4 {
         for n_hi in [8, d / 2, d - 8] {
-            if n_hi % 8 == 0 && d % 8 == 0 {
+            if n_hi.is_multiple_of(8) && d.is_multiple_of(8) {
                 let (hi_table, lo_table) =
                     (ScaledCodebook::new(hi_bits, d).table16(), ScaledCodebook::new(hi_bits - 1, d).table16());
                 k.push(RowKind::Split { hi_bits, n_hi, hi_table, lo_table });

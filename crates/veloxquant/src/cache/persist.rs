@@ -535,8 +535,10 @@ fn check_structure_cost(
 ) -> Result<()> {
     let reserved_tokens = cfg.recent.saturating_add(cfg.page_tokens).saturating_add(cfg.sink);
     let reserved = reserved_tokens.saturating_mul(cfg.head_dim).saturating_mul(4);
+    // One probe per layer with its own specs; one for all layers otherwise.
+    let (probes, repeat) = if cfg.layers.is_some() { (cfg.n_layers, 1) } else { (1, cfg.n_layers) };
     let mut total = 0usize;
-    for l in 0..cfg.n_layers {
+    for l in 0..probes {
         let one = CacheConfig {
             n_layers: 1,
             n_kv_heads: 1,
@@ -549,12 +551,7 @@ fn check_structure_cost(
         let probe = PagedCache::build_formats(&one, |_, _, s| states.get(&(l, 0, s)).cloned())?;
         let (kf, vf) = &probe[0];
         let per_head = (kf[0].state_bytes() + vf[0].state_bytes()).saturating_add(reserved);
-        total = total.saturating_add(per_head.saturating_mul(cfg.n_kv_heads));
-        if !cfg.layers.as_ref().is_some_and(|ls| ls.len() == cfg.n_layers) {
-            // One format pair for every layer: measured once.
-            total = per_head.saturating_mul(cfg.n_kv_heads).saturating_mul(cfg.n_layers);
-            break;
-        }
+        total = total.saturating_add(per_head.saturating_mul(cfg.n_kv_heads).saturating_mul(repeat));
     }
     let budget = STRUCTURE_ALLOWANCE.saturating_add(payload_len.saturating_mul(STRUCTURE_PER_PAYLOAD_BYTE));
     if total > budget {
