@@ -19,7 +19,7 @@ use std::sync::Arc;
 use serde_json::json;
 use veloxquant::{CacheConfig, Calibration, FormatSpec, LayerSpec, Stream};
 use veloxquant_llm::allocate::{interpolate_loss, water_fill, Choice};
-use veloxquant_llm::eval::{kl_divergence, window_log_probs, WindowPlan};
+use veloxquant_llm::eval::{kl_divergence, log_softmax_in_place, WindowPlan};
 use veloxquant_llm::{calibrate, CompressedStore, KvStore, Llama, LlamaConfig};
 
 use crate::model::{default_text, Method, ModelArgs};
@@ -265,12 +265,13 @@ fn measure_table(
     let c = &model.config;
     let plan = WindowPlan::new(text.len(), a.ctx, a.sens_windows)?;
     let n_vocab = c.n_vocab;
-    // Candidate 0: every layer fp16 through the compressed store (the floor).
-    let mut cands: Vec<Method> = vec![single(c, 0, Stream::Keys, &FormatSpec::parse("fp16")?, a)?];
+    // Candidate 0: every layer fp16 through the compressed store (the floor); then one run
+    // per (layer, stream, width), starting at that layer.
+    let mut cands: Vec<(Method, usize)> = vec![(single(c, 0, Stream::Keys, &FormatSpec::parse("fp16")?, a)?, 0)];
     for l in 0..c.n_layers {
         for (s, fam) in [(Stream::Keys, &a.k_family), (Stream::Values, &a.v_family)] {
             for &w in measure {
-                cands.push(single(c, l, s, &family(fam, w)?, a)?);
+                cands.push((single(c, l, s, &family(fam, w)?, a)?, l));
             }
         }
     }
@@ -278,18 +279,28 @@ fn measure_table(
     let mut kl_sum = vec![0f64; cands.len()];
     let mut n_pos = 0usize;
     for w in 0..plan.n_windows {
-        let window = &text[w * a.ctx..(w + 1) * a.ctx];
-        let mut reference = || -> veloxquant_llm::Result<Box<dyn KvStore>> {
-            Ok(Box::new(veloxquant_llm::Fp16Store::for_config(c, a.ctx)))
-        };
-        let (lr, _) = window_log_probs(model, window, &plan, bos, &mut reference)?;
+        let mut window = text[w * a.ctx..(w + 1) * a.ctx - 1].to_vec(); // the last position predicts nothing
+        if let Some(b) = bos {
+            window[0] = b;
+        }
+        // The fp16 pass, keeping every layer's input: a run that quantizes only layer l
+        // starts at layer l (the layers before it are the fp16 ones).
+        let mut hidden: Vec<Vec<f32>> = vec![Vec::new(); c.n_layers];
+        let mut reference = veloxquant_llm::Fp16Store::for_config(c, a.ctx);
+        let mut lr =
+            model.forward_recording(&window, &mut reference, plan.first, &mut |l, x| hidden[l] = x.to_vec())?;
+        lr.chunks_mut(n_vocab).for_each(log_softmax_in_place);
         n_pos += lr.len() / n_vocab;
-        for (i, m) in cands.iter().enumerate() {
-            let mut f = || m.store(c, a.ctx, Some(cal)).map_err(veloxquant_llm::LlmError::StoreBackend);
-            let (lc, _) = window_log_probs(model, window, &plan, bos, &mut f)?;
+        for (i, (m, first)) in cands.iter().enumerate() {
+            let mut store = m.store(c, a.ctx, Some(cal))?;
+            let mut lc = model.forward_from_layer(hidden[*first].clone(), *first, store.as_mut(), plan.first)?;
+            lc.chunks_mut(n_vocab).for_each(log_softmax_in_place);
             kl_sum[i] +=
                 lr.chunks_exact(n_vocab).zip(lc.chunks_exact(n_vocab)).map(|(p, q)| kl_divergence(p, q)).sum::<f64>();
             pb.inc(1);
+            if pb.is_hidden() && (w * cands.len() + i + 1) % 50 == 0 {
+                eprintln!("sensitivity: {} of {} runs", w * cands.len() + i + 1, plan.n_windows * cands.len());
+            }
         }
     }
     pb.finish_and_clear();

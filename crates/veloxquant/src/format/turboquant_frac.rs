@@ -2,14 +2,19 @@
 //! "Online Vector Quantization with Near-optimal Distortion Rate", arXiv 2504.19874).
 //!
 //! The paper reaches its 2.5- and 3.5-bit KV-cache results ("non-integer bit precision") by
-//! coding a fixed set of outlier channels at more bits than the rest (for d = 128: 32
-//! channels at 3 bits and 96 at 2 gives 2.5). Here, per (layer, KV head, stream), after the
+//! splitting the channels into an outlier set and the rest, each coded by its own TurboQuant
+//! instance at its own width (as re-implementations summarize it: for d = 128, 32 outlier
+//! channels at 3 bits and 96 at 2 give 2.5). Here, per (layer, KV head, stream), after the
 //! seeded rotation, the n = e·d/8 rotated channels that gain most from one more bit on
 //! calibration text are coded at b + 1 bits and the other d − n at b. The gain of channel j
 //! is Σ_i ‖r_i‖²·(err_b − err_{b+1}) over the calibration vectors; for keys it is weighted by
 //! E[(R q)_j²] of the queries when the calibration has their second moments (score error
 //! is Σ_j q_j·e_j). Deviation from the paper: one rotation and one norm for both channel
-//! sets (the paper runs two independent instances), so the split costs no second norm.
+//! sets, so the split costs no second norm. Measured once on this model's keys (2048
+//! calibration tokens, 3.5 bits, centered, a scratch script): relative score error 0.0126 for
+//! this split against 0.0118 for the paper's (top-variance channels split before rotating,
+//! two rotations, two norms) — which pays a second norm per token — and 0.0168 for
+//! uncentered whole 4 bits.
 //!
 //! `center` (a calibrated option, not in the paper): subtract the per-channel mean μ of the
 //! calibration vectors before rotating and add it back exactly: keys ⟨q, μ⟩ + ⟨q, k̂ − μ⟩
@@ -36,7 +41,8 @@
 //! for non-power-of-two d), the channel map (d bits), μ (d f16), the scale base, thresholds
 //! and tables.
 //! Anchor: on random unit vectors the MSE sits between D(b) and D(b+1) of REFERENCE.md §2
-//! (the chosen channels' share interpolates); e = 0 without `center` is turboquant_mse.
+//! (the chosen channels' share interpolates); e = 0 without `center` is turboquant_mse with
+//! a one-byte scale.
 //! Spec: `turboquant_frac:W[:center][:eden]`, W ∈ [1, 4] in eighths (`turboquant_mse:3.5` is
 //! an alias); needs n and d − n multiples of 8 and calibration vectors
 //! ([`FormatCtx::calibration`], or the saved state).
