@@ -53,6 +53,14 @@ fn log_scale_bytes_by_hand() {
         worst = worst.max((l.row_scale(&page, 0) as f64 / s as f64 - 1.0).abs());
     }
     assert!(worst <= 2f64.powf(1.0 / 32.0) - 1.0 + 1e-6, "{worst}");
+    // Clearing rows 2.. zeroes their codes and their one-byte scales, nothing else.
+    let mut page: Vec<u8> = (0..l.page_bytes()).map(|i| i as u8 | 1).collect();
+    let before = page.clone();
+    l.clear_rows_from(&mut page, 2);
+    for (i, (a, b)) in page.iter().zip(&before).enumerate() {
+        let cleared = (32..64).contains(&i) || (66..68).contains(&i);
+        assert_eq!(*a, if cleared { 0 } else { *b }, "byte {i}");
+    }
 }
 
 /// Vectors whose rotated coordinates (the format's own rotation, seed `seed`) have standard

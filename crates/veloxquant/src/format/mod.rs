@@ -535,6 +535,24 @@ pub fn check_finite(what: &'static str, x: &[f32], d: usize) -> Result<()> {
     }
 }
 
+/// `encode_page`'s argument checks: T × d finite values into a whole page.
+pub(crate) fn check_page_input(f: &(impl Format + ?Sized), x: &[f32], page: &[u8]) -> Result<()> {
+    let d = f.head_dim();
+    check_len("encode_page input", d * f.page_tokens(), x.len())?;
+    check_len("encode_page output", f.page_bytes(), page.len())?;
+    check_finite("encode_page input", x, d)
+}
+
+/// `encode_row`'s argument checks: d finite values into row `row` of a whole page.
+pub(crate) fn check_row_input(f: &(impl Format + ?Sized), x: &[f32], page: &[u8], row: usize) -> Result<()> {
+    check_len("encode_row input", f.head_dim(), x.len())?;
+    check_len("encode_row output", f.page_bytes(), page.len())?;
+    if row >= f.page_tokens() {
+        return Err(VqError::OutOfRange { what: "page row", index: row, len: f.page_tokens() });
+    }
+    check_finite("encode_row input", x, f.head_dim())
+}
+
 pub(crate) fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {
     if expected == got {
         Ok(())

@@ -164,6 +164,19 @@ impl RowLayout {
         }
     }
 
+    /// Zero rows `from..` and their scales: an open page as a fresh one holds it.
+    pub fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        let (t, rb) = (self.t, self.row_bytes);
+        if from >= t || page.len() < self.page_bytes() {
+            return;
+        }
+        page[from * rb..t * rb].fill(0);
+        if let Some(at) = self.scales_at {
+            let w = self.scale.bytes();
+            page[at + w * from..at + w * t].fill(0);
+        }
+    }
+
     pub fn row<'a>(&self, page: &'a [u8], t: usize) -> &'a [u8] {
         &page[t * self.row_bytes..(t + 1) * self.row_bytes]
     }
@@ -237,7 +250,7 @@ impl RowLayout {
 
 use std::sync::Arc;
 
-use super::{check_finite, check_len, Format, FormatCtx, FormatSpec, QueryState};
+use super::{check_page_input, check_row_input, Format, FormatCtx, FormatSpec, QueryState};
 use crate::codebook::ScaledCodebook;
 use crate::error::{Result, VqError};
 use crate::rotate::Rotation;
@@ -327,10 +340,8 @@ impl Format for RowFormat {
     }
 
     fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {
-        let (d, t) = (self.layout.d, self.layout.t);
-        check_len("encode_page input", d * t, x.len())?;
-        check_len("encode_page output", self.page_bytes(), page.len())?;
-        check_finite("encode_page input", x, d)?;
+        check_page_input(self, x, page)?;
+        let d = self.layout.d;
         page.fill(0);
         for (i, row) in x.chunks_exact(d).enumerate() {
             self.encode_row_unchecked(row, page, i);
@@ -343,12 +354,7 @@ impl Format for RowFormat {
     }
 
     fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
-        check_len("encode_row input", self.layout.d, x.len())?;
-        check_len("encode_row output", self.page_bytes(), page.len())?;
-        if row >= self.layout.t {
-            return Err(VqError::OutOfRange { what: "page row", index: row, len: self.layout.t });
-        }
-        check_finite("encode_row input", x, self.layout.d)?;
+        check_row_input(self, x, page, row)?;
         self.encode_row_unchecked(x, page, row);
         Ok(())
     }

@@ -52,7 +52,10 @@ use std::sync::Arc;
 use half::f16;
 
 use super::rows::{RowKind, RowLayout, RowScale};
-use super::{check_finite, check_len, Format, FormatCtx, FormatDesc, FormatSpec, NormMode, QueryState, Stream};
+use super::{
+    check_finite, check_len, check_page_input, check_row_input, Format, FormatCtx, FormatDesc, FormatSpec, NormMode,
+    QueryState, Stream,
+};
 use crate::codebook::ScaledCodebook;
 use crate::error::{Result, VqError};
 use crate::pack;
@@ -397,10 +400,8 @@ impl Format for TurboFrac {
     }
 
     fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {
-        let (d, t) = (self.d(), self.layout.t);
-        check_len("encode_page input", d * t, x.len())?;
-        check_len("encode_page output", self.page_bytes(), page.len())?;
-        check_finite("encode_page input", x, d)?;
+        check_page_input(self, x, page)?;
+        let d = self.d();
         page.fill(0);
         for (i, row) in x.chunks_exact(d).enumerate() {
             self.encode_checked(row, page, i);
@@ -427,12 +428,7 @@ impl Format for TurboFrac {
     }
 
     fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
-        check_len("encode_row input", self.d(), x.len())?;
-        check_len("encode_row output", self.page_bytes(), page.len())?;
-        if row >= self.layout.t {
-            return Err(VqError::OutOfRange { what: "page row", index: row, len: self.layout.t });
-        }
-        check_finite("encode_row input", x, self.d())?;
+        check_row_input(self, x, page, row)?;
         self.encode_checked(x, page, row);
         Ok(())
     }
