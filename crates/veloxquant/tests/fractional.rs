@@ -84,6 +84,19 @@ fn ctx(stream: Stream, seed: u64, calibration: Vec<f32>) -> FormatCtx {
     c
 }
 
+/// Σ‖x − x̂‖² / Σ‖x‖² over whole pages of `x` coded and decoded by `f`.
+fn rel_mse(f: &dyn veloxquant::Format, x: &[f32]) -> f64 {
+    let mut page = vec![0u8; f.page_bytes()];
+    let mut back = vec![0f32; T * D];
+    let mut se = 0f64;
+    for chunk in x.chunks_exact(T * D) {
+        f.encode_page(chunk, &mut page).unwrap();
+        f.decode_page(&page, &mut back);
+        se += chunk.iter().zip(&back).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>();
+    }
+    se / x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>()
+}
+
 /// The rotated channels the format codes wide (`export_state`: the scale base, then d
 /// floats of channel map).
 fn wide_channels(f: &dyn veloxquant::Format) -> Vec<usize> {
@@ -109,24 +122,13 @@ fn channel_map_picks_the_high_variance_rotated_channels() {
     // ... and coding them wide beats a map that ignores the data (same bits): compare with
     // the same vectors rotated so that the wide channels land elsewhere.
     let test = shaped(256, 2, seed, &wide, 4.0, &[0.0; D]);
-    let mse = |f: &dyn veloxquant::Format, x: &[f32]| {
-        let mut page = vec![0u8; f.page_bytes()];
-        let mut back = vec![0f32; T * D];
-        let mut se = 0f64;
-        for chunk in x.chunks_exact(T * D) {
-            f.encode_page(chunk, &mut page).unwrap();
-            f.decode_page(&page, &mut back);
-            se += chunk.iter().zip(&back).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>();
-        }
-        se / x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>()
-    };
     let other: Vec<usize> = (0..D).filter(|j| !wide.contains(j)).take(16).collect();
     let misaligned = FormatSpec::parse("turboquant_frac:2.25")
         .unwrap()
         .build(&ctx(Stream::Keys, seed, shaped(512, 3, seed, &other, 4.0, &[0.0; D])))
         .unwrap();
     assert_eq!(wide_channels(misaligned.as_ref()), other);
-    let (good, bad) = (mse(f.as_ref(), &test), mse(misaligned.as_ref(), &test));
+    let (good, bad) = (rel_mse(f.as_ref(), &test), rel_mse(misaligned.as_ref(), &test));
     println!("relative mse: matched map {good:.5}, mismatched {bad:.5}");
     assert!(good < 0.8 * bad, "{good} vs {bad}");
 }
@@ -173,15 +175,7 @@ fn centering_codes_only_what_varies() {
     let share = energy(&test, &mu) / energy(&test, &[0.0; D]);
     let err = |s: &str| {
         let f = FormatSpec::parse(s).unwrap().build(&ctx(Stream::Values, 3, calib.clone())).unwrap();
-        let mut page = vec![0u8; f.page_bytes()];
-        let mut back = vec![0f32; T * D];
-        let mut se = 0f64;
-        for chunk in test.chunks_exact(T * D) {
-            f.encode_page(chunk, &mut page).unwrap();
-            f.decode_page(&page, &mut back);
-            se += chunk.iter().zip(&back).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>();
-        }
-        se / energy(&test, &[0.0; D])
+        rel_mse(f.as_ref(), &test)
     };
     let (plain, centered) = (err("turboquant_frac:3"), err("turboquant_frac:3:center"));
     let want = 0.0334 * share;
