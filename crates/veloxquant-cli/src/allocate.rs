@@ -11,7 +11,9 @@
 //!    (layer, stream) minimizing the summed loss with Σ cost ≤ 2·layers·B. The best uniform
 //!    choices (one K width, one V width for every layer) under the same budget are listed
 //!    with their predicted loss for comparison. Output: `alloc-B.json` per budget (a method
-//!    `eval --methods` accepts) and the measured table (`--sensitivity`, reused if present).
+//!    `eval --methods` accepts), `alloc-B.md` (the widths per layer) and the measured table
+//!    (`--sensitivity`, reused if present). Each single-layer run starts at its layer from the
+//!    fp16 pass's hidden states (`Llama::forward_from_layer`): the layers before it are fp16.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -211,7 +213,8 @@ fn allocate_one(
         })
         .collect();
     println!("\nbudget {budget} bits/value: predicted KL {predicted:.5} at {bits:.3} bits/value (K and V averaged)\n");
-    print_table_to(&["layer", "K width", "K predicted KL", "V width", "V predicted KL"], &rows, None)?;
+    let md = a.out_dir.join(format!("alloc-{budget}.md"));
+    print_table_to(&["layer", "K width", "K predicted KL", "V width", "V predicted KL"], &rows, Some(&md))?;
     if let Some(&(p, b, ik, iv)) = uniform.first() {
         println!("best uniform: K {} / V {} at {b:.3} bits/value, predicted KL {p:.5}", widths[ik], widths[iv]);
     }
