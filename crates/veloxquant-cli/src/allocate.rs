@@ -159,7 +159,6 @@ pub fn run(a: &AllocateArgs) -> AnyResult {
     Ok(())
 }
 
-#[allow(clippy::type_complexity)]
 fn allocate_one(
     a: &AllocateArgs,
     c: &LlamaConfig,
@@ -301,7 +300,7 @@ fn measure_table(
             kl_sum[i] +=
                 lr.chunks_exact(n_vocab).zip(lc.chunks_exact(n_vocab)).map(|(p, q)| kl_divergence(p, q)).sum::<f64>();
             pb.inc(1);
-            if pb.is_hidden() && (w * cands.len() + i + 1) % 50 == 0 {
+            if pb.is_hidden() && (w * cands.len() + i + 1).is_multiple_of(50) {
                 eprintln!("sensitivity: {} of {} runs", w * cands.len() + i + 1, plan.n_windows * cands.len());
             }
         }
