@@ -30,7 +30,7 @@ pub struct CpuArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "q8_0:rot,q4_0:rot,turboquant_mse:4,turboquant_mse:4:eden/turboquant_mse:3,turboquant_mse:3,turboquant_mse:2,turboquant_prod:3/turboquant_mse:3,turboquant_rvq:2:2,qjl:1x/turboquant_mse:3,kivi:2,rabitq/turboquant_mse:3,vecinfer:8:g4/vecinfer:8:g8"
+        default_value = "q8_0:rot,q4_0:rot,turboquant_mse:4,turboquant_mse:4:eden/turboquant_mse:3,turboquant_mse:3,turboquant_frac:3.5:center:eden,turboquant_mse:2,turboquant_frac:2.5:center:eden,turboquant_prod:3/turboquant_mse:3,turboquant_rvq:2:2,qjl:1x/turboquant_mse:3,kivi:2,rabitq/turboquant_mse:3,vecinfer:8:g4/vecinfer:8:g8"
     )]
     formats: Vec<String>,
     /// Shapes `HQ:HKV:D`.

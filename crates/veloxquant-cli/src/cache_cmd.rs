@@ -102,17 +102,7 @@ fn save(file: &Path, path: &Path, prompt: &str, p: &GenPlan) -> AnyResult {
         )
         .into());
     }
-    let Method::Compressed { k, v, recent, sink } = method else {
-        return Err("cache save: fp16 maps to fp16 pages".into());
-    };
-    let mut cfg = veloxquant::CacheConfig::new(
-        model.config.n_layers,
-        model.config.n_kv_heads,
-        model.config.head_dim,
-        k.clone(),
-        v.clone(),
-    );
-    (cfg.recent, cfg.sink) = (*recent, *sink);
+    let cfg = method.cache_config_for(&model.config, None).ok_or("fp16 was mapped to a compressed method")?;
     let mut store = CompressedStore::new(cfg)?;
     for chunk in context.chunks(veloxquant_llm::generate::PREFILL_CHUNK) {
         model.forward(chunk, &mut store, chunk.len() - 1)?;
@@ -209,6 +199,12 @@ fn inspect(file: &PathBuf) -> AnyResult {
         cfg.sink,
         if cache.row_mode() { "row" } else { "page" }
     );
+    if !cfg.is_uniform() {
+        for l in 0..cfg.n_layers {
+            let (k, v) = (cfg.spec(l, veloxquant::Stream::Keys), cfg.spec(l, veloxquant::Stream::Values));
+            println!("  layer {l:<4}  K {k} / V {v}");
+        }
+    }
     println!("tokens        {}", if lo == hi { lo.to_string() } else { format!("{lo}..{hi} per layer") });
     println!("bits/value    pages K {kb:.3} / V {vb:.3}; resident K {ek:.3} / V {ev:.3}");
     println!("resident      {} B", cache.resident_bytes());

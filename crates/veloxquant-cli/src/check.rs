@@ -107,7 +107,7 @@ pub fn nonempty<T>(arg: &'static str, v: &[T]) -> Result<(), ArgError> {
 /// `calibrated` is allowed, no format that needs calibration.
 pub fn method(arg: &'static str, s: &str, n_ctx: usize, calibrated: bool) -> Result<Method, ArgError> {
     let m = Method::parse(arg, s)?;
-    if let Method::Compressed { recent, sink, .. } = &m {
+    if let Method::Compressed { recent, sink, .. } | Method::PerLayer { recent, sink, .. } = &m {
         for (what, v) in [("R after '@'", *recent), ("S after '+'", *sink)] {
             if v > n_ctx {
                 return Err(bad(arg, s, format!("{what} is {v}, more than the {n_ctx} tokens the cache can hold")));
@@ -115,7 +115,11 @@ pub fn method(arg: &'static str, s: &str, n_ctx: usize, calibrated: bool) -> Res
         }
     }
     if !calibrated && m.needs_calibration() {
-        return Err(bad(arg, s, "this command does not calibrate: pick a method without vecinfer"));
+        return Err(bad(
+            arg,
+            s,
+            "this command does not calibrate: pick a method without a calibrated format (vecinfer, turboquant_frac)",
+        ));
     }
     Ok(m)
 }
@@ -160,6 +164,8 @@ pub enum Plan {
     Specs(Vec<veloxquant::FormatSpec>),
     Cache(Option<crate::demo::GenPlan>),
     Bench(crate::bench::BenchPlan),
+    /// A checked input text.
+    Text(PathBuf),
     Nothing,
 }
 
@@ -169,6 +175,7 @@ pub fn plan(cmd: &crate::Cmd, ctx: &Ctx) -> Result<Plan, ArgError> {
     Ok(match cmd {
         Cmd::Demo(a) => Plan::Gen(a.plan(ctx)?),
         Cmd::Eval(a) => Plan::Eval(a.plan(ctx)?),
+        Cmd::Allocate(a) => Plan::Text(a.plan(ctx)?),
         Cmd::Generate(a) => Plan::Gen(a.plan(ctx, 1, 1)?),
         Cmd::Passkey(a) => Plan::Methods(a.plan(ctx)?),
         Cmd::FetchModel(a) => {

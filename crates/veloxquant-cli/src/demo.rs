@@ -275,6 +275,15 @@ pub struct PasskeyArgs {
     /// run as one batch).
     #[arg(long, value_enum, default_value_t = crate::gpu::Device::Cpu)]
     pub(crate) device: crate::gpu::Device,
+    /// Calibration text for calibrated formats (default: ../shared/data/wikitext-2-raw-test.txt).
+    #[arg(long)]
+    text: Option<std::path::PathBuf>,
+    /// First calibration token in that text (default: where `eval`'s default run calibrates,
+    /// after its 80 windows of 512) and how many.
+    #[arg(long, default_value_t = 80 * 512)]
+    calib_from: usize,
+    #[arg(long, default_value_t = 2048)]
+    calib_tokens: usize,
 }
 
 impl PasskeyArgs {
@@ -291,7 +300,7 @@ impl PasskeyArgs {
         crate::check::distinct(&[self.json.as_ref(), self.md.as_ref()])?;
         ctx.output(self.json.as_ref(), OutputKind::Json, &[])?;
         ctx.output(self.md.as_ref(), OutputKind::Markdown, &[])?;
-        methods("methods", &self.methods, ctx.n_ctx(), false, false)
+        methods("methods", &self.methods, ctx.n_ctx(), true, false)
     }
 }
 
@@ -300,13 +309,18 @@ pub fn passkey(a: &PasskeyArgs, methods: &[Method], model_path: &Path) -> AnyRes
         return crate::gpu::passkey(a, methods, model_path);
     }
     let (model, tok) = load(model_path)?;
+    let cal = if methods.iter().any(Method::needs_calibration) {
+        Some(crate::model::calibration_from_text(&model, &tok, a.text.as_deref(), a.calib_from, a.calib_tokens)?)
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     let mut out = Vec::new();
     for m in methods {
         let mut row = vec![m.to_string()];
         for &len in &a.lengths {
-            let (mm, c) = (m.clone(), model.config.clone());
-            let mut f = move || mm.store(&c, len + 64, None).map_err(veloxquant_llm::LlmError::StoreBackend);
+            let (mm, c, cal) = (m.clone(), model.config.clone(), cal.clone());
+            let mut f = move || mm.store(&c, len + 64, cal.as_ref()).map_err(veloxquant_llm::LlmError::StoreBackend);
             let s = passkey_accuracy(&model, &tok, &mut f, len, &a.depths, a.n, a.seed, PasskeyFormat::Plain)?;
             eprintln!("{m} @ {len}: {}/{}", s.n_correct, s.n_trials);
             row.push(format!("{}/{}", s.n_correct, s.n_trials));

@@ -147,7 +147,7 @@ pub fn run(
                 r.spec.to_string().split(':').filter(|p| p.parse::<u32>().is_err()).collect::<Vec<_>>().join(":");
             match series.iter_mut().find(|s| s.label == label) {
                 Some(s) => s.points.push((r.bits_per_value, r.mse)),
-                None => series.push(Series { label, points: vec![(r.bits_per_value, r.mse)] }),
+                None => series.push(Series { points: vec![(r.bits_per_value, r.mse)], ..Series::new(label) }),
             }
         }
         let bound: Vec<(f64, f64)> = (0..=160).map(|i| 1.0 + i as f64 * 0.05).map(|b| (b, 4f64.powf(-b))).collect();

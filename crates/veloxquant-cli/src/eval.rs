@@ -1,12 +1,16 @@
 //! `veloxquant eval`: perplexity in llama.cpp's `llama-perplexity` protocol for the fp16 cache
-//! and each method on the same windows, with KL divergence and top-1 agreement against fp16,
-//! resident bits per value (everything counted at the evaluated context) and speed.
+//! and each method on the same windows, with llama-perplexity's `--kl-divergence` report
+//! against fp16 (PPL ratio, KL mean ± err and its order statistics, same top token, RMS Δp;
+//! `veloxquant_llm::report`), resident bits per value (everything counted at the evaluated
+//! context) and speed. `--kl-base FILE` saves the fp16 log-probs once and reuses them.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::json;
-use veloxquant_llm::{calibrate, compare_many_with_progress, KvStore, StoreFactory};
+use veloxquant_llm::kl_base::{KlBaseHeader, KlBaseReader, KlBaseWriter};
+use veloxquant_llm::report::{compare_report, Base, KlReport};
+use veloxquant_llm::{calibrate, KvStore, StoreFactory};
 
 use crate::check::{bad, methods, ArgError, Ctx};
 use crate::files::{check_input, read_bounded, OutputKind, MAX_TEXT_BYTES};
@@ -60,6 +64,10 @@ pub struct EvalArgs {
     /// Windows per batched prefill on the GPU.
     #[arg(long, default_value_t = 16)]
     pub(crate) batch: usize,
+    /// fp16 log-probs of the windows: read from FILE when it was written for these windows,
+    /// else computed and saved there (llama-perplexity's `--kl-divergence-base`).
+    #[arg(long)]
+    kl_base: Option<PathBuf>,
 }
 
 /// Checked `eval` arguments: the methods (fp16, always the reference, and duplicates
@@ -123,6 +131,22 @@ pub fn run(a: &EvalArgs, p: &EvalPlan, model_path: &Path) -> AnyResult {
     eprintln!("{} tokens; {n_windows} windows of {}; {} methods + fp16", tokens.len(), a.ctx, methods.len());
     let reference = |n: usize| Method::Fp16.store(&c, n, None);
     let mut ref_f = || -> veloxquant_llm::Result<Box<dyn KvStore>> { reference(a.ctx).map_err(backend) };
+    let header = KlBaseHeader {
+        n_ctx: a.ctx as u32,
+        n_windows: n_windows as u32,
+        first: (a.ctx / 2) as u32,
+        n_vocab: c.n_vocab as u32,
+        scored: (a.ctx - 1 - a.ctx / 2) as u32,
+        tokens_hash: KlBaseHeader::hash_tokens(&tokens[..n_windows * a.ctx], tok.add_bos),
+    };
+    let base = match &a.kl_base {
+        Some(p) if p.exists() => {
+            eprintln!("fp16 log-probs from {}", p.display());
+            Base::File(KlBaseReader::open(p, header)?)
+        }
+        Some(p) => Base::Run(&mut ref_f, Some(KlBaseWriter::create(p, header)?)),
+        None => Base::Run(&mut ref_f, None),
+    };
     let mut factories: Vec<Box<StoreFactory>> = methods
         .iter()
         .map(|m| {
@@ -132,104 +156,163 @@ pub fn run(a: &EvalArgs, p: &EvalPlan, model_path: &Path) -> AnyResult {
         .collect();
     let mut cands: Vec<&mut StoreFactory> = factories.iter_mut().map(|f| f.as_mut() as &mut StoreFactory).collect();
     let pb = progress(n_windows as u64, "windows");
-    let stats =
-        compare_many_with_progress(&model, &tokens, a.ctx, n_windows, tok.add_bos, &mut ref_f, &mut cands, &mut |w| {
-            pb.set_position(w as u64)
-        })?;
+    let (base, reports) = compare_report(&model, &tokens, a.ctx, n_windows, tok.add_bos, base, &mut cands, &mut |w| {
+        pb.set_position(w as u64)
+    })?;
     pb.finish_and_clear();
+    if let Some(p) = a.kl_base.as_ref().filter(|p| p.exists()) {
+        eprintln!("fp16 log-probs in {}", p.display());
+    }
 
     let held = a.ctx - 1; // tokens a window's cache holds at its end
-    let base = &stats[0].reference;
+    let fp16_bits = Method::Fp16.resident_bits(&c, held, None)?;
+    let exact = KlReport {
+        ppl: base.ppl,
+        ppl_stderr: base.ppl_stderr,
+        ppl_ratio: 1.0,
+        same_top_pct: 100.0,
+        ..Default::default()
+    };
     let mut rows = Vec::new();
     let mut out = Vec::new();
-    let fp16_bits = Method::Fp16.resident_bits(&c, held, None)?;
-    let mut push = |name: String,
-                    recent: usize,
-                    (kb, vb, bytes): (f64, f64, usize),
-                    ppl: f64,
-                    err: f64,
-                    kl: f64,
-                    top1: f64,
-                    tps: f64| {
-        let d = 100.0 * (ppl / base.ppl - 1.0);
-        rows.push(vec![
-            name.clone(),
-            format!("{kb:.2}"),
-            format!("{vb:.2}"),
-            recent.to_string(),
-            format!("{:.0}", bytes as f64 / held as f64),
-            format!("{ppl:.4} ± {err:.3}"),
-            format!("{d:+.2} %"),
-            format!("{kl:.5}"),
-            format!("{:.2}", 100.0 * top1),
-            format!("{tps:.0}"),
-        ]);
-        out.push(json!({
-            "method": name, "k_bits": kb, "v_bits": vb, "window": recent, "bytes_per_token": bytes as f64 / held as f64,
-            "ppl": ppl, "ppl_stderr": err, "delta_ppl_pct": d, "kl": kl, "top1": top1, "tokens_per_s": tps,
-            "n_ctx": a.ctx, "n_windows": n_windows,
-        }));
-    };
-    push("fp16".into(), 0, fp16_bits, base.ppl, base.ppl_stderr, 0.0, 1.0, base.tokens_per_s);
-    for (m, s) in methods.iter().zip(&stats) {
-        let bits = m.resident_bits(&c, held, cal.as_ref())?;
-        push(
-            m.to_string(),
-            m.recent(),
-            bits,
-            s.candidate.ppl,
-            s.candidate.ppl_stderr,
-            s.kl_mean,
-            s.top1_agreement,
-            s.candidate.tokens_per_s,
+    let mut push = |m: &Method, bits: (f64, f64, usize), r: &KlReport, tps: Option<f64>| {
+        let (row, j) = result_row(m, bits, r, tps, held);
+        rows.push(row);
+        out.push(
+            json!({"n_ctx": a.ctx, "n_windows": n_windows, "ppl_base": base.ppl, "ppl_base_stderr": base.ppl_stderr}),
         );
+        if let (Some(o), serde_json::Value::Object(e)) = (out.last_mut().and_then(|v| v.as_object_mut()), j) {
+            o.extend(e);
+        }
+    };
+    push(&Method::Fp16, fp16_bits, &exact, base.tokens_per_s);
+    for (m, r) in methods.iter().zip(&reports) {
+        push(m, m.resident_bits(&c, held, cal.as_ref())?, &r.report, Some(r.tokens_per_s));
     }
     println!(
         "{} · n_ctx {} · {n_windows} windows · second half of each window scored (llama-perplexity protocol)\n",
         text_path.display(),
         a.ctx
     );
-    print_table_to(
-        &["method", "K bits/value", "V bits/value", "R", "KV bytes/token", "PPL", "ΔPPL", "KL", "top-1 %", "tokens/s"],
-        &rows,
-        a.md.as_deref(),
-    )?;
+    print_table_to(&HEADER, &rows, a.md.as_deref())?;
     if let Some(p) = &a.json {
         write_json(p, &serde_json::Value::Array(out.clone()))?;
     }
     if let Some(p) = &a.plot {
-        let mut series: Vec<Series> = Vec::new();
-        for r in out.iter().skip(1) {
-            let name = r["method"].as_str().unwrap_or_default();
-            let family = if name.starts_with("turboquant") {
-                "ours: turboquant_mse"
-            } else if name.starts_with("q8_0") || name.starts_with("q4_0") {
-                "ours: llama.cpp-style q8_0/q4_0"
-            } else {
-                "ours: other seed methods"
-            };
-            let x = (r["k_bits"].as_f64().unwrap_or(0.0) + r["v_bits"].as_f64().unwrap_or(0.0)) / 2.0;
-            let y = r["delta_ppl_pct"].as_f64().unwrap_or(0.0);
-            match series.iter_mut().find(|s| s.label == family) {
-                Some(s) => s.points.push((x, y)),
-                None => series.push(Series { label: family.into(), points: vec![(x, y)] }),
-            }
-        }
-        series.push(Series {
-            label: "llama.cpp (REFERENCE.md §10)".into(),
-            points: LLAMA_CPP_512.iter().filter(|p| p.2 < 10.0).map(|p| (p.1, p.2)).collect(),
-        });
-        scatter_svg(
-            p,
-            &format!("ΔPPL vs resident bits/value (SmolLM2-135M, WikiText-2, n_ctx {})", a.ctx),
-            "bits/value (K and V averaged, all side information)",
-            "ΔPPL %",
-            &series,
-            &[],
-            false,
-        )?;
+        frontier_plot(p, &out, a.ctx)?;
     }
     Ok(())
+}
+
+const HEADER: [&str; 16] = [
+    "method",
+    "K bits/value",
+    "V bits/value",
+    "R",
+    "KV bytes/token",
+    "PPL",
+    "ΔPPL",
+    "PPL ratio",
+    "KL",
+    "KL median",
+    "KL p99",
+    "KL p99.9",
+    "KL max",
+    "same top %",
+    "RMS Δp %",
+    "tokens/s",
+];
+
+/// One method's table row and JSON object (tokens/s: evaluated tokens per second of this
+/// method's windows, on a shared machine; "–" for an fp16 base read from `--kl-base`).
+fn result_row(
+    m: &Method,
+    (kb, vb, bytes): (f64, f64, usize),
+    r: &KlReport,
+    tps: Option<f64>,
+    held: usize,
+) -> (Vec<String>, serde_json::Value) {
+    let row = vec![
+        m.to_string().replace('|', "\\|"), // per-layer lists: a Markdown cell
+        format!("{kb:.2}"),
+        format!("{vb:.2}"),
+        m.recent().to_string(),
+        format!("{:.0}", bytes as f64 / held as f64),
+        format!("{:.4} ± {:.3}", r.ppl, r.ppl_stderr),
+        format!("{:+.2} ± {:.2} %", r.delta_ppl_pct, r.delta_ppl_pct_stderr),
+        format!("{:.4} ± {:.4}", r.ppl_ratio, r.ppl_ratio_stderr),
+        format!("{:.5} ± {:.5}", r.kl_mean, r.kl_stderr),
+        format!("{:.5}", r.kl_median),
+        format!("{:.4}", r.kl_p99),
+        format!("{:.4}", r.kl_p999),
+        format!("{:.3}", r.kl_max),
+        format!("{:.2} ± {:.2}", r.same_top_pct, r.same_top_stderr),
+        format!("{:.3} ± {:.3}", r.rms_dp, r.rms_dp_stderr),
+        tps.map_or("–".into(), |t| format!("{t:.0}")),
+    ];
+    let per_layer = match m {
+        Method::PerLayer { layers, .. } => Some(crate::per_layer::compact(layers)),
+        _ => None,
+    };
+    let j = json!({
+        "method": m.to_string(), "k_bits": kb, "v_bits": vb, "window": m.recent(),
+        "bytes_per_token": bytes as f64 / held as f64, "per_layer": per_layer,
+        "ppl": r.ppl, "ppl_stderr": r.ppl_stderr, "delta_ppl_pct": r.delta_ppl_pct,
+        "delta_ppl_stderr": r.delta_ppl_pct_stderr, "ppl_ratio": r.ppl_ratio, "ppl_ratio_stderr": r.ppl_ratio_stderr,
+        "kl": r.kl_mean, "kl_stderr": r.kl_stderr, "kl_median": r.kl_median, "kl_p99": r.kl_p99,
+        "kl_p999": r.kl_p999, "kl_max": r.kl_max, "top1": r.same_top_pct / 100.0, "same_top_pct": r.same_top_pct,
+        "same_top_stderr": r.same_top_stderr, "rms_dp": r.rms_dp, "rms_dp_stderr": r.rms_dp_stderr,
+        "tokens_per_s": tps,
+    });
+    (row, j)
+}
+
+/// ΔPPL vs bits/value with ± error bars; at n_ctx 512, llama.cpp's own cache types as
+/// llama-perplexity measured them on this model and text (REFERENCE.md §10).
+fn frontier_plot(p: &std::path::Path, out: &[serde_json::Value], ctx: usize) -> AnyResult {
+    let mut series: Vec<Series> = Vec::new();
+    for r in out.iter().skip(1) {
+        let name = r["method"].as_str().unwrap_or_default();
+        let family = if !r["per_layer"].is_null() {
+            "ours: per-layer (veloxquant allocate)"
+        } else if name.starts_with("turboquant_frac") {
+            "ours: turboquant_frac (fractional, calibrated)"
+        } else if name.starts_with("turboquant") {
+            "ours: turboquant_mse"
+        } else if name.starts_with("q8_0") || name.starts_with("q4_0") {
+            "ours: llama.cpp-style q8_0/q4_0"
+        } else {
+            "ours: other seed methods"
+        };
+        let x = (r["k_bits"].as_f64().unwrap_or(0.0) + r["v_bits"].as_f64().unwrap_or(0.0)) / 2.0;
+        let (y, e) = (r["delta_ppl_pct"].as_f64().unwrap_or(0.0), r["delta_ppl_stderr"].as_f64().unwrap_or(0.0));
+        if y > 25.0 {
+            continue; // off the useful range (e.g. q4_0 without rotation)
+        }
+        let s = match series.iter().position(|s| s.label == family) {
+            Some(i) => &mut series[i],
+            None => {
+                series.push(Series::new(family));
+                series.last_mut().expect("just pushed")
+            }
+        };
+        s.points.push((x, y));
+        s.y_err.push(e);
+    }
+    if ctx == 512 {
+        let mut peers = Series::new("llama.cpp KV types, measured by llama-perplexity (REFERENCE.md §10)");
+        peers.points = LLAMA_CPP_512.iter().filter(|p| p.2 < 10.0).map(|p| (p.1, p.2)).collect();
+        series.push(peers);
+    }
+    scatter_svg(
+        p,
+        &format!("ΔPPL (± err) vs resident bits/value (SmolLM2-135M, WikiText-2, n_ctx {ctx})"),
+        "bits/value (K and V averaged, all side information)",
+        "ΔPPL %",
+        &series,
+        &[],
+        false,
+    )
 }
 
 fn backend(e: Box<dyn std::error::Error + Send + Sync>) -> veloxquant_llm::LlmError {

@@ -121,6 +121,7 @@ mod imp {
                 }
                 GpuMethod { k: k.clone(), v: v.clone(), recent: *recent, sink: *sink }
             }
+            Method::PerLayer { .. } => return Err(format!("{m}: per-layer methods have no GPU engine yet").into()),
         })
     }
 
@@ -582,6 +583,8 @@ mod imp {
     }
 }
 
+#[cfg(feature = "cuda")]
+pub use imp::gpu_method;
 pub use imp::{bench_e2e, demo, eval, generate, passkey};
 
 /// Pure JSON work: runs in any build (the results are made on the GPU machine, merged here).
@@ -742,7 +745,7 @@ mod report {
                 let pt = (r["b"].as_f64().unwrap_or(0.0), r["tokens_per_s"].as_f64().unwrap_or(0.0));
                 match series.iter_mut().find(|s| s.label == label) {
                     Some(s) => s.points.push(pt),
-                    None => series.push(crate::plot::Series { label, points: vec![pt] }),
+                    None => series.push(crate::plot::Series { label, points: vec![pt], y_err: Vec::new() }),
                 }
             }
             for s in series.iter_mut() {

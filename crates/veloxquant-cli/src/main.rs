@@ -1,5 +1,6 @@
 //! `veloxquant`: measure what each KV-cache format costs and buys.
 
+mod allocate;
 mod bench;
 mod cache_cmd;
 mod check;
@@ -9,6 +10,7 @@ mod eval;
 mod files;
 mod gpu;
 mod model;
+mod per_layer;
 mod plot;
 mod serve_cmd;
 mod util;
@@ -45,6 +47,9 @@ enum Cmd {
     Demo(demo::DemoArgs),
     /// Perplexity (llama.cpp protocol), KL and top-1 vs the fp16 cache, per method.
     Eval(eval::EvalArgs),
+    /// Per-layer K/V widths for an average bit budget (sensitivity on calibration text,
+    /// reverse water-filling); writes a method file `eval --methods` accepts.
+    Allocate(allocate::AllocateArgs),
     /// Stream a completion with a chosen cache; report speed and memory vs fp16.
     Generate(demo::GenerateArgs),
     /// Passkey retrieval accuracy per method at several prompt lengths.
@@ -125,6 +130,7 @@ fn run(cli: Cli) -> util::AnyResult {
     match (cli.cmd, plan) {
         (Cmd::Demo(a), check::Plan::Gen(p)) => demo::demo(&a, &p, need()?),
         (Cmd::Eval(a), check::Plan::Eval(p)) => eval::run(&a, &p, need()?),
+        (Cmd::Allocate(a), check::Plan::Text(text)) => allocate::run(&a, &text, need()?),
         (Cmd::Generate(a), check::Plan::Gen(p)) => demo::generate(&a, &p, need()?),
         (Cmd::Passkey(a), check::Plan::Methods(m)) => demo::passkey(&a, &m, need()?),
         (Cmd::FetchModel(_), _) => demo::fetch(need()?),
@@ -147,6 +153,7 @@ impl Cmd {
         match self {
             Cmd::Demo(a) => Some(&a.model),
             Cmd::Eval(a) => Some(&a.model),
+            Cmd::Allocate(a) => Some(&a.model),
             Cmd::Generate(a) => Some(&a.model),
             Cmd::Passkey(a) => Some(&a.model),
             Cmd::FetchModel(a) => Some(a),

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use veloxquant::{CacheConfig, Calibration, FormatSpec};
+use veloxquant::{CacheConfig, Calibration, FormatSpec, LayerSpec};
 use veloxquant_llm::{fetch_model, CompressedStore, Fp16Store, KvStore, Llama, LlamaConfig, Tokenizer, WeightMode};
 
 use crate::check::{bad, ArgError};
@@ -49,11 +49,13 @@ pub fn load(path: &Path) -> AnyResult<(Llama, Tokenizer)> {
     Ok((Llama::load(path, WeightMode::DequantF32)?, Tokenizer::from_gguf_path(path)?))
 }
 
-/// A KV-cache method: the fp16 reference, or K and V formats with a recent window R.
+/// A KV-cache method: the fp16 reference, K and V formats with a recent window R, or one
+/// K/V pair per layer (`label` names it in tables: the file it came from, or its spec).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Method {
     Fp16,
     Compressed { k: FormatSpec, v: FormatSpec, recent: usize, sink: usize },
+    PerLayer { layers: Vec<LayerSpec>, recent: usize, sink: usize, label: String },
 }
 
 impl Method {
@@ -62,6 +64,9 @@ impl Method {
     pub fn parse(arg: &'static str, s: &str) -> Result<Self, ArgError> {
         if s == "fp16" {
             return Ok(Self::Fp16);
+        }
+        if let Some(m) = crate::per_layer::parse(s).map_err(|e| bad(arg, s, e.to_string()))? {
+            return Ok(m);
         }
         let number = |t: &str, what: &str| t.parse().map_err(|_| bad(arg, s, format!("{what} must be a number")));
         let (rest, sink) = match s.split_once('+') {
@@ -81,13 +86,31 @@ impl Method {
     }
 
     pub fn needs_calibration(&self) -> bool {
-        matches!(self, Self::Compressed { k, v, .. } if k.desc().needs_calibration || v.desc().needs_calibration)
+        let any = |k: &FormatSpec, v: &FormatSpec| k.desc().needs_calibration || v.desc().needs_calibration;
+        match self {
+            Self::Fp16 => false,
+            Self::Compressed { k, v, .. } => any(k, v),
+            Self::PerLayer { layers, .. } => layers.iter().any(|l| any(&l.k, &l.v)),
+        }
     }
 
     pub fn recent(&self) -> usize {
         match self {
             Self::Fp16 => 0,
-            Self::Compressed { recent, .. } => *recent,
+            Self::Compressed { recent, .. } | Self::PerLayer { recent, .. } => *recent,
+        }
+    }
+
+    /// The cache configuration of a compressed method (`None` for fp16).
+    pub fn cache_config_for(&self, c: &LlamaConfig, cal: Option<&Arc<Calibration>>) -> Option<CacheConfig> {
+        match self {
+            Self::Fp16 => None,
+            Self::Compressed { k, v, recent, sink } => Some(Self::cache_config(c, k, v, (*recent, *sink), cal)),
+            Self::PerLayer { layers, recent, sink, .. } => {
+                let mut cfg = Self::cache_config(c, &layers[0].k, &layers[0].v, (*recent, *sink), cal);
+                cfg.layers = Some(layers.clone());
+                Some(cfg)
+            }
         }
     }
 
@@ -97,11 +120,9 @@ impl Method {
         n_tokens: usize,
         cal: Option<&Arc<Calibration>>,
     ) -> AnyResult<Box<dyn KvStore>> {
-        Ok(match self {
-            Self::Fp16 => Box::new(Fp16Store::for_config(c, n_tokens)),
-            Self::Compressed { k, v, recent, sink } => {
-                Box::new(CompressedStore::new(Self::cache_config(c, k, v, (*recent, *sink), cal))?)
-            }
+        Ok(match self.cache_config_for(c, cal) {
+            None => Box::new(Fp16Store::for_config(c, n_tokens)),
+            Some(cfg) => Box::new(CompressedStore::new(cfg)?),
         })
     }
 
@@ -138,8 +159,9 @@ impl Method {
                 let bits = (s.resident_bytes() * 4) as f64 / (c.n_layers * c.n_kv_heads * c.head_dim * n_tokens) as f64;
                 Ok((bits, bits, s.resident_bytes()))
             }
-            Self::Compressed { k, v, recent, sink } => {
-                let mut s = CompressedStore::new(Self::cache_config(c, k, v, (*recent, *sink), cal))?;
+            compressed => {
+                let cfg = compressed.cache_config_for(c, cal).ok_or("a compressed method has a cache config")?;
+                let mut s = CompressedStore::new(cfg)?;
                 for l in 0..c.n_layers {
                     s.append(l, &kv, &kv, n_tokens)?;
                 }
@@ -165,8 +187,35 @@ impl std::fmt::Display for Method {
                 }
                 Ok(())
             }
+            Self::PerLayer { recent, sink, label, .. } => {
+                write!(f, "{label}@{recent}")?;
+                if *sink > 0 {
+                    write!(f, "+{sink}")?;
+                }
+                Ok(())
+            }
         }
     }
+}
+
+/// Calibration vectors from `n` tokens of a text starting at token `from` (text the caller
+/// does not score), for methods with calibrated formats.
+pub fn calibration_from_text(
+    model: &Llama,
+    tok: &Tokenizer,
+    text: Option<&Path>,
+    from: usize,
+    n: usize,
+) -> AnyResult<Arc<Calibration>> {
+    let path = text.map(Path::to_path_buf).or_else(default_text).ok_or("no calibration --text and no default text")?;
+    let bytes = crate::files::read_bounded(&path, "text", crate::files::MAX_TEXT_BYTES)?;
+    let tokens = tok.encode(&String::from_utf8_lossy(&bytes))?;
+    let calib = tokens.get(from..from.saturating_add(n).min(tokens.len())).unwrap_or(&[]);
+    if calib.len() < 64 {
+        return Err(format!("{}: fewer than 64 tokens from token {from} to calibrate on", path.display()).into());
+    }
+    eprintln!("calibrating on tokens [{from}, {}) of {}", from + calib.len(), path.display());
+    Ok(Arc::new(veloxquant_llm::calibrate(model, calib)?))
 }
 
 /// The default evaluation text: shared/data next to the project, found from the working dir.

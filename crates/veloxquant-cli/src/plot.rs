@@ -9,6 +9,14 @@ use crate::util::AnyResult;
 pub struct Series {
     pub label: String,
     pub points: Vec<(f64, f64)>,
+    /// ± error of each point's y (drawn as a bar), empty for none.
+    pub y_err: Vec<f64>,
+}
+
+impl Series {
+    pub fn new(label: impl Into<String>) -> Self {
+        Self { label: label.into(), points: Vec::new(), y_err: Vec::new() }
+    }
 }
 
 const COLORS: [RGBColor; 8] = [
@@ -32,7 +40,15 @@ pub fn scatter_svg(
     curves: &[(&str, Vec<(f64, f64)>)],
     log_y: bool,
 ) -> AnyResult {
-    let all = series.iter().flat_map(|s| s.points.iter()).chain(curves.iter().flat_map(|c| c.1.iter()));
+    if let Some(dir) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    // Error bar ends count as points for the axis range.
+    let ends: Vec<(f64, f64)> = series
+        .iter()
+        .flat_map(|s| s.points.iter().zip(&s.y_err).flat_map(|(&(x, y), &e)| [(x, y - e), (x, y + e)]))
+        .collect();
+    let all = series.iter().flat_map(|s| s.points.iter()).chain(curves.iter().flat_map(|c| c.1.iter())).chain(&ends);
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in all {
         if log_y && y <= 0.0 {
@@ -64,6 +80,16 @@ pub fn scatter_svg(
             for (i, s) in series.iter().enumerate() {
                 let c = COLORS[i % COLORS.len()];
                 let pts: Vec<(f64, f64)> = s.points.iter().cloned().filter(|p| !log_y || p.1 > 0.0).collect();
+                let cap = (x1 - x0).max(1e-9) * 0.006;
+                for (&(x, y), &e) in s.points.iter().zip(&s.y_err).filter(|(p, _)| !log_y || p.1 > 0.0) {
+                    let (lo, hi) = (if log_y { (y - e).max(y * 0.1) } else { y - e }, y + e);
+                    let bar = [
+                        vec![(x, lo), (x, hi)],
+                        vec![(x - cap, lo), (x + cap, lo)],
+                        vec![(x - cap, hi), (x + cap, hi)],
+                    ];
+                    chart.draw_series(bar.into_iter().map(|p| PathElement::new(p, c.stroke_width(1))))?;
+                }
                 chart
                     .draw_series(pts.iter().map(|&p| Circle::new(p, 5, c.filled())))?
                     .label(s.label.clone())

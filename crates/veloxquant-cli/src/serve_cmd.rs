@@ -76,21 +76,21 @@ pub struct ServeArgs {
 
 /// The CPU cache config of a method (fp16 is the paged fp16 format: forks share its pages).
 fn cache_config(m: &Method, c: &LlamaConfig) -> AnyResult<CacheConfig> {
-    let fp16 = || FormatSpec::parse("fp16");
-    let (k, v, recent, sink) = match m {
-        Method::Fp16 => (fp16()?, fp16()?, 0, 0),
-        Method::Compressed { k, v, recent, sink } => (k.clone(), v.clone(), *recent, *sink),
-    };
-    let mut cfg = CacheConfig::new(c.n_layers, c.n_kv_heads, c.head_dim, k, v);
-    cfg.recent = recent;
-    cfg.sink = sink;
-    Ok(cfg)
+    match m.cache_config_for(c, None) {
+        Some(cfg) => Ok(cfg),
+        None => {
+            let fp16 = || FormatSpec::parse("fp16");
+            Ok(CacheConfig::new(c.n_layers, c.n_kv_heads, c.head_dim, fp16()?, fp16()?))
+        }
+    }
 }
 
 pub fn run(a: &ServeArgs, path: &std::path::Path) -> AnyResult {
     let method = Method::parse("method", &a.method)?;
     if method.needs_calibration() {
-        return Err("serve does not calibrate: pick a method without vecinfer".into());
+        return Err(
+            "serve does not calibrate: pick a method without a calibrated format (vecinfer, turboquant_frac)".into()
+        );
     }
     let path = path.to_path_buf();
     let tok = Arc::new(Tokenizer::from_gguf_path(&path)?);
@@ -141,9 +141,7 @@ fn serve_cuda(
     use veloxquant_serve::{gpu_engine::GpuServeEngine, ServeError};
     let gm = match method {
         Method::Fp16 => GpuMethod::fp16(),
-        Method::Compressed { k, v, recent, sink } => {
-            GpuMethod { k: k.clone(), v: v.clone(), recent: *recent, sink: *sink }
-        }
+        m => crate::gpu::gpu_method(m)?,
     };
     let (path, slots, budget, max_context) =
         (path.to_path_buf(), a.gpu_slots, cfg.sched.kv_budget_bytes, a.max_context);

@@ -204,11 +204,16 @@ fn scoring_queries(lc: &veloxquant::cache::LayerCache, q: &[f32], n_q: usize, d:
 
 /// Keys and values of the model on `tokens` (one forward pass through an fp16 store that
 /// records what it is given), as calibration sets per (layer, KV head, stream) for
-/// calibrated formats. `tokens` must not overlap the text being evaluated.
+/// calibrated formats, plus the second moments E[q qᵀ] of each KV head's queries (formats
+/// that weigh key channels by query energy use them). `tokens` must not overlap the text
+/// being evaluated.
 pub fn calibrate(model: &crate::model::Llama, tokens: &[u32]) -> Result<veloxquant::Calibration> {
     struct Recorder {
         inner: crate::store::Fp16Store,
         seen: Vec<(usize, Vec<f32>, Vec<f32>, usize)>,
+        /// Per (layer, KV head): Σ q qᵀ (d × d, f64) and the number of queries.
+        moments: std::collections::HashMap<(usize, usize), (Vec<f64>, usize)>,
+        heads: (usize, usize, usize),
     }
     impl KvStore for Recorder {
         fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n: usize) -> Result<()> {
@@ -216,6 +221,17 @@ pub fn calibrate(model: &crate::model::Llama, tokens: &[u32]) -> Result<veloxqua
             self.inner.append(layer, k, v, n)
         }
         fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>> {
+            let (n_heads, n_kv, d) = self.heads;
+            let g = n_heads / n_kv.max(1);
+            for (hq, rows) in q.chunks_exact(n_q * d).enumerate() {
+                let (m, count) = self.moments.entry((layer, hq / g)).or_insert_with(|| (vec![0.0; d * d], 0));
+                for r in rows.chunks_exact(d) {
+                    for (a, &ra) in r.iter().enumerate() {
+                        m[a * d..(a + 1) * d].iter_mut().zip(r).for_each(|(x, &rb)| *x += (ra * rb) as f64);
+                    }
+                }
+                *count += n_q;
+            }
             self.inner.attend(layer, q, n_q)
         }
         fn len(&self, layer: usize) -> usize {
@@ -226,7 +242,12 @@ pub fn calibrate(model: &crate::model::Llama, tokens: &[u32]) -> Result<veloxqua
         }
     }
     let c = &model.config;
-    let mut rec = Recorder { inner: crate::store::Fp16Store::for_config(c, tokens.len()), seen: Vec::new() };
+    let mut rec = Recorder {
+        inner: crate::store::Fp16Store::for_config(c, tokens.len()),
+        seen: Vec::new(),
+        moments: Default::default(),
+        heads: (c.n_heads, c.n_kv_heads, c.head_dim),
+    };
     model.forward(tokens, &mut rec, tokens.len().saturating_sub(1))?;
     let mut cal = veloxquant::Calibration::new();
     for (layer, k, v, n) in rec.seen {
@@ -235,6 +256,9 @@ pub fn calibrate(model: &crate::model::Llama, tokens: &[u32]) -> Result<veloxqua
             cal.insert(layer, h, veloxquant::Stream::Keys, k[h * per..(h + 1) * per].to_vec());
             cal.insert(layer, h, veloxquant::Stream::Values, v[h * per..(h + 1) * per].to_vec());
         }
+    }
+    for ((layer, h), (m, count)) in rec.moments {
+        cal.insert_query_moments(layer, h, m.iter().map(|x| (x / count.max(1) as f64) as f32).collect());
     }
     Ok(cal)
 }

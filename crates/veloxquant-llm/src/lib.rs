@@ -19,6 +19,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod allocate;
 pub mod attention;
 pub mod compressed;
 pub mod error;
@@ -28,8 +29,10 @@ pub mod generate;
 pub mod gguf;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod kl_base;
 pub mod model;
 pub mod passkey;
+pub mod report;
 pub mod store;
 pub mod tokenizer;
 

@@ -184,6 +184,19 @@ impl Llama {
     /// appending their K/V to `store`. Returns logits `[tokens.len() - logits_from][n_vocab]` for
     /// chunk positions `logits_from..`; earlier positions skip the output projection.
     pub fn forward(&self, tokens: &[u32], store: &mut dyn KvStore, logits_from: usize) -> Result<Vec<f32>> {
+        self.forward_recording(tokens, store, logits_from, &mut |_, _| {})
+    }
+
+    /// As [`forward`](Self::forward), handing `hidden(layer, x)` every layer's input hidden
+    /// state (`[n][hidden]`) on the way: a later [`forward_from_layer`](Self::forward_from_layer)
+    /// can start there.
+    pub fn forward_recording(
+        &self,
+        tokens: &[u32],
+        store: &mut dyn KvStore,
+        logits_from: usize,
+        hidden: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Vec<f32>> {
         let c = &self.config;
         let n = tokens.len();
         if n == 0 || logits_from > n {
@@ -197,9 +210,51 @@ impl Llama {
             return Err(LlmError::TokenOutOfRange { id, n_vocab: c.n_vocab });
         }
         let ids = Tensor::new(tokens, &Device::Cpu)?;
-        let mut x: Vec<f32> = self.embed.index_select(&ids, 0)?.flatten_all()?.to_vec1()?;
+        let x: Vec<f32> = self.embed.index_select(&ids, 0)?.flatten_all()?.to_vec1()?;
+        self.run_layers(x, 0, pos0, store, logits_from, hidden)
+    }
+
+    /// Continues a forward pass from `x`, the input hidden state of layer `first` (`[n][hidden]`,
+    /// as [`forward_recording`](Self::forward_recording) handed it), at position
+    /// `store.len(first)`: layers before `first` are skipped and their part of `store` is left
+    /// untouched. Equals the full pass when `x` is what those layers produced.
+    pub fn forward_from_layer(
+        &self,
+        x: Vec<f32>,
+        first: usize,
+        store: &mut dyn KvStore,
+        logits_from: usize,
+    ) -> Result<Vec<f32>> {
+        let (h, n_layers) = (self.config.hidden, self.config.n_layers);
+        let n = x.len() / h.max(1);
+        if first >= n_layers || n == 0 || x.len() != n * h || logits_from > n {
+            return Err(LlmError::InvalidArgument(format!(
+                "forward_from_layer: layer {first} of {n_layers}, {} floats of hidden {h}, logits_from {logits_from}",
+                x.len()
+            )));
+        }
+        let pos0 = store.len(first);
+        if pos0 + n > self.config.n_ctx_train {
+            return Err(LlmError::ContextOverflow { pos: pos0 + n, n_ctx_train: self.config.n_ctx_train });
+        }
+        self.run_layers(x, first, pos0, store, logits_from, &mut |_, _| {})
+    }
+
+    /// Layers `first..` over hidden states `x` at positions `pos0..`, then the logits.
+    fn run_layers(
+        &self,
+        mut x: Vec<f32>,
+        first: usize,
+        pos0: usize,
+        store: &mut dyn KvStore,
+        logits_from: usize,
+        hidden: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Vec<f32>> {
+        let c = &self.config;
         let (h, hd, kvd) = (c.hidden, c.head_dim, c.n_kv_heads * c.head_dim);
-        for (li, layer) in self.layers.iter().enumerate() {
+        let n = x.len() / h;
+        for (li, layer) in self.layers.iter().enumerate().skip(first) {
+            hidden(li, &x);
             let xn = rms_norm(&x, &layer.attn_norm, c.rms_eps);
             let xn = Tensor::from_vec(xn, (n, h), &Device::Cpu)?;
             let mut qkv = layer.qkv.forward(&xn)?.into_iter();

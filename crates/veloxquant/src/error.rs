@@ -33,7 +33,7 @@ pub enum VqError {
     FileTruncated { section: String },
     #[error("cache file corrupt: {0}")]
     FileCorrupt(String),
-    #[error("cache file version {found:?} is not supported (this build reads version {supported})")]
+    #[error("cache file version {found:?} is not supported (this build reads versions 1 to {supported})")]
     FileVersion { found: String, supported: u32 },
     #[error("cache file was saved for another model: {what} is {found}, expected {expected}")]
     FileMismatch { what: &'static str, expected: String, found: String },

@@ -28,6 +28,6 @@ pub mod reduce;
 pub mod rng;
 pub mod rotate;
 
-pub use cache::{CacheConfig, Calibration, PagedCache};
+pub use cache::{CacheConfig, Calibration, LayerSpec, PagedCache};
 pub use error::{Result, VqError};
 pub use format::{Format, FormatSpec, NormMode, SketchKind, Stream, REGISTRY};

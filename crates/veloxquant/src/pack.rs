@@ -70,8 +70,10 @@ pub fn get(packed: &[u8], i: usize, bits: u32) -> u8 {
     (((lo | (hi << 8)) >> shift) & ((1u16 << bits) - 1)) as u8
 }
 
+/// OR code `c` (< 2^bits) into slot `i` of a zeroed stream. Caller guarantees the stream
+/// holds it.
 #[inline]
-fn put(out: &mut [u8], i: usize, bits: u32, c: u8) {
+pub(crate) fn put(out: &mut [u8], i: usize, bits: u32, c: u8) {
     let bit = i * bits as usize;
     let byte = bit / 8;
     let shift = bit % 8;

@@ -196,8 +196,8 @@ fn reseal(bytes: &[u8]) -> Vec<u8> {
 #[test]
 fn wrong_version_fingerprint_and_huge_sizes_are_refused_without_allocating() {
     let (_, bytes) = sample_file();
-    let v2 = with_meta(&bytes, "version", |_| "2".into());
-    assert!(matches!(load(&v2), Err(VqError::FileVersion { ref found, supported: 1 }) if found == "2"));
+    let v3 = with_meta(&bytes, "version", |_| "3".into());
+    assert!(matches!(load(&v3), Err(VqError::FileVersion { ref found, supported: 2 }) if found == "3"));
 
     let fp = |check: LoadCheck| PagedCache::load(&mut Cursor::new(&bytes), &check).map(|_| ()).unwrap_err();
     assert!(matches!(

@@ -3,13 +3,23 @@
 
 use veloxquant::codebook::ScaledCodebook;
 use veloxquant::cpu::{accumulate_at, available_levels, scores_at, SimdLevel};
-use veloxquant::format::rows::{RowKind, RowLayout};
+use veloxquant::format::rows::{RowKind, RowLayout, RowScale};
 use veloxquant::rng::SplitMix64;
 
 fn kinds(d: usize) -> Vec<RowKind> {
     let mut k = vec![RowKind::F16, RowKind::Q8_0, RowKind::Q4_0];
     for bits in 1..=4 {
         k.push(RowKind::Codes { bits, table: ScaledCodebook::new(bits, d).table16() });
+    }
+    // Split rows (fractional widths): every width pair, wide sets of 8, half and 7/8 of d.
+    for hi_bits in 2..=4 {
+        for n_hi in [8, d / 2, d - 8] {
+            if n_hi.is_multiple_of(8) && d.is_multiple_of(8) {
+                let (hi_table, lo_table) =
+                    (ScaledCodebook::new(hi_bits, d).table16(), ScaledCodebook::new(hi_bits - 1, d).table16());
+                k.push(RowKind::Split { hi_bits, n_hi, hi_table, lo_table });
+            }
+        }
     }
     k
 }
@@ -23,8 +33,11 @@ fn every_level_matches_scalar() {
             if matches!(kind, RowKind::Q8_0 | RowKind::Q4_0) && d % 32 != 0 {
                 continue; // block formats need d % 32 == 0 (their builders reject the rest)
             }
+            // Split rows with one-byte log scales (as turboquant_frac stores them).
+            let scale =
+                if matches!(kind, RowKind::Split { .. }) { RowScale::LogU8 { base: 0.7 } } else { RowScale::F16 };
             for t in [32, 7, 1] {
-                let l = RowLayout::new(kind.clone(), d, t);
+                let l = RowLayout::new(kind.clone(), d, t).with_scale(scale);
                 let mut rng = SplitMix64::new((d * t) as u64);
                 let page: Vec<u8> = (0..l.page_bytes()).map(|_| rng.next_u64() as u8).collect();
                 // Random bytes make NaN/Inf f16 values; give the F16 kind finite data instead.
@@ -45,7 +58,7 @@ fn every_level_matches_scalar() {
                             p[o..o + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
                         }
                     }
-                    if let Some(o) = l.scales_at {
+                    if let (Some(o), RowScale::F16) = (l.scales_at, l.scale) {
                         for i in 0..t {
                             p[o + 2 * i..o + 2 * i + 2].copy_from_slice(&half::f16::from_f32(1.5).to_le_bytes());
                         }

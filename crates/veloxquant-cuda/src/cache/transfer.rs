@@ -267,7 +267,9 @@ impl GpuKvCache {
             && cpu.sink == c.sink
             && cpu.k == c.k
             && cpu.v == c.v
-            && cpu.seed == c.seed;
+            && cpu.seed == c.seed
+            // The device cache has one K and one V format for every layer.
+            && cpu.is_uniform();
         if !same {
             return Err(CudaError::UnsupportedFormat {
                 format: format!("{}/{}", cpu.k, cpu.v),

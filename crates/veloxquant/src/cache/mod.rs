@@ -13,7 +13,7 @@ mod stream;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-pub use persist::{is_cache_file, LoadCheck, SaveInfo, FILE_VERSION};
+pub use persist::{is_cache_file, LoadCheck, SaveInfo, FILE_VERSION, FILE_VERSIONS_READ};
 pub use stream::{StreamStore, MAX_WINDOW_TOKENS};
 
 use crate::error::{Result, VqError};
@@ -39,8 +39,12 @@ pub struct CacheConfig {
     pub page_tokens: usize,
     /// Newest tokens always kept exact in the fp16 tail (R).
     pub recent: usize,
+    /// The K and V formats of every layer without an entry in `layers`.
     pub k: FormatSpec,
     pub v: FormatSpec,
+    /// Per-layer K and V formats (one entry per layer), overriding `k` / `v`; `None`: every
+    /// layer uses `k` / `v`. Code that needs a layer's format asks [`CacheConfig::spec`].
+    pub layers: Option<Vec<LayerSpec>>,
     /// Base seed; rotations are derived per (layer, head, stream).
     pub seed: u64,
     /// Calibration vectors for calibrated formats (vecinfer); `None` for the others.
@@ -54,6 +58,26 @@ pub struct CacheConfig {
     pub sink: usize,
 }
 
+/// One layer's K and V formats (per-layer configurations, e.g. from an allocator).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LayerSpec {
+    pub k: FormatSpec,
+    pub v: FormatSpec,
+}
+
+impl LayerSpec {
+    pub fn new(k: FormatSpec, v: FormatSpec) -> Self {
+        Self { k, v }
+    }
+
+    pub fn get(&self, stream: Stream) -> &FormatSpec {
+        match stream {
+            Stream::Keys => &self.k,
+            Stream::Values => &self.v,
+        }
+    }
+}
+
 /// Calibration vectors for calibrated formats, per (layer, KV head, stream): each set is
 /// `n × head_dim` f32 (e.g. keys of the model on calibration text, which must not be the
 /// evaluation text). A set given for a whole stream serves every (layer, head) that has no
@@ -65,6 +89,8 @@ type CalibKey = (Option<(usize, usize)>, Stream);
 #[derive(Clone, Debug, Default)]
 pub struct Calibration {
     sets: HashMap<CalibKey, Arc<[f32]>>,
+    /// E[q qᵀ] (d × d) per (layer, KV head) of the queries of its group.
+    query_moments: HashMap<(usize, usize), Arc<[f32]>>,
 }
 
 impl Calibration {
@@ -85,6 +111,15 @@ impl Calibration {
     pub fn get(&self, layer: usize, head: usize, stream: Stream) -> Option<Arc<[f32]>> {
         self.sets.get(&(Some((layer, head)), stream)).or_else(|| self.sets.get(&(None, stream))).cloned()
     }
+
+    /// Second moments E[q qᵀ] (d × d, row-major) of the queries that score (layer, KV head).
+    pub fn insert_query_moments(&mut self, layer: usize, head: usize, moments: Vec<f32>) {
+        self.query_moments.insert((layer, head), moments.into());
+    }
+
+    pub fn query_moments(&self, layer: usize, head: usize) -> Option<Arc<[f32]>> {
+        self.query_moments.get(&(layer, head)).cloned()
+    }
 }
 
 impl CacheConfig {
@@ -97,6 +132,7 @@ impl CacheConfig {
             recent: 0,
             k,
             v,
+            layers: None,
             seed: 0x5EED,
             calibration: None,
             encode_rows: true,
@@ -115,7 +151,33 @@ impl CacheConfig {
         if !(1..=MAX_HEADS).contains(&self.n_kv_heads) {
             return bad("n_kv_heads", self.n_kv_heads, MAX_HEADS);
         }
+        if let Some(ls) = &self.layers {
+            if ls.len() != self.n_layers {
+                return Err(VqError::InvalidConfig(format!(
+                    "{} per-layer specs for {} layers",
+                    ls.len(),
+                    self.n_layers
+                )));
+            }
+        }
         stream::check_window(self.recent, self.sink)
+    }
+
+    /// The format of `stream` in `layer`: its per-layer entry when `layers` is set, else
+    /// `k` / `v` (also for a layer index past the list, which [`PagedCache::new`] rejects).
+    pub fn spec(&self, layer: usize, stream: Stream) -> &FormatSpec {
+        match self.layers.as_ref().and_then(|l| l.get(layer)) {
+            Some(ls) => ls.get(stream),
+            None => match stream {
+                Stream::Keys => &self.k,
+                Stream::Values => &self.v,
+            },
+        }
+    }
+
+    /// Whether every layer uses `k` / `v` (no per-layer entry differs from them).
+    pub fn is_uniform(&self) -> bool {
+        self.layers.as_ref().is_none_or(|ls| ls.iter().all(|l| l.k == self.k && l.v == self.v))
     }
 
     /// Tokens held in pages once `n` tokens have been appended (`row_mode`: see
@@ -183,19 +245,22 @@ impl PagedCache {
                         let seed = derive_seed(cfg.seed, &[l as u64, h as u64, stream as u64]);
                         let mut ctx = FormatCtx::new(cfg.head_dim, cfg.page_tokens, stream, seed);
                         ctx.calibration = cfg.calibration.as_ref().and_then(|c| c.get(l, h, stream));
+                        ctx.query_moments = cfg.calibration.as_ref().and_then(|c| c.query_moments(l, h));
                         ctx.state = state(l, h, stream);
                         spec.build(&ctx)
                     })
                     .collect()
             };
-            built.push((mk(&cfg.k, Stream::Keys)?, mk(&cfg.v, Stream::Values)?));
+            built
+                .push((mk(cfg.spec(l, Stream::Keys), Stream::Keys)?, mk(cfg.spec(l, Stream::Values), Stream::Values)?));
         }
         Ok(built)
     }
 
-    /// Row mode needs both streams row-granular (their pages must stay aligned).
+    /// Row mode needs both streams of every layer row-granular (their pages must stay
+    /// aligned, and the mode is one for the cache).
     fn row_mode_of(cfg: &CacheConfig, built: &[FormatPair]) -> bool {
-        cfg.encode_rows && built[0].0[0].row_granular() && built[0].1[0].row_granular()
+        cfg.encode_rows && built.iter().all(|(k, v)| k[0].row_granular() && v[0].row_granular())
     }
 
     pub fn config(&self) -> &CacheConfig {
@@ -300,10 +365,14 @@ impl PagedCache {
         self.layers.iter().flat_map(|l| l.keys.iter().chain(&l.values))
     }
 
-    /// Bits per value of the K and V page formats, side information included.
+    /// Bits per value of the K and V page formats, side information included (averaged over
+    /// layers when they differ).
     pub fn bits_per_value(&self) -> (f64, f64) {
-        let l = &self.layers[0];
-        (l.keys[0].format().bits_per_value(), l.values[0].format().bits_per_value())
+        let n = self.layers.len() as f64;
+        let mean = |f: fn(&LayerCache) -> &StreamStore| {
+            self.layers.iter().map(|l| f(l).format().bits_per_value()).sum::<f64>() / n
+        };
+        (mean(|l| &l.keys[0]), mean(|l| &l.values[0]))
     }
 
     /// Resident bits per stored value for K and V at the current length, counting the fp16

@@ -1,9 +1,11 @@
-//! Saving and loading a whole cache as one safetensors file (format version 1).
+//! Saving and loading a whole cache as one safetensors file (format version 2; version 1
+//! files load too).
 //!
 //! Layout: the safetensors framing (u64 LE header length, JSON header, raw tensor bytes).
 //! `__metadata__` holds `format` = "veloxquant-cache", `version`, `config` (JSON: shape of
 //! the model — layers, KV heads, head size — page size, window, sinks, K/V specs, seed, and
-//! per layer the token, page, open-row, tail and sink counts), `model` (an optional
+//! per layer the token, page, open-row, tail and sink counts; since version 2 optionally
+//! `layer_specs`, the K and V spec of every layer of a per-layer cache), `model` (an optional
 //! fingerprint string of the model, e.g. its file hash), `user.*` strings of the caller,
 //! and `crc32` over every other metadata entry (sorted, `key\0value\0`) then the payload,
 //! so no flipped byte of the config or the data goes unnoticed. Tensors, in payload order, per layer L and stream
@@ -29,12 +31,15 @@ use safetensors::Dtype;
 use serde::{Deserialize, Serialize};
 
 use super::stream::StreamParts;
-use super::{CacheConfig, LayerCache, Page, PagedCache, StreamStore};
+use super::{CacheConfig, LayerCache, LayerSpec, Page, PagedCache, StreamStore};
 use crate::error::{Result, VqError};
 use crate::format::{FormatSpec, Stream};
 
-/// The cache file version this build writes and reads.
-pub const FILE_VERSION: u32 = 1;
+/// The cache file version this build writes.
+pub const FILE_VERSION: u32 = 2;
+/// The versions it reads: 1 (one K and one V spec for every layer) and 2 (adds optional
+/// per-layer specs; otherwise the same layout).
+pub const FILE_VERSIONS_READ: &[u32] = &[1, 2];
 const FILE_KIND: &str = "veloxquant-cache";
 /// Headers above this are refused before reading them (a real one is a few KiB per layer).
 const MAX_HEADER_BYTES: u64 = 16 << 20;
@@ -79,6 +84,9 @@ struct SavedConfig {
     encode_rows: bool,
     row_mode: bool,
     layers: Vec<SavedLayer>,
+    /// Version 2: [K spec, V spec] per layer when the cache has per-layer formats.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    layer_specs: Option<Vec<[String; 2]>>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, Copy)]
@@ -239,6 +247,7 @@ impl PagedCache {
             encode_rows: cfg.encode_rows,
             row_mode: self.row_mode,
             layers,
+            layer_specs: cfg.layers.as_ref().map(|ls| ls.iter().map(|l| [l.k.to_string(), l.v.to_string()]).collect()),
         };
         // Trained state, exported once (a copy of the codebooks) for the table and both passes.
         let ordered: Vec<_> = (0..cfg.n_layers)
@@ -305,10 +314,12 @@ impl PagedCache {
             return Err(VqError::FileCorrupt(format!("not a {FILE_KIND} file (format {:?})", get("format")?)));
         }
         let version = get("version")?;
-        if version.parse::<u32>().ok() != Some(FILE_VERSION) {
-            return Err(VqError::FileVersion { found: version.clone(), supported: FILE_VERSION });
-        }
+        let v = version.parse::<u32>().ok().filter(|v| FILE_VERSIONS_READ.contains(v));
+        let v = v.ok_or_else(|| VqError::FileVersion { found: version.clone(), supported: FILE_VERSION })?;
         let saved: SavedConfig = serde_json::from_str(get("config")?).map_err(|e| corrupt("config", e))?;
+        if v == 1 && saved.layer_specs.is_some() {
+            return Err(VqError::FileCorrupt("a version 1 file with per-layer specs".into()));
+        }
         let info = SaveInfo {
             model: meta.get("model").cloned(),
             user: meta.iter().filter_map(|(k, v)| Some((k.strip_prefix("user.")?.to_string(), v.clone()))).collect(),
@@ -475,6 +486,12 @@ impl SavedConfig {
         }
         let spec = |s: &str| FormatSpec::parse(s).map_err(|e| VqError::FileCorrupt(format!("format spec: {e}")));
         let mut cfg = CacheConfig::new(self.n_layers, self.n_kv_heads, self.head_dim, spec(&self.k)?, spec(&self.v)?);
+        if let Some(ls) = &self.layer_specs {
+            if ls.len() != self.n_layers {
+                return bad(format!("{} per-layer specs for {} layers", ls.len(), self.n_layers));
+            }
+            cfg.layers = Some(ls.iter().map(|[k, v]| Ok(LayerSpec::new(spec(k)?, spec(v)?))).collect::<Result<_>>()?);
+        }
         cfg.page_tokens = self.page_tokens;
         cfg.recent = self.recent;
         cfg.sink = self.sink;
@@ -508,19 +525,32 @@ impl SavedConfig {
 }
 
 /// Refuse a header whose layers × heads × (format state + reserved fp16 tail and sinks)
-/// exceed what its payload pays for (one (layer 0, head 0) pair is built to measure).
+/// exceed what its payload pays for (each layer's (head 0) formats are built to measure).
 fn check_structure_cost(
     cfg: &CacheConfig,
     states: &HashMap<(usize, usize, Stream), Arc<[f32]>>,
     payload_len: usize,
 ) -> Result<()> {
-    let one = CacheConfig { n_layers: 1, n_kv_heads: 1, calibration: None, ..cfg.clone() };
-    let probe = PagedCache::build_formats(&one, |_, _, s| states.get(&(0, 0, s)).cloned())?;
-    let (kf, vf) = &probe[0];
     let reserved_tokens = cfg.recent.saturating_add(cfg.page_tokens).saturating_add(cfg.sink);
-    let per_head = (kf[0].state_bytes() + vf[0].state_bytes())
-        .saturating_add(reserved_tokens.saturating_mul(cfg.head_dim).saturating_mul(4));
-    let total = per_head.saturating_mul(cfg.n_layers).saturating_mul(cfg.n_kv_heads);
+    let reserved = reserved_tokens.saturating_mul(cfg.head_dim).saturating_mul(4);
+    // One probe per layer with its own specs; one for all layers otherwise.
+    let (probes, repeat) = if cfg.layers.is_some() { (cfg.n_layers, 1) } else { (1, cfg.n_layers) };
+    let mut total = 0usize;
+    for l in 0..probes {
+        let one = CacheConfig {
+            n_layers: 1,
+            n_kv_heads: 1,
+            calibration: None,
+            k: cfg.spec(l, Stream::Keys).clone(),
+            v: cfg.spec(l, Stream::Values).clone(),
+            layers: None,
+            ..cfg.clone()
+        };
+        let probe = PagedCache::build_formats(&one, |_, _, s| states.get(&(l, 0, s)).cloned())?;
+        let (kf, vf) = &probe[0];
+        let per_head = (kf[0].state_bytes() + vf[0].state_bytes()).saturating_add(reserved);
+        total = total.saturating_add(per_head.saturating_mul(cfg.n_kv_heads).saturating_mul(repeat));
+    }
     let budget = STRUCTURE_ALLOWANCE.saturating_add(payload_len.saturating_mul(STRUCTURE_PER_PAYLOAD_BYTE));
     if total > budget {
         return Err(VqError::FileCorrupt(format!(

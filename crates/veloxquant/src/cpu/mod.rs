@@ -2,19 +2,23 @@
 //! machine has (AVX2+FMA+F16C on x86-64), with a portable scalar path that defines the
 //! semantics.
 
-/// Kernel instance per row kind and code width: `$f::<KIND, BITS>(layout, args...)`
-/// (defined before the SIMD modules so they see it).
+/// Kernel instance per row kind and code widths: `$f::<KIND, BITS, LO_BITS>(layout, args...)`
+/// (defined before the SIMD modules so they see it). LO_BITS is the second segment's width of
+/// a split row, 0 for the other kinds.
 #[cfg(target_arch = "x86_64")]
 macro_rules! dispatch_row_kind {
     ($l:expr, $f:ident, $($args:expr),*) => {
         match &$l.kind {
-            RowKind::F16 => $f::<F16, 0>($l, $($args),*),
-            RowKind::Q8_0 => $f::<Q8, 0>($l, $($args),*),
-            RowKind::Q4_0 => $f::<Q4, 0>($l, $($args),*),
-            RowKind::Codes { bits: 1, .. } => $f::<CODES, 1>($l, $($args),*),
-            RowKind::Codes { bits: 2, .. } => $f::<CODES, 2>($l, $($args),*),
-            RowKind::Codes { bits: 3, .. } => $f::<CODES, 3>($l, $($args),*),
-            RowKind::Codes { .. } => $f::<CODES, 4>($l, $($args),*),
+            RowKind::F16 => $f::<F16, 0, 0>($l, $($args),*),
+            RowKind::Q8_0 => $f::<Q8, 0, 0>($l, $($args),*),
+            RowKind::Q4_0 => $f::<Q4, 0, 0>($l, $($args),*),
+            RowKind::Codes { bits: 1, .. } => $f::<CODES, 1, 0>($l, $($args),*),
+            RowKind::Codes { bits: 2, .. } => $f::<CODES, 2, 0>($l, $($args),*),
+            RowKind::Codes { bits: 3, .. } => $f::<CODES, 3, 0>($l, $($args),*),
+            RowKind::Codes { .. } => $f::<CODES, 4, 0>($l, $($args),*),
+            RowKind::Split { hi_bits: 2, .. } => $f::<SPLIT, 2, 1>($l, $($args),*),
+            RowKind::Split { hi_bits: 3, .. } => $f::<SPLIT, 3, 2>($l, $($args),*),
+            RowKind::Split { .. } => $f::<SPLIT, 4, 3>($l, $($args),*),
         }
     };
 }
@@ -38,6 +42,8 @@ const Q8: u8 = 1;
 const Q4: u8 = 2;
 #[cfg(target_arch = "x86_64")]
 const CODES: u8 = 3;
+#[cfg(target_arch = "x86_64")]
+const SPLIT: u8 = 4;
 /// Query heads scored per pass; larger groups take several passes.
 #[cfg(target_arch = "x86_64")]
 const MAX_G: usize = 8;

@@ -4,27 +4,47 @@
 
 use std::arch::x86_64::*;
 
-use super::{scale_weights, CODES, F16, MAX_G, Q4, Q8};
+use super::{scale_weights, CODES, F16, MAX_G, Q4, Q8, SPLIT};
 use crate::format::rows::{RowKind, RowLayout, Q4_BLOCK_BYTES, Q8_BLOCK_BYTES};
 
-struct Tabs {
+pub(super) struct Tabs {
     lo: __m256,
     hi: __m256,
     shifts: __m256i,
     mask: __m256i,
 }
 
+/// Lookup state for b-bit codes into a 16-entry table.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tabs(l: &RowLayout) -> Tabs {
-    let (bits, table) = match &l.kind {
-        RowKind::Codes { bits, table } => (*bits as i32, *table),
-        _ => (0, [0f32; 16]),
-    };
+unsafe fn tabs_of(bits: u32, table: &[f32; 16]) -> Tabs {
+    let b = bits as i32;
     Tabs {
         lo: _mm256_loadu_ps(table.as_ptr()),
         hi: _mm256_loadu_ps(table.as_ptr().add(8)),
-        shifts: _mm256_setr_epi32(0, bits, 2 * bits, 3 * bits, 4 * bits, 5 * bits, 6 * bits, 7 * bits),
-        mask: _mm256_set1_epi32((1 << bits) - 1),
+        shifts: _mm256_setr_epi32(0, b, 2 * b, 3 * b, 4 * b, 5 * b, 6 * b, 7 * b),
+        mask: _mm256_set1_epi32((1 << b) - 1),
+    }
+}
+
+/// The kind's code tables: (first segment, second segment of a split row).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tabs(l: &RowLayout) -> (Tabs, Tabs) {
+    match &l.kind {
+        RowKind::Codes { bits, table } => (tabs_of(*bits, table), tabs_of(*bits, table)),
+        RowKind::Split { hi_bits, hi_table, lo_table, .. } => {
+            (tabs_of(*hi_bits, hi_table), tabs_of(hi_bits - 1, lo_table))
+        }
+        _ => (tabs_of(0, &[0f32; 16]), tabs_of(0, &[0f32; 16])),
+    }
+}
+
+/// 8-value chunks of a row per segment: [(byte offset, first chunk, chunks)]; one segment
+/// for every kind but split rows.
+fn segments(l: &RowLayout) -> [(usize, usize, usize); 2] {
+    let nk = l.d / 8;
+    match &l.kind {
+        RowKind::Split { n_hi, .. } => [(0, 0, n_hi / 8), (l.kind.lo_offset(), n_hi / 8, nk - n_hi / 8)],
+        _ => [(0, 0, nk), (0, nk, 0)],
     }
 }
 
@@ -77,21 +97,48 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// acc[h] += Σ_k q_h[8·(c0 + k) ..] · chunk k of the segment at `row`, for `nk` chunks.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores_k<const K: u8, const B: u32>(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
-    let tb = tabs(l);
-    let nk = l.d / 8;
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn dot_segment<const K: u8, const B: u32>(
+    row: *const u8,
+    qp: *const f32,
+    d: usize,
+    (c0, nk): (usize, usize),
+    g: usize,
+    tb: &Tabs,
+    acc: &mut [__m256; MAX_G],
+) {
+    for k in 0..nk {
+        let v = load8::<K, B>(row, k, tb);
+        for (h, a) in acc.iter_mut().enumerate().take(g) {
+            *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * d + 8 * (c0 + k))), v, *a);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
+    l: &RowLayout,
+    q: &[f32],
+    n_q: usize,
+    page: &[u8],
+    out: &mut [f32],
+) {
+    let (tb, tb2) = tabs(l);
+    let [(_, c0, n0), (off1, c1, n1)] = segments(l);
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
         let qp = q.as_ptr().add(h0 * l.d);
         for t in 0..l.t {
             let row = page.as_ptr().add(t * l.row_bytes);
             let mut acc = [_mm256_setzero_ps(); MAX_G];
-            for k in 0..nk {
-                let v = load8::<K, B>(row, k, &tb);
-                for (h, a) in acc.iter_mut().enumerate().take(g) {
-                    *a = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(h * l.d + 8 * k)), v, *a);
-                }
+            if K == SPLIT {
+                dot_segment::<CODES, B>(row, qp, l.d, (c0, n0), g, &tb, &mut acc);
+                dot_segment::<CODES, BL>(row.add(off1), qp, l.d, (c1, n1), g, &tb2, &mut acc);
+            } else {
+                dot_segment::<K, B>(row, qp, l.d, (c0, n0), g, &tb, &mut acc);
             }
             let s = l.row_scale(page, t);
             for (h, a) in acc.iter().enumerate().take(g) {
@@ -101,31 +148,56 @@ unsafe fn scores_k<const K: u8, const B: u32>(l: &RowLayout, q: &[f32], n_q: usi
     }
 }
 
-/// Chunk-outer: each 8-wide slice of the G accumulators stays in registers across all T
-/// tokens of the page; weights (× the token's scale) are broadcast from memory.
+/// Chunk-outer over one segment: each 8-wide slice of the G accumulators stays in registers
+/// across all T tokens of the page; weights (× the token's scale) are broadcast from memory.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn accumulate_k<const K: u8, const B: u32>(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
-    let tb = tabs(l);
-    let nk = l.d / 8;
+#[inline]
+unsafe fn axpy_segment<const K: u8, const B: u32>(
+    l: &RowLayout,
+    page: &[u8],
+    (off, c0, nk): (usize, usize, usize),
+    (g, ws): (usize, &[f32]),
+    tb: &Tabs,
+    ap: *mut f32,
+) {
+    for k in 0..nk {
+        let c = c0 + k;
+        let mut a = [_mm256_setzero_ps(); MAX_G];
+        for (h, x) in a.iter_mut().enumerate().take(g) {
+            *x = _mm256_loadu_ps(ap.add(h * l.d + 8 * c));
+        }
+        for t in 0..l.t {
+            let v = load8::<K, B>(page.as_ptr().add(t * l.row_bytes + off), k, tb);
+            for (h, x) in a.iter_mut().enumerate().take(g) {
+                *x = _mm256_fmadd_ps(_mm256_broadcast_ss(ws.get_unchecked(h * l.t + t)), v, *x);
+            }
+        }
+        for (h, x) in a.iter().enumerate().take(g) {
+            _mm256_storeu_ps(ap.add(h * l.d + 8 * c), *x);
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn accumulate_k<const K: u8, const B: u32, const BL: u32>(
+    l: &RowLayout,
+    w: &[f32],
+    n_q: usize,
+    page: &[u8],
+    acc: &mut [f32],
+) {
+    let (tb, tb2) = tabs(l);
+    let [s0, s1] = segments(l);
     let mut ws = vec![0f32; MAX_G * l.t];
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
         scale_weights(l, page, &w[h0 * l.t..], g, &mut ws);
         let ap = acc.as_mut_ptr().add(h0 * l.d);
-        for k in 0..nk {
-            let mut a = [_mm256_setzero_ps(); MAX_G];
-            for (h, x) in a.iter_mut().enumerate().take(g) {
-                *x = _mm256_loadu_ps(ap.add(h * l.d + 8 * k));
-            }
-            for t in 0..l.t {
-                let v = load8::<K, B>(page.as_ptr().add(t * l.row_bytes), k, &tb);
-                for (h, x) in a.iter_mut().enumerate().take(g) {
-                    *x = _mm256_fmadd_ps(_mm256_broadcast_ss(ws.get_unchecked(h * l.t + t)), v, *x);
-                }
-            }
-            for (h, x) in a.iter().enumerate().take(g) {
-                _mm256_storeu_ps(ap.add(h * l.d + 8 * k), *x);
-            }
+        if K == SPLIT {
+            axpy_segment::<CODES, B>(l, page, s0, (g, &ws), &tb, ap);
+            axpy_segment::<CODES, BL>(l, page, s1, (g, &ws), &tb2, ap);
+        } else {
+            axpy_segment::<K, B>(l, page, s0, (g, &ws), &tb, ap);
         }
     }
 }

@@ -5,7 +5,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{scale_weights, CODES, F16, MAX_G, Q4, Q8};
+use super::{scale_weights, CODES, F16, MAX_G, Q4, Q8, SPLIT};
 use crate::format::rows::{RowKind, RowLayout, Q4_BLOCK_BYTES, Q8_BLOCK_BYTES};
 
 struct Tabs {
@@ -66,7 +66,17 @@ unsafe fn load16<const K: u8, const B: u32>(row: *const u8, k: usize, t: &Tabs) 
 /// Two tokens per step (each q chunk loaded once feeds both); per-token accumulators are
 /// folded to 8 lanes and parked, then reduced 8 tokens at a time by a transpose-add.
 #[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
-unsafe fn scores_k<const K: u8, const B: u32>(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mut [f32]) {
+unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
+    l: &RowLayout,
+    q: &[f32],
+    n_q: usize,
+    page: &[u8],
+    out: &mut [f32],
+) {
+    if K == SPLIT {
+        // Split rows' segments are multiples of 8 values, not 16: the AVX2 kernel serves.
+        return super::x86::scores_k::<K, B, BL>(l, q, n_q, page, out);
+    }
     let tb = tabs(l);
     let nk = l.d / 16;
     let mut park = vec![0f32; MAX_G * l.t * 8];
@@ -137,7 +147,16 @@ unsafe fn transpose_sum8(p: *const f32) -> __m256 {
 }
 
 #[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
-unsafe fn accumulate_k<const K: u8, const B: u32>(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
+unsafe fn accumulate_k<const K: u8, const B: u32, const BL: u32>(
+    l: &RowLayout,
+    w: &[f32],
+    n_q: usize,
+    page: &[u8],
+    acc: &mut [f32],
+) {
+    if K == SPLIT {
+        return super::x86::accumulate_k::<K, B, BL>(l, w, n_q, page, acc);
+    }
     let tb = tabs(l);
     let nk = l.d / 16;
     let mut ws = vec![0f32; MAX_G * l.t];

@@ -14,6 +14,7 @@ pub mod qjl;
 pub mod rabitq;
 pub mod rows;
 pub mod sketch;
+pub mod turboquant_frac;
 pub mod turboquant_mse;
 pub mod turboquant_prod;
 pub mod turboquant_rvq;
@@ -63,6 +64,11 @@ pub struct FormatDesc {
     pub default_group: u32,
     /// Whether building needs calibration vectors ([`FormatCtx::calibration`]).
     pub needs_calibration: bool,
+    /// Whether fractional widths `b + e/8` (e = 1..7) are accepted: e/8 of the channels are
+    /// coded at b + 1 bits ([`FormatSpec::hi_eighths`]).
+    pub fractional: bool,
+    /// Whether the `center` option (subtract a calibrated mean, added back exactly) applies.
+    pub centerable: bool,
     pub build: fn(&FormatSpec, &FormatCtx) -> Result<Arc<dyn Format>>,
 }
 
@@ -83,6 +89,8 @@ impl FormatDesc {
         groups: &[],
         default_group: 0,
         needs_calibration: false,
+        fractional: false,
+        centerable: false,
         build: |spec, _| Err(VqError::UnknownFormat(spec.name.into())),
     };
 }
@@ -93,6 +101,7 @@ pub static REGISTRY: &[&FormatDesc] = &[
     &q8_0::DESC,
     &q4_0::DESC,
     &turboquant_mse::DESC,
+    &turboquant_frac::DESC,
     &turboquant_prod::DESC,
     &turboquant_rvq::DESC,
     &qjl::DESC,
@@ -120,12 +129,23 @@ pub fn variants() -> Vec<FormatSpec> {
         } else {
             desc.bits.iter().map(|b| format!("{}:{b}", desc.name)).collect()
         };
-        for b in with_bits {
+        // Fractional widths: the halves, plain (their options vary below, at one width).
+        let halves: Vec<String> = if desc.fractional {
+            desc.bits.iter().filter(|&&b| b < 4).map(|b| format!("{}:{b}.5", desc.name)).collect()
+        } else {
+            Vec::new()
+        };
+        let n_whole = with_bits.len();
+        for (i, b) in with_bits.into_iter().chain(halves).enumerate() {
             push(b.clone());
+            if i >= n_whole {
+                continue;
+            }
             if desc.rotatable {
                 push(format!("{b}:rot"));
             }
-            if desc.has_norm_mode {
+            // (A fractional format's whole widths are turboquant_mse's: eden varies below.)
+            if desc.has_norm_mode && !desc.fractional {
                 push(format!("{b}:eden"));
             }
             if desc.has_sketch {
@@ -141,6 +161,13 @@ pub fn variants() -> Vec<FormatSpec> {
         }
         for g in desc.groups {
             push(format!("{base}:g{g}"));
+        }
+        if desc.centerable {
+            push(format!("{base}:center"));
+        }
+        if desc.fractional {
+            push(format!("{}:{}.5:eden", desc.name, desc.default_bits.min(3)));
+            push(format!("{}:{}.25:center:eden", desc.name, desc.default_bits.min(3)));
         }
     }
     out
@@ -169,10 +196,12 @@ pub enum SketchKind {
 }
 
 /// A user's choice of format:
-/// `name[:bits[:bits2]][:{mult}x][:gauss|:orth][:g{group}][:rot][:plain|:eden]`, e.g.
-/// `turboquant_mse:4:eden`, `q4_0:rot`, `fp16`, `turboquant_rvq:2:2`, `qjl:2x:orth`,
-/// `kivi:2`, `vecinfer:8:g4`. Options may come in any order; `Display` writes the canonical
-/// order, and `parse(spec.to_string()) == spec`. Parameters a format does not take are 0.
+/// `name[:bits[:bits2]][:{mult}x][:gauss|:orth][:g{group}][:rot][:center][:plain|:eden]`,
+/// e.g. `turboquant_mse:4:eden`, `q4_0:rot`, `fp16`, `turboquant_rvq:2:2`, `qjl:2x:orth`,
+/// `kivi:2`, `vecinfer:8:g4`, `turboquant_frac:3.5:center`. Options may come in any order;
+/// `Display` writes the canonical order, and `parse(spec.to_string()) == spec`. Parameters a
+/// format does not take are 0. A fractional width of `turboquant_mse` (`turboquant_mse:3.5`)
+/// names `turboquant_frac` at that width: the whole-bit format has no channel split.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FormatSpec {
     pub name: &'static str,
@@ -186,6 +215,27 @@ pub struct FormatSpec {
     pub group: u32,
     pub rotate: bool,
     pub norm: NormMode,
+    /// Eighths of the channels coded at `bits + 1` (fractional formats): the width is
+    /// `bits + hi_eighths/8`, e.g. 3.5 = 3 bits with half the channels at 4.
+    pub hi_eighths: u32,
+    /// Subtract a calibrated per-channel mean before coding; decode adds it back exactly.
+    pub center: bool,
+}
+
+/// `"3"` → (3, 0), `"3.5"` → (3, 4): a width in whole eighths of a bit.
+fn parse_width(t: &str) -> Option<(u32, u32)> {
+    let (int, frac) = t.split_once('.').unwrap_or((t, ""));
+    let b: u32 = int.parse().ok()?;
+    if frac.is_empty() {
+        return (!t.ends_with('.')).then_some((b, 0));
+    }
+    const EIGHTHS: [&str; 8] = ["0", "125", "25", "375", "5", "625", "75", "875"];
+    let frac = match frac.trim_end_matches('0') {
+        "" => "0",
+        f => f,
+    };
+    let e = EIGHTHS.iter().position(|&f| f == frac)?;
+    Some((b, e as u32))
 }
 
 impl FormatSpec {
@@ -195,7 +245,12 @@ impl FormatSpec {
 
     pub fn parse(s: &str) -> Result<Self> {
         let mut parts = s.trim().split(':');
-        let desc = lookup(parts.next().unwrap_or(""))?;
+        let mut desc = lookup(parts.next().unwrap_or(""))?;
+        let parts: Vec<&str> = parts.collect();
+        let fractional_token = |p: &&str| parse_width(p).is_some_and(|(_, e)| e > 0);
+        if desc.name == turboquant_mse::DESC.name && parts.iter().any(fractional_token) {
+            desc = &turboquant_frac::DESC;
+        }
         let mut spec = Self {
             name: desc.name,
             bits: desc.default_bits,
@@ -205,6 +260,8 @@ impl FormatSpec {
             group: desc.default_group,
             rotate: false,
             norm: NormMode::Plain,
+            hi_eighths: 0,
+            center: false,
         };
         let bad = |why: String| VqError::InvalidSpec { spec: s.into(), why };
         let mut n_numbers = 0;
@@ -216,6 +273,7 @@ impl FormatSpec {
                 "plain" if desc.has_norm_mode => spec.norm = NormMode::Plain,
                 "gauss" if desc.has_sketch => spec.sketch = SketchKind::Gauss,
                 "orth" if desc.has_sketch => spec.sketch = SketchKind::Orth,
+                "center" if desc.centerable => spec.center = true,
                 _ if !desc.mults.is_empty() && p.strip_suffix('x').and_then(num).is_some() => {
                     spec.mult = p.strip_suffix('x').and_then(num).unwrap_or(0);
                     if !desc.mults.contains(&spec.mult) {
@@ -233,6 +291,10 @@ impl FormatSpec {
                         spec.bits = b;
                         n_numbers = 1;
                     }
+                    (None, 0) if desc.fractional && parse_width(p).is_some() => {
+                        (spec.bits, spec.hi_eighths) = parse_width(p).unwrap_or_default();
+                        n_numbers = 1;
+                    }
                     (Some(b), 1) if !desc.bits2.is_empty() => {
                         spec.bits2 = b;
                         n_numbers = 2;
@@ -246,7 +308,15 @@ impl FormatSpec {
                 return Err(VqError::UnsupportedBits { format: desc.name.into(), bits, supported: bits_list(allowed) });
             }
         }
+        if spec.hi_eighths > 0 && !desc.bits.contains(&(spec.bits + 1)) {
+            return Err(bad(format!("width {} needs {} bits for its wider channels", spec.width(), spec.bits + 1)));
+        }
         Ok(spec)
+    }
+
+    /// Bits per coded value before side information: `bits + hi_eighths/8`.
+    pub fn width(&self) -> f64 {
+        self.bits as f64 + self.hi_eighths as f64 / 8.0
     }
 
     pub fn build(&self, ctx: &FormatCtx) -> Result<Arc<dyn Format>> {
@@ -293,7 +363,9 @@ impl fmt::Display for FormatSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name)?;
         let desc = self.desc();
-        if desc.bits.len() > 1 {
+        if self.hi_eighths > 0 {
+            write!(f, ":{}", self.width())?;
+        } else if desc.bits.len() > 1 {
             write!(f, ":{}", self.bits)?;
         }
         if !desc.bits2.is_empty() {
@@ -310,6 +382,9 @@ impl fmt::Display for FormatSpec {
         }
         if self.rotate {
             f.write_str(":rot")?;
+        }
+        if self.center {
+            f.write_str(":center")?;
         }
         if self.norm == NormMode::Eden {
             f.write_str(":eden")?;
@@ -340,11 +415,14 @@ pub struct FormatCtx {
     /// Trained state saved by [`Format::export_state`] (a cache file being loaded): a
     /// calibrated format restores it instead of training, and needs no calibration.
     pub state: Option<Arc<[f32]>>,
+    /// E[q qᵀ] (d × d, row-major) of the queries that score this KV head's keys, from the
+    /// calibration text; formats that weigh channels by query energy use it (keys only).
+    pub query_moments: Option<Arc<[f32]>>,
 }
 
 impl FormatCtx {
     pub fn new(head_dim: usize, page_tokens: usize, stream: Stream, seed: u64) -> Self {
-        Self { head_dim, page_tokens, stream, seed, calibration: None, state: None }
+        Self { head_dim, page_tokens, stream, seed, calibration: None, state: None, query_moments: None }
     }
 }
 
@@ -471,6 +549,24 @@ pub fn check_finite(what: &'static str, x: &[f32], d: usize) -> Result<()> {
         None => Ok(()),
         Some(i) => Err(VqError::NonFinite { what, token: i / d.max(1), channel: i % d.max(1) }),
     }
+}
+
+/// `encode_page`'s argument checks: T × d finite values into a whole page.
+pub(crate) fn check_page_input(f: &(impl Format + ?Sized), x: &[f32], page: &[u8]) -> Result<()> {
+    let d = f.head_dim();
+    check_len("encode_page input", d * f.page_tokens(), x.len())?;
+    check_len("encode_page output", f.page_bytes(), page.len())?;
+    check_finite("encode_page input", x, d)
+}
+
+/// `encode_row`'s argument checks: d finite values into row `row` of a whole page.
+pub(crate) fn check_row_input(f: &(impl Format + ?Sized), x: &[f32], page: &[u8], row: usize) -> Result<()> {
+    check_len("encode_row input", f.head_dim(), x.len())?;
+    check_len("encode_row output", f.page_bytes(), page.len())?;
+    if row >= f.page_tokens() {
+        return Err(VqError::OutOfRange { what: "page row", index: row, len: f.page_tokens() });
+    }
+    check_finite("encode_row input", x, f.head_dim())
 }
 
 pub(crate) fn check_len(op: &'static str, expected: usize, got: usize) -> Result<()> {

@@ -1,6 +1,7 @@
-//! Row-coded page layouts shared by fp16, q8_0, q4_0 and turboquant_mse: every token is one
-//! fixed-size row of codes, optionally followed (after all T rows) by one f16 scale per
-//! token. The fused CPU kernels in `cpu/` read exactly these bytes; the GPU kernels will too.
+//! Row-coded page layouts shared by fp16, q8_0, q4_0, turboquant_mse and turboquant_frac:
+//! every token is one fixed-size row of codes, optionally followed (after all T rows) by one
+//! f16 scale per token. The fused CPU kernels in `cpu/` read exactly these bytes; the GPU
+//! kernels will too.
 //!
 //! | kind     | row bytes                  | per-token tail  |
 //! |----------|----------------------------|-----------------|
@@ -8,6 +9,14 @@
 //! | Q8_0     | d/32 blocks × 34 (f16 scale, 32 × i8)      | – |
 //! | Q4_0     | d/32 blocks × 18 (f16 scale, 16 B nibbles) | – |
 //! | Codes(b) | ⌈d·b/32⌉·4 (pack.rs stream) | f16 norm       |
+//! | Split(b+1, n) | (n·(b+1) + (d−n)·b)/8: one pack.rs stream, n codes of b+1 bits then d−n of b | f16 norm |
+//!
+//! Split rows are whole bytes, not whole words (n and d are multiples of 8), so a fractional
+//! width costs exactly its bits; the second segment starts on a byte boundary.
+//!
+//! The per-token scales are f16 ([`RowScale::F16`]) or one byte each on a log scale around a
+//! calibrated base ([`RowScale::LogU8`]: code c → base·2^((c − 128)/16), c = 0 → 0; steps of
+//! 1/16 octave, ±8 octaves), padded to ≥ 8 bytes and a multiple of 4.
 
 use half::f16;
 
@@ -24,6 +33,72 @@ pub enum RowKind {
         bits: u32,
         table: [f32; 16],
     },
+    /// The first `n_hi` values coded at `hi_bits`, the other d − n_hi at `hi_bits − 1`
+    /// (2 ≤ hi_bits ≤ 4), each into its own 16-entry table; n_hi and d multiples of 8.
+    Split {
+        hi_bits: u32,
+        n_hi: usize,
+        hi_table: [f32; 16],
+        lo_table: [f32; 16],
+    },
+}
+
+impl RowKind {
+    /// Byte offset of a split row's second segment (the low-width codes).
+    pub fn lo_offset(&self) -> usize {
+        match self {
+            RowKind::Split { hi_bits, n_hi, .. } => n_hi * *hi_bits as usize / 8,
+            _ => 0,
+        }
+    }
+}
+
+/// How the per-token scales are stored.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RowScale {
+    F16,
+    /// One byte: base·2^((c − 128)/16) for c ≥ 1, 0 for c = 0. Relative rounding error
+    /// ≤ 2^(1/32) − 1 ≈ 2.2 %; values beyond base·2^(±127/16) clamp to the end codes.
+    LogU8 {
+        base: f32,
+    },
+}
+
+/// Octaves per log-scale step's inverse (1/16 octave steps).
+const LOG_STEPS: f32 = 16.0;
+
+impl RowScale {
+    fn bytes(self) -> usize {
+        match self {
+            Self::F16 => 2,
+            Self::LogU8 { .. } => 1,
+        }
+    }
+
+    /// The stored form of `s` (≥ 0) decoded back: what `row_scale` returns after
+    /// `set_row_scale(s)`.
+    pub fn round(self, s: f32) -> f32 {
+        match self {
+            Self::F16 => f16::from_f32(s).to_f32(),
+            Self::LogU8 { base } => Self::log_decode(base, Self::log_code(base, s)),
+        }
+    }
+
+    fn log_code(base: f32, s: f32) -> u8 {
+        if s.is_nan() || s <= 0.0 || base.is_nan() || base <= 0.0 {
+            return 0;
+        }
+        ((s / base).log2() * LOG_STEPS + 128.0).round().clamp(1.0, 255.0) as u8
+    }
+
+    #[inline]
+    fn log_decode(base: f32, c: u8) -> f32 {
+        if c == 0 {
+            0.0
+        } else {
+            base * ((c as f32 - 128.0) / LOG_STEPS).exp2()
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -32,8 +107,9 @@ pub struct RowLayout {
     pub d: usize,
     pub t: usize,
     pub row_bytes: usize,
-    /// Offset of the T f16 per-token scales, if the kind has them.
+    /// Offset of the T per-token scales, if the kind has them.
     pub scales_at: Option<usize>,
+    pub scale: RowScale,
 }
 
 pub const Q8_BLOCK_BYTES: usize = 34;
@@ -47,16 +123,25 @@ impl RowLayout {
             RowKind::Q8_0 => d / QBLOCK * Q8_BLOCK_BYTES,
             RowKind::Q4_0 => d / QBLOCK * Q4_BLOCK_BYTES,
             RowKind::Codes { bits, .. } => pack::packed_bytes(d, *bits),
+            RowKind::Split { hi_bits, n_hi, .. } => {
+                (n_hi * *hi_bits as usize + (d - n_hi) * (*hi_bits as usize - 1)) / 8
+            }
         };
-        let scales_at = matches!(kind, RowKind::Codes { .. }).then_some(row_bytes * t);
-        Self { kind, d, t, row_bytes, scales_at }
+        let scales_at = matches!(kind, RowKind::Codes { .. } | RowKind::Split { .. }).then_some(row_bytes * t);
+        Self { kind, d, t, row_bytes, scales_at, scale: RowScale::F16 }
+    }
+
+    /// The same layout with `scale`-coded per-token scales.
+    pub fn with_scale(mut self, scale: RowScale) -> Self {
+        self.scale = scale;
+        self
     }
 
     pub fn page_bytes(&self) -> usize {
         let rows = self.row_bytes * self.t;
         match self.scales_at {
             // ≥ 8 bytes after the last row: the SIMD code loads read a whole qword.
-            Some(_) => (rows + (2 * self.t).max(8)).div_ceil(4) * 4,
+            Some(_) => (rows + (self.scale.bytes() * self.t).max(8)).div_ceil(4) * 4,
             None => rows,
         }
     }
@@ -64,15 +149,31 @@ impl RowLayout {
     /// Per-token scale (the stored norm), 1 for kinds without one.
     #[inline]
     pub fn row_scale(&self, page: &[u8], t: usize) -> f32 {
-        match self.scales_at {
-            Some(o) => f16::from_le_bytes([page[o + 2 * t], page[o + 2 * t + 1]]).to_f32(),
-            None => 1.0,
+        match (self.scales_at, self.scale) {
+            (Some(o), RowScale::F16) => f16::from_le_bytes([page[o + 2 * t], page[o + 2 * t + 1]]).to_f32(),
+            (Some(o), RowScale::LogU8 { base }) => RowScale::log_decode(base, page[o + t]),
+            (None, _) => 1.0,
         }
     }
 
     pub fn set_row_scale(&self, page: &mut [u8], t: usize, s: f32) {
-        if let Some(o) = self.scales_at {
-            page[o + 2 * t..o + 2 * t + 2].copy_from_slice(&f16::from_f32(s).to_le_bytes());
+        match (self.scales_at, self.scale) {
+            (Some(o), RowScale::F16) => page[o + 2 * t..o + 2 * t + 2].copy_from_slice(&f16::from_f32(s).to_le_bytes()),
+            (Some(o), RowScale::LogU8 { base }) => page[o + t] = RowScale::log_code(base, s),
+            (None, _) => {}
+        }
+    }
+
+    /// Zero rows `from..` and their scales: an open page as a fresh one holds it.
+    pub fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        let (t, rb) = (self.t, self.row_bytes);
+        if from >= t || page.len() < self.page_bytes() {
+            return;
+        }
+        page[from * rb..t * rb].fill(0);
+        if let Some(at) = self.scales_at {
+            let w = self.scale.bytes();
+            page[at + w * from..at + w * t].fill(0);
         }
     }
 
@@ -112,6 +213,16 @@ impl RowLayout {
                     *o = table[pack::get(row, i, *bits) as usize];
                 }
             }
+            RowKind::Split { hi_bits, n_hi, hi_table, lo_table } => {
+                let (hi, lo) = out.split_at_mut(*n_hi);
+                for (i, o) in hi.iter_mut().enumerate() {
+                    *o = hi_table[pack::get(row, i, *hi_bits) as usize];
+                }
+                let rest = &row[self.kind.lo_offset()..];
+                for (i, o) in lo.iter_mut().enumerate() {
+                    *o = lo_table[pack::get(rest, i, hi_bits - 1) as usize];
+                }
+            }
         }
     }
 
@@ -139,7 +250,7 @@ impl RowLayout {
 
 use std::sync::Arc;
 
-use super::{check_finite, check_len, Format, FormatCtx, FormatSpec, QueryState};
+use super::{check_page_input, check_row_input, Format, FormatCtx, FormatSpec, QueryState};
 use crate::codebook::ScaledCodebook;
 use crate::error::{Result, VqError};
 use crate::rotate::Rotation;
@@ -225,10 +336,8 @@ impl Format for RowFormat {
     }
 
     fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {
-        let (d, t) = (self.layout.d, self.layout.t);
-        check_len("encode_page input", d * t, x.len())?;
-        check_len("encode_page output", self.page_bytes(), page.len())?;
-        check_finite("encode_page input", x, d)?;
+        check_page_input(self, x, page)?;
+        let d = self.layout.d;
         page.fill(0);
         for (i, row) in x.chunks_exact(d).enumerate() {
             self.encode_row_unchecked(row, page, i);
@@ -252,12 +361,7 @@ impl Format for RowFormat {
     }
 
     fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
-        check_len("encode_row input", self.layout.d, x.len())?;
-        check_len("encode_row output", self.page_bytes(), page.len())?;
-        if row >= self.layout.t {
-            return Err(VqError::OutOfRange { what: "page row", index: row, len: self.layout.t });
-        }
-        check_finite("encode_row input", x, self.layout.d)?;
+        check_row_input(self, x, page, row)?;
         self.encode_row_unchecked(x, page, row);
         Ok(())
     }

@@ -27,6 +27,11 @@ pub fn unsupported(spec: &FormatSpec, d: usize, stream: Stream) -> bool {
         "q8_0" | "q4_0" => !d.is_multiple_of(32),
         "kivi" => stream == Stream::Values && !d.is_multiple_of(spec.group as usize),
         "vecinfer" => !d.is_multiple_of(spec.group as usize),
+        // Both channel sets of a fractional width are multiples of 8.
+        "turboquant_frac" => {
+            let de = d * spec.hi_eighths as usize; // 8 × the wide channel count
+            spec.hi_eighths > 0 && !(de.is_multiple_of(64) && d.is_multiple_of(8))
+        }
         _ => false,
     }
 }
