@@ -156,6 +156,21 @@ pub fn distinct(paths: &[Option<&PathBuf>]) -> Result<(), ArgError> {
     Ok(())
 }
 
+/// `--merge` of earlier outputs: regular input files, outputs that differ from each other
+/// and may be written (never over an input).
+pub fn merge_plan(inputs: &[PathBuf], outputs: [Option<&PathBuf>; 3], ctx: &Ctx) -> Result<(), ArgError> {
+    for p in inputs {
+        crate::files::check_input(p, "merge")?;
+    }
+    let ins: Vec<&Path> = inputs.iter().map(PathBuf::as_path).collect();
+    distinct(&outputs)?;
+    let kinds = [OutputKind::Json, OutputKind::Markdown, OutputKind::Svg];
+    for (o, k) in outputs.into_iter().zip(kinds) {
+        ctx.output(o, k, &ins)?;
+    }
+    Ok(())
+}
+
 /// A command's checked values (what it needs beyond its parsed arguments).
 pub enum Plan {
     Gen(crate::demo::GenPlan),

@@ -284,10 +284,18 @@ pub struct PasskeyArgs {
     calib_from: usize,
     #[arg(long, default_value_t = 2048)]
     calib_tokens: usize,
+    /// Merge earlier `--json` outputs (e.g. one method or length per process on a many-core
+    /// host) into one table and JSON; nothing is run.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) merge: Vec<std::path::PathBuf>,
 }
 
 impl PasskeyArgs {
     pub fn plan(&self, ctx: &Ctx) -> Result<Vec<Method>, ArgError> {
+        if !self.merge.is_empty() {
+            return crate::check::merge_plan(&self.merge, [self.json.as_ref(), self.md.as_ref(), None], ctx)
+                .map(|_| vec![]);
+        }
         nonempty("lengths", &self.lengths)?;
         for &len in &self.lengths {
             ctx.within_context("lengths", len, 1, answer_tokens(PasskeyFormat::Plain))?;
@@ -314,28 +322,66 @@ pub fn passkey(a: &PasskeyArgs, methods: &[Method], model_path: &Path) -> AnyRes
     } else {
         None
     };
-    let mut rows = Vec::new();
     let mut out = Vec::new();
     for m in methods {
-        let mut row = vec![m.to_string()];
         for &len in &a.lengths {
             let (mm, c, cal) = (m.clone(), model.config.clone(), cal.clone());
             let mut f = move || mm.store(&c, len + 64, cal.as_ref()).map_err(veloxquant_llm::LlmError::StoreBackend);
             let s = passkey_accuracy(&model, &tok, &mut f, len, &a.depths, a.n, a.seed, PasskeyFormat::Plain)?;
             eprintln!("{m} @ {len}: {}/{}", s.n_correct, s.n_trials);
-            row.push(format!("{}/{}", s.n_correct, s.n_trials));
             out.push(serde_json::json!({"method": m.to_string(), "tokens": len, "correct": s.n_correct, "trials": s.n_trials, "accuracy": s.accuracy()}));
         }
-        rows.push(row);
     }
+    passkey_report(a, &out)
+}
+
+/// The table (a row per method, a column per length, in order of first appearance) and the
+/// JSON of passkey results, from the JSON rows: runs and `--merge` print the same.
+pub fn passkey_report(a: &PasskeyArgs, out: &[serde_json::Value]) -> AnyResult {
+    let mut methods: Vec<&str> = Vec::new();
+    let mut lengths: Vec<u64> = Vec::new();
+    for r in out {
+        let (m, n) = (
+            r["method"].as_str().ok_or("passkey row without a method")?,
+            r["tokens"].as_u64().ok_or("passkey row without tokens")?,
+        );
+        if !methods.contains(&m) {
+            methods.push(m);
+        }
+        if !lengths.contains(&n) {
+            lengths.push(n);
+        }
+    }
+    lengths.sort_unstable();
+    let cell = |m: &str, n: u64| {
+        out.iter().find(|r| r["method"] == m && r["tokens"] == n).map_or("–".to_string(), |r| {
+            format!("{}/{}", r["correct"].as_u64().unwrap_or(0), r["trials"].as_u64().unwrap_or(0))
+        })
+    };
+    let rows: Vec<Vec<String>> = methods
+        .iter()
+        .map(|m| std::iter::once(m.to_string()).chain(lengths.iter().map(|&n| cell(m, n))).collect())
+        .collect();
     let header: Vec<String> =
-        std::iter::once("method".to_string()).chain(a.lengths.iter().map(|l| format!("{l} tokens"))).collect();
+        std::iter::once("method".to_string()).chain(lengths.iter().map(|l| format!("{l} tokens"))).collect();
     let header: Vec<&str> = header.iter().map(String::as_str).collect();
     print_table_to(&header, &rows, a.md.as_deref())?;
     if let Some(p) = &a.json {
-        crate::util::write_json(p, &serde_json::Value::Array(out))?;
+        crate::util::write_json(p, &serde_json::Value::Array(out.to_vec()))?;
     }
     Ok(())
+}
+
+/// `passkey --merge`: the rows of every file, a (method, length) given twice refused.
+pub fn passkey_merge(a: &PasskeyArgs) -> AnyResult {
+    let mut out: Vec<serde_json::Value> = Vec::new();
+    for r in crate::util::read_json_rows(&a.merge)? {
+        if out.iter().any(|o| o["method"] == r["method"] && o["tokens"] == r["tokens"]) {
+            return Err(format!("passkey --merge: {} at {} tokens given twice", r["method"], r["tokens"]).into());
+        }
+        out.push(r);
+    }
+    passkey_report(a, &out)
 }
 
 pub fn fetch(model_path: &Path) -> AnyResult {

@@ -68,6 +68,11 @@ pub struct EvalArgs {
     /// else computed and saved there (llama-perplexity's `--kl-divergence-base`).
     #[arg(long)]
     kl_base: Option<PathBuf>,
+    /// Merge earlier `--json` outputs of the same windows and fp16 base (e.g. one method per
+    /// process on a many-core host, all reading one `--kl-base`) into one table, JSON and
+    /// plot; nothing is run.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) merge: Vec<PathBuf>,
 }
 
 /// Checked `eval` arguments: the methods (fp16, always the reference, and duplicates
@@ -81,6 +86,10 @@ impl EvalArgs {
     /// Windows of 4..=n_ctx tokens, methods whose R and S fit the context, calibration within
     /// it, a regular text file of bounded size, outputs that may be written.
     pub fn plan(&self, ctx: &Ctx) -> Result<EvalPlan, ArgError> {
+        if !self.merge.is_empty() {
+            crate::check::merge_plan(&self.merge, [self.json.as_ref(), self.md.as_ref(), self.plot.as_ref()], ctx)?;
+            return Ok(EvalPlan { methods: Vec::new(), text: PathBuf::new() });
+        }
         ctx.within_context("ctx", self.ctx, 4, 0)?;
         crate::check::count("batch", self.batch, 1..=1024)?;
         // R and S beyond a window are valid (the window stays exact): bounded by the model.
@@ -173,33 +182,60 @@ pub fn run(a: &EvalArgs, p: &EvalPlan, model_path: &Path) -> AnyResult {
         same_top_pct: 100.0,
         ..Default::default()
     };
-    let mut rows = Vec::new();
     let mut out = Vec::new();
     let mut push = |m: &Method, bits: (f64, f64, usize), r: &KlReport, tps: Option<f64>| {
-        let (row, j) = result_row(m, bits, r, tps, held);
-        rows.push(row);
-        out.push(
-            json!({"n_ctx": a.ctx, "n_windows": n_windows, "ppl_base": base.ppl, "ppl_base_stderr": base.ppl_stderr}),
-        );
-        if let (Some(o), serde_json::Value::Object(e)) = (out.last_mut().and_then(|v| v.as_object_mut()), j) {
+        let mut row =
+            json!({"n_ctx": a.ctx, "n_windows": n_windows, "ppl_base": base.ppl, "ppl_base_stderr": base.ppl_stderr});
+        if let (Some(o), serde_json::Value::Object(e)) = (row.as_object_mut(), result_json(m, bits, r, tps, held)) {
             o.extend(e);
         }
+        out.push(row);
     };
     push(&Method::Fp16, fp16_bits, &exact, base.tokens_per_s);
     for (m, r) in methods.iter().zip(&reports) {
         push(m, m.resident_bits(&c, held, cal.as_ref())?, &r.report, Some(r.tokens_per_s));
     }
-    println!(
-        "{} · n_ctx {} · {n_windows} windows · second half of each window scored (llama-perplexity protocol)\n",
-        text_path.display(),
-        a.ctx
-    );
+    report(a, &text_path.display().to_string(), &out)
+}
+
+/// `eval --merge`: the fp16 row once, then every method once, all from the same windows and
+/// fp16 base (checked: n_ctx, windows and the base's PPL equal in every row).
+pub fn merge(a: &EvalArgs) -> AnyResult {
+    let mut out: Vec<serde_json::Value> = Vec::new();
+    let key = |r: &serde_json::Value| (r["n_ctx"].clone(), r["n_windows"].clone(), r["ppl_base"].clone());
+    for r in crate::util::read_json_rows(&a.merge)? {
+        if r["method"].as_str().is_none() || r["n_ctx"].as_u64().is_none() {
+            return Err("eval --merge: a row without method or n_ctx (not an eval --json output)".into());
+        }
+        if let Some(first) = out.first().filter(|f| key(f) != key(&r)) {
+            return Err(format!(
+                "eval --merge: {} was run on other windows or another fp16 base than {} (n_ctx, windows, base PPL)",
+                r["method"], first["method"]
+            )
+            .into());
+        }
+        if !out.iter().any(|o| o["method"] == r["method"]) {
+            out.push(r);
+        }
+    }
+    // The fp16 reference first, as a run prints it.
+    out.sort_by_key(|r| r["method"] != "fp16");
+    let names: Vec<String> = a.merge.iter().map(|p| p.display().to_string()).collect();
+    report(a, &format!("merged from {}", names.join(", ")), &out)
+}
+
+/// The table, JSON and plot of eval rows (fp16 first): printed and written the same for a
+/// run and a merge.
+fn report(a: &EvalArgs, source: &str, out: &[serde_json::Value]) -> AnyResult {
+    let (ctx, n_windows) = (out[0]["n_ctx"].as_u64().unwrap_or(0), out[0]["n_windows"].as_u64().unwrap_or(0));
+    println!("{source} · n_ctx {ctx} · {n_windows} windows · second half of each window scored (llama-perplexity protocol)\n");
+    let rows: Vec<Vec<String>> = out.iter().map(table_row).collect();
     print_table_to(&HEADER, &rows, a.md.as_deref())?;
     if let Some(p) = &a.json {
-        write_json(p, &serde_json::Value::Array(out.clone()))?;
+        write_json(p, &serde_json::Value::Array(out.to_vec()))?;
     }
     if let Some(p) = &a.plot {
-        frontier_plot(p, &out, a.ctx)?;
+        frontier_plot(p, out, ctx as usize)?;
     }
     Ok(())
 }
@@ -223,38 +259,20 @@ const HEADER: [&str; 16] = [
     "tokens/s",
 ];
 
-/// One method's table row and JSON object (tokens/s: evaluated tokens per second of this
-/// method's windows, on a shared machine; "–" for an fp16 base read from `--kl-base`).
-fn result_row(
+/// One method's JSON object (tokens/s: evaluated tokens per second of this method's
+/// windows, on a shared machine; null for an fp16 base read from `--kl-base`).
+fn result_json(
     m: &Method,
     (kb, vb, bytes): (f64, f64, usize),
     r: &KlReport,
     tps: Option<f64>,
     held: usize,
-) -> (Vec<String>, serde_json::Value) {
-    let row = vec![
-        m.to_string().replace('|', "\\|"), // per-layer lists: a Markdown cell
-        format!("{kb:.2}"),
-        format!("{vb:.2}"),
-        m.recent().to_string(),
-        format!("{:.0}", bytes as f64 / held as f64),
-        format!("{:.4} ± {:.3}", r.ppl, r.ppl_stderr),
-        format!("{:+.2} ± {:.2} %", r.delta_ppl_pct, r.delta_ppl_pct_stderr),
-        format!("{:.4} ± {:.4}", r.ppl_ratio, r.ppl_ratio_stderr),
-        format!("{:.5} ± {:.5}", r.kl_mean, r.kl_stderr),
-        format!("{:.5}", r.kl_median),
-        format!("{:.4}", r.kl_p99),
-        format!("{:.4}", r.kl_p999),
-        format!("{:.3}", r.kl_max),
-        format!("{:.2} ± {:.2}", r.same_top_pct, r.same_top_stderr),
-        format!("{:.3} ± {:.3}", r.rms_dp, r.rms_dp_stderr),
-        tps.map_or("–".into(), |t| format!("{t:.0}")),
-    ];
+) -> serde_json::Value {
     let per_layer = match m {
         Method::PerLayer { layers, .. } => Some(crate::per_layer::compact(layers)),
         _ => None,
     };
-    let j = json!({
+    json!({
         "method": m.to_string(), "k_bits": kb, "v_bits": vb, "window": m.recent(),
         "bytes_per_token": bytes as f64 / held as f64, "per_layer": per_layer,
         "ppl": r.ppl, "ppl_stderr": r.ppl_stderr, "delta_ppl_pct": r.delta_ppl_pct,
@@ -263,8 +281,30 @@ fn result_row(
         "kl_p999": r.kl_p999, "kl_max": r.kl_max, "top1": r.same_top_pct / 100.0, "same_top_pct": r.same_top_pct,
         "same_top_stderr": r.same_top_stderr, "rms_dp": r.rms_dp, "rms_dp_stderr": r.rms_dp_stderr,
         "tokens_per_s": tps,
-    });
-    (row, j)
+    })
+}
+
+/// A JSON row as a table row ("–" for a missing number: tokens/s of an fp16 base read back).
+fn table_row(j: &serde_json::Value) -> Vec<String> {
+    let f = |k: &str| j[k].as_f64().unwrap_or(f64::NAN);
+    vec![
+        j["method"].as_str().unwrap_or_default().replace('|', "\\|"), // per-layer lists: a Markdown cell
+        format!("{:.2}", f("k_bits")),
+        format!("{:.2}", f("v_bits")),
+        j["window"].as_u64().unwrap_or(0).to_string(),
+        format!("{:.0}", f("bytes_per_token")),
+        format!("{:.4} ± {:.3}", f("ppl"), f("ppl_stderr")),
+        format!("{:+.2} ± {:.2} %", f("delta_ppl_pct"), f("delta_ppl_stderr")),
+        format!("{:.4} ± {:.4}", f("ppl_ratio"), f("ppl_ratio_stderr")),
+        format!("{:.5} ± {:.5}", f("kl"), f("kl_stderr")),
+        format!("{:.5}", f("kl_median")),
+        format!("{:.4}", f("kl_p99")),
+        format!("{:.4}", f("kl_p999")),
+        format!("{:.3}", f("kl_max")),
+        format!("{:.2} ± {:.2}", f("same_top_pct"), f("same_top_stderr")),
+        format!("{:.3} ± {:.3}", f("rms_dp"), f("rms_dp_stderr")),
+        j["tokens_per_s"].as_f64().map_or("–".into(), |t| format!("{t:.0}")),
+    ]
 }
 
 /// ΔPPL vs bits/value with ± error bars; at n_ctx 512, llama.cpp's own cache types as

@@ -395,11 +395,9 @@ mod imp {
         let model = Arc::new(GpuModel::load(&dev, model_path)?);
         let trials = a.depths.len() * a.n;
         let longest = a.lengths.iter().copied().max().unwrap_or(0) + answer_tokens(PasskeyFormat::Plain) + 1;
-        let mut rows = Vec::new();
         let mut out = Vec::new();
         for m in methods {
             let mut e = GpuEngine::new(model.clone(), EngineConfig::new(gpu_method(m)?, trials, longest))?;
-            let mut row = vec![m.to_string()];
             for &len in &a.lengths {
                 let t0 = Instant::now();
                 let s = passkey_accuracy_gpu(&mut e, &tok, len, &a.depths, a.n, a.seed, PasskeyFormat::Plain)?;
@@ -410,19 +408,10 @@ mod imp {
                     t0.elapsed().as_secs_f64(),
                     dev.name
                 );
-                row.push(format!("{}/{}", s.n_correct, s.n_trials));
                 out.push(json!({"method": m.to_string(), "tokens": len, "correct": s.n_correct, "trials": s.n_trials, "accuracy": s.accuracy(), "device": dev.name}));
             }
-            rows.push(row);
         }
-        let header: Vec<String> =
-            std::iter::once("method".to_string()).chain(a.lengths.iter().map(|l| format!("{l} tokens"))).collect();
-        let header: Vec<&str> = header.iter().map(String::as_str).collect();
-        print_table_to(&header, &rows, a.md.as_deref())?;
-        if let Some(p) = &a.json {
-            write_json(p, &Value::Array(out))?;
-        }
-        Ok(())
+        crate::demo::passkey_report(a, &out)
     }
 
     /// Greedy continuation of `prompt` by `e` (a fresh sequence, removed after): the ids.

@@ -129,9 +129,11 @@ fn run(cli: Cli) -> util::AnyResult {
     let need = || model.ok_or("no model for a model command");
     match (cli.cmd, plan) {
         (Cmd::Demo(a), check::Plan::Gen(p)) => demo::demo(&a, &p, need()?),
+        (Cmd::Eval(a), check::Plan::Eval(_)) if !a.merge.is_empty() => eval::merge(&a),
         (Cmd::Eval(a), check::Plan::Eval(p)) => eval::run(&a, &p, need()?),
         (Cmd::Allocate(a), check::Plan::Text(text)) => allocate::run(&a, &text, need()?),
         (Cmd::Generate(a), check::Plan::Gen(p)) => demo::generate(&a, &p, need()?),
+        (Cmd::Passkey(a), check::Plan::Methods(_)) if !a.merge.is_empty() => demo::passkey_merge(&a),
         (Cmd::Passkey(a), check::Plan::Methods(m)) => demo::passkey(&a, &m, need()?),
         (Cmd::FetchModel(_), _) => demo::fetch(need()?),
         (Cmd::Distortion { d, n, json, plot, md, .. }, check::Plan::Specs(s)) => {
@@ -152,14 +154,14 @@ impl Cmd {
     fn model_args(&self) -> Option<&model::ModelArgs> {
         match self {
             Cmd::Demo(a) => Some(&a.model),
-            Cmd::Eval(a) => Some(&a.model),
+            Cmd::Eval(a) if a.merge.is_empty() => Some(&a.model),
             Cmd::Allocate(a) => Some(&a.model),
             Cmd::Generate(a) => Some(&a.model),
-            Cmd::Passkey(a) => Some(&a.model),
+            Cmd::Passkey(a) if a.merge.is_empty() => Some(&a.model),
             Cmd::FetchModel(a) => Some(a),
             Cmd::Cache { which } => which.model_args(),
             Cmd::Serve(a) => Some(&a.model),
-            Cmd::Distortion { .. } | Cmd::Bench { .. } => None,
+            Cmd::Eval(_) | Cmd::Passkey(_) | Cmd::Distortion { .. } | Cmd::Bench { .. } => None,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Small helpers: errors, spec lists, statistics, tables, progress bars.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use indicatif::{ProgressBar, ProgressStyle};
 use veloxquant::format::FormatSpec;
@@ -46,6 +46,20 @@ pub fn write_json(path: &Path, value: &serde_json::Value) -> AnyResult {
     write_atomic(path, |w| Ok(w.write_all((serde_json::to_string_pretty(value)? + "\n").as_bytes())?))?;
     eprintln!("wrote {}", path.display());
     Ok(())
+}
+
+/// The rows of JSON array files (earlier `--json` outputs), in order.
+pub fn read_json_rows(paths: &[PathBuf]) -> AnyResult<Vec<serde_json::Value>> {
+    let mut rows = Vec::new();
+    for p in paths {
+        let v: serde_json::Value = serde_json::from_slice(&crate::files::read_bounded(p, "JSON", 64 << 20)?)
+            .map_err(|e| format!("{}: {e}", p.display()))?;
+        match v {
+            serde_json::Value::Array(r) if !r.is_empty() => rows.extend(r),
+            _ => return Err(format!("{}: not a --json output (a non-empty array)", p.display()).into()),
+        }
+    }
+    Ok(rows)
 }
 
 /// Rows as an aligned Markdown table.
