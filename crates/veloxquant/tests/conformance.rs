@@ -344,7 +344,8 @@ fn expected_state_floats(spec: &FormatSpec, d: usize) -> Option<usize> {
         "turboquant_rvq" => 2 * rot + cb(spec.bits) + cb(spec.bits2),
         "qjl" => spec.mult as usize * d * d,
         "rabitq" => rot,
-        "vecinfer" => return None,
+        // Calibrated state (trained from data, like vecinfer's codebooks).
+        "vecinfer" | "turboquant_frac" => return None,
         other => panic!("add {other} to the state table"),
     })
 }
