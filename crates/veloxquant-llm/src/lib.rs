@@ -32,6 +32,7 @@ pub mod gpu;
 pub mod kl_base;
 pub mod model;
 pub mod passkey;
+pub mod qmatvec;
 pub mod report;
 pub mod store;
 pub mod tokenizer;
