@@ -144,7 +144,10 @@ fn real_model_packed_greedy_decode_agrees_with_f32() {
         kl += kl_divergence(&a, &b);
     }
     let (top1, kl) = (agree as f64 / td.len() as f64, kl / td.len() as f64);
-    eprintln!("teacher-forced over {} steps: top-1 {top1:.4}, mean KL {kl:.2e}, max-abs/max-logit {worst:.2e}", td.len());
+    eprintln!(
+        "teacher-forced over {} steps: top-1 {top1:.4}, mean KL {kl:.2e}, max-abs/max-logit {worst:.2e}",
+        td.len()
+    );
     assert!(same_prefix == n_gen || top1 >= 0.99, "greedy diverged at {same_prefix} and top-1 is {top1}");
     // Summation order only: measured mean KL 1.1e-8 (48 steps); 1e-6 is far below what any
     // change of the weights gives.

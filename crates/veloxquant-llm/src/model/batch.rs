@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use veloxquant::attn::decode_attention_batch;
 use veloxquant::PagedCache;
 
-use super::{add_assign, rms_norm, to_heads, Llama};
+use super::{add_assign, rms_norm, swiglu, to_heads, Llama};
 use crate::compressed::CompressedStore;
 use crate::error::{LlmError, Result};
 use crate::store::{DenseStore, KvStore, StoredValue};
@@ -98,9 +98,7 @@ impl Llama {
 
             let mut gu = layer.gate_up.forward(rms_norm(&x, &layer.ffn_norm, c.rms_eps), n_rows)?.into_iter();
             let (mut gate, up) = (gu.next().unwrap_or_default(), gu.next().unwrap_or_default());
-            gate.par_iter_mut().zip(up.par_iter()).for_each(|(g, u)| {
-                *g = *g / (1.0 + (-*g).exp()) * u; // SwiGLU: silu(gate) * up
-            });
+            swiglu(&mut gate, &up);
             add_assign(&mut x, &layer.w_down.forward1(gate, n_rows)?);
         }
         self.batch_logits(items, &offsets, &x)

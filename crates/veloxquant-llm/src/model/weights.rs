@@ -92,12 +92,11 @@ impl Proj {
     /// form is kept only when every weight has one.
     pub(crate) fn new(parts: Vec<(QMatMul, Option<PackedMatrix>)>, in_features: usize) -> Result<Self> {
         let (dense, packed): (Vec<QMatMul>, Vec<Option<PackedMatrix>>) = parts.into_iter().unzip();
-        let packed = packed.into_iter().collect::<Option<Vec<_>>>().map(|ps| {
-            match (ps.len(), PackedMatrix::concat_rows(&ps)) {
+        let packed =
+            packed.into_iter().collect::<Option<Vec<_>>>().map(|ps| match (ps.len(), PackedMatrix::concat_rows(&ps)) {
                 (2.., Some(w)) => Parts::Fused { widths: ps.iter().map(|p| p.rows()).collect(), w },
                 _ => Parts::Separate(ps),
-            }
-        });
+            });
         let all_tensors = dense.iter().all(|p| matches!(p, QMatMul::Tensor(_)));
         let dense = if dense.len() > 1 && all_tensors {
             let ts: Vec<Tensor> = dense

@@ -81,8 +81,10 @@ pub fn tiny_llama_as(seed: u64, dtype: GgmlDType, embd: GgmlDType) -> Vec<u8> {
     ];
     let mut rng = SplitMix64::new(seed);
     let (h, kvd, s) = (HIDDEN, N_KV_HEADS * HIDDEN / N_HEADS, 1.0 / (HIDDEN as f32).sqrt());
-    let mut tensors: Vec<(String, QTensor)> =
-        vec![("token_embd.weight".into(), weight(&mut rng, n_vocab, h, 1.0, embd)), ("output_norm.weight".into(), ones(h))];
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        ("token_embd.weight".into(), weight(&mut rng, n_vocab, h, 1.0, embd)),
+        ("output_norm.weight".into(), ones(h)),
+    ];
     for i in 0..N_LAYERS {
         let mut add = |name: &str, t: QTensor| tensors.push((format!("blk.{i}.{name}.weight"), t));
         add("attn_norm", ones(h));
