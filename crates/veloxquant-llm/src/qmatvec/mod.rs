@@ -115,6 +115,8 @@ pub(crate) struct RowsParams<'a> {
     pub w: &'a [u8],
     pub n_blocks: usize,
     pub x: &'a [f32],
+    /// Per-block sums of x that a kernel's layout of x asks for (empty for the reference).
+    pub x_sums: &'a [f32],
     pub n: usize,
     pub out: &'a mut [f32],
 }
@@ -204,12 +206,18 @@ impl PackedMatrix {
         let (rb, n_blocks) = (self.row_bytes(), self.cols / BLOCK);
         let mut by_row = vec![0f32; self.rows * n];
         let kernel = if kernel == Kernel::best() { kernel } else { Kernel::Scalar };
+        let (x, x_sums) = match kernel {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx2 => avx2::prepare_x(self.format, x),
+            _ => (x.to_vec(), Vec::new()),
+        };
+        let (x, x_sums) = (x.as_slice(), x_sums.as_slice());
         by_row.par_chunks_mut(ROWS_PER_TASK * n).zip(self.data.par_chunks(ROWS_PER_TASK * rb)).for_each(|(out, w)| {
-            let p = RowsParams { format: self.format, w, n_blocks, x, n, out };
+            let p = RowsParams { format: self.format, w, n_blocks, x, x_sums, n, out };
             match kernel {
                 #[cfg(target_arch = "x86_64")]
-                // SAFETY: `Kernel::best()` returned Avx2, so AVX2, FMA and F16C were detected;
-                // `w` holds out.len() / n whole rows and `x` n rows of n_blocks · 32 floats.
+                // SAFETY: `Kernel::best()` returned Avx2, so AVX2, FMA and F16C were detected
+                // (`rows` checks the slice sizes itself).
                 Kernel::Avx2 => unsafe { avx2::rows(p) },
                 _ => scalar::rows_ref(p),
             }
