@@ -9,11 +9,12 @@ use veloxquant_llm::generate::generate_ids;
 use veloxquant_llm::passkey::{answer_tokens, extract_passkey};
 use veloxquant_llm::{
     passkey_accuracy, passkey_prompt, GenStats, Greedy, KvStore, Llama, PasskeyFormat, TextStream, Tokenizer,
+    WeightMode,
 };
 
 use crate::check::{bad, count, method, methods, nonempty, ArgError, Ctx};
 use crate::files::OutputKind;
-use crate::model::{load, Method, ModelArgs, DEFAULT_METHOD};
+use crate::model::{load, load_with, Method, ModelArgs, DEFAULT_METHOD};
 use crate::util::{print_table_to, AnyResult};
 
 pub(crate) const DEMO_PROMPT: &str =
@@ -113,16 +114,18 @@ pub fn generate(a: &GenerateArgs, p: &GenPlan, model_path: &Path) -> AnyResult {
     if a.device == crate::gpu::Device::Cuda {
         return crate::gpu::generate(a);
     }
-    let (model, tok) = load(model_path)?;
+    let (model, tok) = load_with(model_path, WeightMode::Packed)?;
     let prompt = tok.encode(&a.prompt)?;
     print!("{}", a.prompt);
     let r = run_one(&model, &tok, &prompt, &p.method, p.max_tokens, true)?;
     let n = r.held;
     let (_, _, fp16) = Method::Fp16.resident_bits(&model.config, n, None)?;
+    let w = model.weight_bytes();
     println!(
-        "\n{} · {} prompt + {} generated tokens · prefill {:.0} tokens/s · decode {:.1} tokens/s · KV cache {} B in use for {n} tokens ({:.0} B/token) vs fp16 {} B ({})",
+        "\n{} · {} prompt + {} generated tokens · prefill {:.0} tokens/s · decode {:.1} tokens/s · KV cache {} B in use for {n} tokens ({:.0} B/token) vs fp16 {} B ({}) · weights {:.0} MB resident, {:.0} MB read per decoded token",
         r.method, prompt.len(), r.stats.tokens.len(), r.stats.prefill_tokens_per_s, r.stats.decode_tokens_per_s,
-        r.resident, r.resident as f64 / n as f64, fp16, vs_fp16(fp16, r.resident)
+        r.resident, r.resident as f64 / n as f64, fp16, vs_fp16(fp16, r.resident),
+        w.resident as f64 / 1e6, w.per_decode_token as f64 / 1e6
     );
     Ok(())
 }

@@ -28,7 +28,7 @@ const fn block_bytes(f: u8) -> usize {
 /// over 8 lanes; dividing by 8 is exact). q8_0 keeps x as it is.
 pub(super) fn prepare_x(format: PackedFormat, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
     if format == PackedFormat::Q8_0 {
-        return (x.to_vec(), Vec::new());
+        return (x.to_vec(), Vec::new()); // one copy of ≤ 8 rows: not worth a Cow
     }
     let mut xp = vec![0f32; x.len()];
     for (dst, src) in xp.chunks_exact_mut(BLOCK).zip(x.chunks_exact(BLOCK)) {
