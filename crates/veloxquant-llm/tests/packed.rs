@@ -153,3 +153,22 @@ fn real_model_packed_greedy_decode_agrees_with_f32() {
     // change of the weights gives.
     assert!(kl < 1e-6, "mean KL {kl}");
 }
+
+/// `Quantized` (candle's QMatMul, activations in Q8_1) still loads and decodes, and holds
+/// the layers in their GGUF bytes as `Packed` reads them.
+#[test]
+fn quantized_mode_still_decodes_and_counts_its_bytes() {
+    let (layers, embd) = (GgmlDType::Q4_1, GgmlDType::Q8_0);
+    let quant = tiny_model("quant", layers, embd, WeightMode::Quantized);
+    let packed = tiny_model("quant", layers, embd, WeightMode::Packed);
+    let dense = tiny_model("quant", layers, embd, WeightMode::DequantF32);
+    let (wq, wp, wd) = (quant.weight_bytes(), packed.weight_bytes(), dense.weight_bytes());
+    // Same layer bytes per token; the tied output stays f32 in Quantized, Q8_0 in Packed.
+    let embd_f32 = dense.config.n_vocab * dense.config.hidden * 4;
+    let embd_q8 = embd_f32 / 4 / 32 * 34;
+    assert_eq!(wq.per_decode_token - embd_f32, wp.per_decode_token - embd_q8, "{wq:?} vs {wp:?}");
+    assert!(wq.resident < wd.resident);
+    let mut s = store(&quant);
+    let logits = quant.forward(&[72, 101, 108], &mut s, 0).unwrap();
+    assert!(logits.iter().all(|v| v.is_finite()));
+}
