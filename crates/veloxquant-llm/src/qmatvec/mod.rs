@@ -135,10 +135,11 @@ impl PackedMatrix {
         Self::from_bytes(format, rows, cols, t.data()?.into_owned()).map(Some)
     }
 
-    /// From raw GGUF block bytes; `cols` must be a multiple of 32 and `data` exactly the blocks.
+    /// From raw GGUF block bytes; `cols` must be a positive multiple of 32 and `data`
+    /// exactly the blocks.
     pub fn from_bytes(format: PackedFormat, rows: usize, cols: usize, data: Vec<u8>) -> Result<Self> {
         let expected = rows * cols / BLOCK * format.block_bytes();
-        if !cols.is_multiple_of(BLOCK) || data.len() != expected {
+        if cols == 0 || !cols.is_multiple_of(BLOCK) || data.len() != expected {
             return Err(LlmError::ShapeMismatch { op: "PackedMatrix::from_bytes", expected, got: data.len() });
         }
         Ok(Self { format, rows, cols, data })

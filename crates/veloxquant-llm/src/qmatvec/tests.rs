@@ -125,6 +125,7 @@ fn concat_rows_stacks_and_refuses_mixed_formats() {
 fn bad_shapes_are_errors() {
     assert!(PackedMatrix::from_bytes(PackedFormat::Q4_0, 2, 48, vec![0; 2 * 18]).is_err());
     assert!(PackedMatrix::from_bytes(PackedFormat::Q4_0, 2, 64, vec![0; 3 * 18]).is_err());
+    assert!(PackedMatrix::from_bytes(PackedFormat::Q4_0, 2, 0, Vec::new()).is_err());
     let m = random_matrix(PackedFormat::Q8_0, 2, 32, 4);
     assert!(m.matvec(&[0.0; 33], 1).is_err());
 }
