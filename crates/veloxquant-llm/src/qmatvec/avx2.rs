@@ -8,6 +8,7 @@
 //! through raw pointers inside the slices that [`rows`] checks up front.
 
 use std::arch::x86_64::*;
+use std::borrow::Cow;
 
 use super::{PackedFormat, RowsParams, BLOCK, MAX_N};
 
@@ -26,9 +27,9 @@ const fn block_bytes(f: u8) -> usize {
 /// x in the kernel's order: each 32-value block of a row of x permuted as the 4-bit decode
 /// yields values (see [`codes`]), and per block Σx / 8 (the q4 formats' offset term, spread
 /// over 8 lanes; dividing by 8 is exact). q8_0 keeps x as it is.
-pub(super) fn prepare_x(format: PackedFormat, x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+pub(super) fn prepare_x(format: PackedFormat, x: &[f32]) -> (Cow<'_, [f32]>, Vec<f32>) {
     if format == PackedFormat::Q8_0 {
-        return (x.to_vec(), Vec::new()); // one copy of ≤ 8 rows: not worth a Cow
+        return (Cow::Borrowed(x), Vec::new());
     }
     let mut xp = vec![0f32; x.len()];
     for (dst, src) in xp.chunks_exact_mut(BLOCK).zip(x.chunks_exact(BLOCK)) {
@@ -38,7 +39,7 @@ pub(super) fn prepare_x(format: PackedFormat, x: &[f32]) -> (Vec<f32>, Vec<f32>)
         }
     }
     let sums = x.chunks_exact(BLOCK).map(|b| b.iter().sum::<f32>() / 8.0).collect();
-    (xp, sums)
+    (Cow::Owned(xp), sums)
 }
 
 /// The 32 codes of a block as f32 in four registers. q4: register k holds the 8 nibbles of

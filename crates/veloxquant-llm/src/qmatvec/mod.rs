@@ -213,10 +213,7 @@ impl PackedMatrix {
         let kernel = if kernel == Kernel::best() { kernel } else { Kernel::Scalar };
         let (x, x_sums) = match kernel {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => {
-                let (xp, sums) = avx2::prepare_x(self.format, x);
-                (Cow::Owned(xp), sums)
-            }
+            Kernel::Avx2 => avx2::prepare_x(self.format, x),
             _ => (Cow::Borrowed(x), Vec::new()),
         };
         let (x, x_sums) = (x.as_ref(), x_sums.as_slice());
