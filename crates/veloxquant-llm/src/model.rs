@@ -107,11 +107,11 @@ impl LlamaConfig {
 
 struct Layer {
     attn_norm: Vec<f32>,
-    /// Q, K, V projections (one matmul when dense).
+    /// Q, K, V projections (one matmul when dense; one packed product when one format).
     qkv: Proj,
     wo: Proj,
     ffn_norm: Vec<f32>,
-    /// gate and up projections (one matmul when dense).
+    /// gate and up projections (likewise).
     gate_up: Proj,
     w_down: Proj,
 }
