@@ -9,11 +9,12 @@ use veloxquant_llm::generate::generate_ids;
 use veloxquant_llm::passkey::{answer_tokens, extract_passkey};
 use veloxquant_llm::{
     passkey_accuracy, passkey_prompt, GenStats, Greedy, KvStore, Llama, PasskeyFormat, TextStream, Tokenizer,
+    WeightMode,
 };
 
 use crate::check::{bad, count, method, methods, nonempty, ArgError, Ctx};
 use crate::files::OutputKind;
-use crate::model::{load, Method, ModelArgs, DEFAULT_METHOD};
+use crate::model::{load, load_with, Method, ModelArgs, DEFAULT_METHOD};
 use crate::util::{print_table_to, AnyResult};
 
 pub(crate) const DEMO_PROMPT: &str =
@@ -38,6 +39,27 @@ pub struct GenerateArgs {
     /// Where the model runs (cuda: builds with `--features cuda`).
     #[arg(long, value_enum, default_value_t = crate::gpu::Device::Cpu)]
     pub device: crate::gpu::Device,
+    /// How the CPU holds the weights: `packed` decodes from the GGUF's blocks (same greedy
+    /// tokens as `f32`, ~1/5 of the bytes read per token), `f32` from dequantized weights.
+    #[arg(long, value_enum, default_value_t = Weights::Packed)]
+    pub weights: Weights,
+}
+
+/// `generate --weights`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Weights {
+    #[default]
+    Packed,
+    F32,
+}
+
+impl Weights {
+    fn mode(self) -> WeightMode {
+        match self {
+            Weights::Packed => WeightMode::Packed,
+            Weights::F32 => WeightMode::DequantF32,
+        }
+    }
 }
 
 /// A generation's checked method and length.
@@ -113,16 +135,18 @@ pub fn generate(a: &GenerateArgs, p: &GenPlan, model_path: &Path) -> AnyResult {
     if a.device == crate::gpu::Device::Cuda {
         return crate::gpu::generate(a);
     }
-    let (model, tok) = load(model_path)?;
+    let (model, tok) = load_with(model_path, a.weights.mode())?;
     let prompt = tok.encode(&a.prompt)?;
     print!("{}", a.prompt);
     let r = run_one(&model, &tok, &prompt, &p.method, p.max_tokens, true)?;
     let n = r.held;
     let (_, _, fp16) = Method::Fp16.resident_bits(&model.config, n, None)?;
+    let w = model.weight_bytes();
     println!(
-        "\n{} · {} prompt + {} generated tokens · prefill {:.0} tokens/s · decode {:.1} tokens/s · KV cache {} B in use for {n} tokens ({:.0} B/token) vs fp16 {} B ({})",
+        "\n{} · {} prompt + {} generated tokens · prefill {:.0} tokens/s · decode {:.1} tokens/s · KV cache {} B in use for {n} tokens ({:.0} B/token) vs fp16 {} B ({}) · weights {:.0} MB resident, {:.0} MB read per decoded token",
         r.method, prompt.len(), r.stats.tokens.len(), r.stats.prefill_tokens_per_s, r.stats.decode_tokens_per_s,
-        r.resident, r.resident as f64 / n as f64, fp16, vs_fp16(fp16, r.resident)
+        r.resident, r.resident as f64 / n as f64, fp16, vs_fp16(fp16, r.resident),
+        w.resident as f64 / 1e6, w.per_decode_token as f64 / 1e6
     );
     Ok(())
 }

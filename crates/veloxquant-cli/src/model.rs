@@ -44,9 +44,16 @@ impl ModelArgs {
     }
 }
 
-/// The model and its tokenizer from a checked model file.
+/// The model and its tokenizer from a checked model file, weights as f32 (what every
+/// evaluation's tables were measured with).
 pub fn load(path: &Path) -> AnyResult<(Llama, Tokenizer)> {
-    Ok((Llama::load(path, WeightMode::DequantF32)?, Tokenizer::from_gguf_path(path)?))
+    load_with(path, WeightMode::DequantF32)
+}
+
+/// [`load`] with a chosen weight mode (`generate` decodes with `WeightMode::Packed`: the
+/// same greedy tokens as f32, tested in veloxquant-llm's `tests/packed.rs`).
+pub fn load_with(path: &Path, mode: WeightMode) -> AnyResult<(Llama, Tokenizer)> {
+    Ok((Llama::load(path, mode)?, Tokenizer::from_gguf_path(path)?))
 }
 
 /// A KV-cache method: the fp16 reference, K and V formats with a recent window R, or one

@@ -32,6 +32,7 @@ pub mod gpu;
 pub mod kl_base;
 pub mod model;
 pub mod passkey;
+pub mod qmatvec;
 pub mod report;
 pub mod store;
 pub mod tokenizer;
@@ -42,7 +43,7 @@ pub use eval::{compare_many, compare_many_with_progress, compare_stores, perplex
 pub use fetch::{fetch_model, model_fingerprint};
 pub use generate::{generate, GenStats, Greedy, Sampler, TextStream};
 pub use model::batch::{BatchItem, BatchStore};
-pub use model::{Llama, LlamaConfig, WeightMode};
+pub use model::{Llama, LlamaConfig, WeightBytes, WeightMode};
 pub use passkey::{passkey_accuracy, passkey_prompt, PasskeyFormat, PasskeyStats};
 pub use store::{causal_attention_f32, DenseStore, F32Store, Fp16Store, KvStore, StoreFactory, StoredValue};
 pub use tokenizer::Tokenizer;

@@ -2,14 +2,19 @@
 
 use crate::error::{LlmError, Result};
 use crate::gguf::Gguf;
+use crate::qmatvec::PackedMatrix;
 use crate::store::KvStore;
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 use std::io::{Seek, SeekFrom};
 use std::path::Path;
 
 pub mod batch;
+mod weights;
+
+pub use weights::WeightMode;
+use weights::{linear, Proj};
 
 /// Shapes and constants of a Llama model, from GGUF metadata.
 #[derive(Clone, Debug, PartialEq)]
@@ -100,29 +105,24 @@ impl LlamaConfig {
     }
 }
 
-/// How matmul weights are held.
-///
-/// Measured here (2-core AVX-512 Xeon, 512-token windows of SmolLM2-135M Q4_1, candle 0.11):
-/// dequantized f32 through candle's gemm runs ~286 tokens/s, candle's QMatMul ~16 tokens/s
-/// (its Q4_1 × Q8_1 dot product is scalar on x86). `DequantF32` is the default; it costs
-/// ~0.5 GB of RAM for this model. `Quantized` also quantizes activations to Q8_1 like
-/// llama.cpp, which moves PPL by ~0.5 %.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum WeightMode {
-    #[default]
-    DequantF32,
-    Quantized,
-}
-
 struct Layer {
     attn_norm: Vec<f32>,
-    /// Q, K, V projections (one matmul when dense).
+    /// Q, K, V projections (one matmul when dense; one packed product when one format).
     qkv: Proj,
-    wo: QMatMul,
+    wo: Proj,
     ffn_norm: Vec<f32>,
-    /// gate and up projections (one matmul when dense).
+    /// gate and up projections (likewise).
     gate_up: Proj,
-    w_down: QMatMul,
+    w_down: Proj,
+}
+
+/// Bytes of a model's weights ([`Llama::weight_bytes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WeightBytes {
+    /// Everything held: embedding, norms, every matmul weight in each form kept.
+    pub resident: usize,
+    /// What one decode step's matmuls read (the form a one-token forward multiplies by).
+    pub per_decode_token: usize,
 }
 
 /// A loaded Llama model (CPU).
@@ -130,7 +130,9 @@ pub struct Llama {
     pub config: LlamaConfig,
     /// token_embd as f32 [n_vocab][hidden] (embedding lookup; also the output when tied).
     embed: Tensor,
-    output: QMatMul,
+    output: Proj,
+    /// The output projection is `embed` itself (its dense form shares the storage).
+    output_tied: bool,
     output_norm: Vec<f32>,
     layers: Vec<Layer>,
     /// cos/sin per (position, pair): [n_ctx_train][head_dim / 2]
@@ -151,21 +153,23 @@ impl Llama {
         let n_vocab = check_tensors(g, &config)?;
         let embed_q = tensor(g, "token_embd.weight", Some(&[n_vocab, h]))?;
         let embed = embed_q.dequantize(&Device::Cpu)?;
-        let output = if g.content.tensor_infos.contains_key("output.weight") {
-            linear(tensor(g, "output.weight", Some(&[n_vocab, h]))?, mode)?
+        let output_tied = !g.content.tensor_infos.contains_key("output.weight");
+        let output = if output_tied {
+            let packed = if mode == WeightMode::Packed { PackedMatrix::from_qtensor(&embed_q)? } else { None };
+            Proj::new(vec![(QMatMul::Tensor(embed.clone()), packed)], h)?
         } else {
-            QMatMul::Tensor(embed.clone()) // tied embeddings
+            Proj::new(vec![linear(tensor(g, "output.weight", Some(&[n_vocab, h]))?, mode)?], h)?
         };
         let output_norm = vector(g, "output_norm.weight", h)?;
         let mut layers = Vec::with_capacity(config.n_layers);
         for i in 0..config.n_layers {
-            let mut lin = |name: &str, shape: [usize; 2]| -> Result<QMatMul> {
+            let mut lin = |name: &str, shape: [usize; 2]| {
                 linear(tensor(g, &format!("blk.{i}.{name}.weight"), Some(&shape))?, mode)
             };
-            let qkv = Proj::new(vec![lin("attn_q", [h, h])?, lin("attn_k", [kvd, h])?, lin("attn_v", [kvd, h])?])?;
-            let wo = lin("attn_output", [h, h])?;
-            let gate_up = Proj::new(vec![lin("ffn_gate", [f, h])?, lin("ffn_up", [f, h])?])?;
-            let w_down = lin("ffn_down", [h, f])?;
+            let qkv = Proj::new(vec![lin("attn_q", [h, h])?, lin("attn_k", [kvd, h])?, lin("attn_v", [kvd, h])?], h)?;
+            let wo = Proj::new(vec![lin("attn_output", [h, h])?], h)?;
+            let gate_up = Proj::new(vec![lin("ffn_gate", [f, h])?, lin("ffn_up", [f, h])?], h)?;
+            let w_down = Proj::new(vec![lin("ffn_down", [h, f])?], f)?;
             layers.push(Layer {
                 attn_norm: vector(g, &format!("blk.{i}.attn_norm.weight"), h)?,
                 ffn_norm: vector(g, &format!("blk.{i}.ffn_norm.weight"), h)?,
@@ -177,7 +181,25 @@ impl Llama {
         }
         let config = LlamaConfig { n_vocab, ..config };
         let (rope_cos, rope_sin) = rope_table(config.n_ctx_train, head_dim, config.rope_base);
-        Ok(Self { config, embed, output, output_norm, layers, rope_cos, rope_sin })
+        Ok(Self { config, embed, output, output_tied, output_norm, layers, rope_cos, rope_sin })
+    }
+
+    /// Bytes of the weights: resident, and read by each decode step's matmuls.
+    pub fn weight_bytes(&self) -> WeightBytes {
+        let norms = (self.output_norm.len() + 2 * self.layers.len() * self.config.hidden) * 4;
+        let embed = self.embed.elem_count() * 4;
+        let (mut resident, mut per_decode_token) = self.output.bytes();
+        if self.output_tied {
+            resident -= embed; // its dense form is the embedding, counted once
+        }
+        for l in &self.layers {
+            for p in [&l.qkv, &l.wo, &l.gate_up, &l.w_down] {
+                let (r, d) = p.bytes();
+                resident += r;
+                per_decode_token += d;
+            }
+        }
+        WeightBytes { resident: resident + embed + norms, per_decode_token }
     }
 
     /// Runs `tokens` (new tokens, continuing at position `store.len(0)`) through the model,
@@ -256,8 +278,7 @@ impl Llama {
         for (li, layer) in self.layers.iter().enumerate().skip(first) {
             hidden(li, &x);
             let xn = rms_norm(&x, &layer.attn_norm, c.rms_eps);
-            let xn = Tensor::from_vec(xn, (n, h), &Device::Cpu)?;
-            let mut qkv = layer.qkv.forward(&xn)?.into_iter();
+            let mut qkv = layer.qkv.forward(xn, n)?.into_iter();
             let (mut q, mut k, v) =
                 (qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default());
             self.rope(&mut q, pos0, c.n_heads);
@@ -271,26 +292,20 @@ impl Llama {
             if att.len() != n * h {
                 return Err(LlmError::ShapeMismatch { op: "KvStore::attend output", expected: n * h, got: att.len() });
             }
-            let att = Tensor::from_vec(att, (n, h), &Device::Cpu)?;
-            add_assign(&mut x, &matmul(&layer.wo, &att)?);
+            add_assign(&mut x, &layer.wo.forward1(att, n)?);
 
             let xn = rms_norm(&x, &layer.ffn_norm, c.rms_eps);
-            let xn = Tensor::from_vec(xn, (n, h), &Device::Cpu)?;
-            let mut gu = layer.gate_up.forward(&xn)?.into_iter();
+            let mut gu = layer.gate_up.forward(xn, n)?.into_iter();
             let (mut gate, up) = (gu.next().unwrap_or_default(), gu.next().unwrap_or_default());
-            gate.par_iter_mut().zip(up.par_iter()).for_each(|(g, u)| {
-                *g = *g / (1.0 + (-*g).exp()) * u; // SwiGLU: silu(gate) * up
-            });
-            let act = Tensor::from_vec(gate, (n, c.ffn_hidden), &Device::Cpu)?;
-            add_assign(&mut x, &matmul(&layer.w_down, &act)?);
+            swiglu(&mut gate, &up);
+            add_assign(&mut x, &layer.w_down.forward1(gate, n)?);
         }
         let n_out = n - logits_from;
         if n_out == 0 {
             return Ok(Vec::new());
         }
         let xn = rms_norm(&x[logits_from * h..], &self.output_norm, c.rms_eps);
-        let xn = Tensor::from_vec(xn, (n_out, h), &Device::Cpu)?;
-        matmul(&self.output, &xn)
+        self.output.forward1(xn, n_out)
     }
 
     /// Rotates adjacent pairs (2i, 2i+1) of each head: llama.cpp's "normal" RoPE, which GGUF
@@ -298,7 +313,7 @@ impl Llama {
     fn rope(&self, x: &mut [f32], pos0: usize, n_heads: usize) {
         let hd = self.config.head_dim;
         let half = hd / 2;
-        x.par_chunks_mut(n_heads * hd).enumerate().for_each(|(t, row)| {
+        let rotate = |(t, row): (usize, &mut [f32])| {
             let base = (pos0 + t) * half;
             let (cos, sin) = (&self.rope_cos[base..base + half], &self.rope_sin[base..base + half]);
             for head in row.chunks_exact_mut(hd) {
@@ -308,7 +323,12 @@ impl Llama {
                     pair[1] = a * sin[i] + b * cos[i];
                 }
             }
-        });
+        };
+        if x.len() < PAR_MIN_FLOATS {
+            x.chunks_mut(n_heads * hd).enumerate().for_each(rotate);
+        } else {
+            x.par_chunks_mut(n_heads * hd).enumerate().for_each(rotate);
+        }
     }
 }
 
@@ -415,81 +435,44 @@ pub(crate) fn vector(g: &mut Gguf, name: &str, len: usize) -> Result<Vec<f32>> {
     Ok(t.dequantize(&Device::Cpu)?.to_vec1()?)
 }
 
-fn linear(t: QTensor, mode: WeightMode) -> Result<QMatMul> {
-    let dense = matches!(t.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
-    Ok(match mode {
-        WeightMode::DequantF32 => QMatMul::Tensor(t.dequantize(&Device::Cpu)?),
-        WeightMode::Quantized if dense => QMatMul::Tensor(t.dequantize(&Device::Cpu)?),
-        WeightMode::Quantized => QMatMul::from_qtensor(t)?,
-    })
-}
-
-/// Several projections of the same input. Dense weights are concatenated into one matmul:
-/// fewer, larger gemm calls (measured ~5% faster prefill than three separate calls).
-enum Proj {
-    Fused { w: QMatMul, widths: Vec<usize> },
-    Separate(Vec<QMatMul>),
-}
-
-impl Proj {
-    fn new(parts: Vec<QMatMul>) -> Result<Self> {
-        if parts.iter().all(|p| matches!(p, QMatMul::Tensor(_))) {
-            let ts: Vec<Tensor> = parts
-                .iter()
-                .filter_map(|p| match p {
-                    QMatMul::Tensor(t) => Some(t.clone()),
-                    _ => None,
-                })
-                .collect();
-            let widths = ts.iter().map(|t| t.dim(0)).collect::<candle_core::Result<_>>()?;
-            let w = QMatMul::Tensor(Tensor::cat(&ts, 0)?);
-            Ok(Proj::Fused { w, widths })
-        } else {
-            Ok(Proj::Separate(parts))
-        }
-    }
-
-    /// Returns one row-major [n][width_i] buffer per projection.
-    fn forward(&self, x: &Tensor) -> Result<Vec<Vec<f32>>> {
-        match self {
-            Proj::Separate(ws) => ws.iter().map(|w| matmul(w, x)).collect(),
-            Proj::Fused { w, widths } => {
-                let y = matmul(w, x)?;
-                let total: usize = widths.iter().sum();
-                let mut outs: Vec<Vec<f32>> =
-                    widths.iter().map(|&wd| Vec::with_capacity(wd * y.len() / total)).collect();
-                for row in y.chunks_exact(total) {
-                    let mut off = 0;
-                    for (out, &wd) in outs.iter_mut().zip(widths) {
-                        out.extend_from_slice(&row[off..off + wd]);
-                        off += wd;
-                    }
-                }
-                Ok(outs)
-            }
-        }
-    }
-}
-
-/// x [n][in] · Wᵀ → row-major [n][out].
-fn matmul(w: &QMatMul, x: &Tensor) -> Result<Vec<f32>> {
-    Ok(w.forward(x)?.flatten_all()?.to_vec1()?)
-}
+/// Elementwise passes over fewer floats run on the calling thread: handing a decode step's
+/// few thousand floats to the pool costs more (waking its threads, ~10 µs) than the pass
+/// (measured: these passes, ~10 per layer, were a third of a packed decode step's time).
+const PAR_MIN_FLOATS: usize = 1 << 15;
 
 fn rms_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
     let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(w.len()).zip(x.par_chunks(w.len())).for_each(|(o, r)| {
+    let norm = |(o, r): (&mut [f32], &[f32])| {
         let ms = r.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / r.len() as f64;
         let s = (1.0 / (ms + eps as f64).sqrt()) as f32;
         for ((o, &v), &g) in o.iter_mut().zip(r).zip(w) {
             *o = v * s * g;
         }
-    });
+    };
+    if x.len() < PAR_MIN_FLOATS {
+        out.chunks_mut(w.len()).zip(x.chunks(w.len())).for_each(norm);
+    } else {
+        out.par_chunks_mut(w.len()).zip(x.par_chunks(w.len())).for_each(norm);
+    }
     out
 }
 
 fn add_assign(x: &mut [f32], y: &[f32]) {
-    x.par_iter_mut().zip(y.par_iter()).for_each(|(a, b)| *a += b);
+    if x.len() < PAR_MIN_FLOATS {
+        x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+    } else {
+        x.par_iter_mut().zip(y.par_iter()).for_each(|(a, b)| *a += b);
+    }
+}
+
+/// SwiGLU in place: gate ← silu(gate) · up.
+fn swiglu(gate: &mut [f32], up: &[f32]) {
+    let f = |(g, u): (&mut f32, &f32)| *g = *g / (1.0 + (-*g).exp()) * u;
+    if gate.len() < PAR_MIN_FLOATS {
+        gate.iter_mut().zip(up).for_each(f);
+    } else {
+        gate.par_iter_mut().zip(up.par_iter()).for_each(f);
+    }
 }
 
 /// [n][n_heads][hd] → [n_heads][n][hd]

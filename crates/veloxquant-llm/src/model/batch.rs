@@ -16,7 +16,7 @@ use rayon::prelude::*;
 use veloxquant::attn::decode_attention_batch;
 use veloxquant::PagedCache;
 
-use super::{add_assign, matmul, rms_norm, to_heads, Llama};
+use super::{add_assign, rms_norm, swiglu, to_heads, Llama};
 use crate::compressed::CompressedStore;
 use crate::error::{LlmError, Result};
 use crate::store::{DenseStore, KvStore, StoredValue};
@@ -83,11 +83,10 @@ impl Llama {
         let n_rows = all.len();
         let ids = Tensor::new(all.as_slice(), &Device::Cpu)?;
         let mut x: Vec<f32> = self.embed.index_select(&ids, 0)?.flatten_all()?.to_vec1()?;
-        let (h, hd) = (c.hidden, c.head_dim);
+        let hd = c.head_dim;
         let (qw, kw) = (c.n_heads * hd, c.n_kv_heads * hd);
         for (li, layer) in self.layers.iter().enumerate() {
-            let xn = Tensor::from_vec(rms_norm(&x, &layer.attn_norm, c.rms_eps), (n_rows, h), &Device::Cpu)?;
-            let mut qkv = layer.qkv.forward(&xn)?.into_iter();
+            let mut qkv = layer.qkv.forward(rms_norm(&x, &layer.attn_norm, c.rms_eps), n_rows)?.into_iter();
             let (mut q, mut k, v) =
                 (qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default(), qkv.next().unwrap_or_default());
             for (i, w) in offsets.windows(2).enumerate() {
@@ -95,17 +94,12 @@ impl Llama {
                 self.rope(&mut k[w[0] * kw..w[1] * kw], pos0s[i], c.n_kv_heads);
             }
             let att = self.attend_batch(items, li, &offsets, (&q, &k, &v))?;
-            let att = Tensor::from_vec(att, (n_rows, h), &Device::Cpu)?;
-            add_assign(&mut x, &matmul(&layer.wo, &att)?);
+            add_assign(&mut x, &layer.wo.forward1(att, n_rows)?);
 
-            let xn = Tensor::from_vec(rms_norm(&x, &layer.ffn_norm, c.rms_eps), (n_rows, h), &Device::Cpu)?;
-            let mut gu = layer.gate_up.forward(&xn)?.into_iter();
+            let mut gu = layer.gate_up.forward(rms_norm(&x, &layer.ffn_norm, c.rms_eps), n_rows)?.into_iter();
             let (mut gate, up) = (gu.next().unwrap_or_default(), gu.next().unwrap_or_default());
-            gate.par_iter_mut().zip(up.par_iter()).for_each(|(g, u)| {
-                *g = *g / (1.0 + (-*g).exp()) * u; // SwiGLU: silu(gate) * up
-            });
-            let act = Tensor::from_vec(gate, (n_rows, c.ffn_hidden), &Device::Cpu)?;
-            add_assign(&mut x, &matmul(&layer.w_down, &act)?);
+            swiglu(&mut gate, &up);
+            add_assign(&mut x, &layer.w_down.forward1(gate, n_rows)?);
         }
         self.batch_logits(items, &offsets, &x)
     }
@@ -179,8 +173,7 @@ impl Llama {
         let logits = if n_out == 0 {
             Vec::new()
         } else {
-            let xn = rms_norm(&rows, &self.output_norm, self.config.rms_eps);
-            matmul(&self.output, &Tensor::from_vec(xn, (n_out, h), &Device::Cpu)?)?
+            self.output.forward1(rms_norm(&rows, &self.output_norm, self.config.rms_eps), n_out)?
         };
         let mut out = Vec::with_capacity(items.len());
         let mut at = 0;

@@ -37,10 +37,10 @@ pub fn n_vocab() -> usize {
     vocabulary().len()
 }
 
-fn weight(rng: &mut SplitMix64, rows: usize, cols: usize, scale: f32) -> QTensor {
+fn weight(rng: &mut SplitMix64, rows: usize, cols: usize, scale: f32, dtype: GgmlDType) -> QTensor {
     let w: Vec<f32> = rng.gaussian_vec(rows * cols).iter().map(|x| x * scale).collect();
     let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
-    QTensor::quantize(&t, GgmlDType::F32).unwrap()
+    QTensor::quantize(&t, dtype).unwrap()
 }
 
 fn ones(n: usize) -> QTensor {
@@ -49,6 +49,12 @@ fn ones(n: usize) -> QTensor {
 
 /// The GGUF bytes of a tiny model with seeded random weights (tied embeddings).
 pub fn tiny_llama(seed: u64) -> Vec<u8> {
+    tiny_llama_as(seed, GgmlDType::F32, GgmlDType::F32)
+}
+
+/// As [`tiny_llama`], the layers' matmul weights stored as `dtype` and the embedding as
+/// `embd` (the real model: Q4_1 layers, a Q8_0 embedding).
+pub fn tiny_llama_as(seed: u64, dtype: GgmlDType, embd: GgmlDType) -> Vec<u8> {
     let tokens = vocabulary();
     let n_vocab = tokens.len();
     let u32v = |x: usize| Value::U32(x as u32);
@@ -75,19 +81,21 @@ pub fn tiny_llama(seed: u64) -> Vec<u8> {
     ];
     let mut rng = SplitMix64::new(seed);
     let (h, kvd, s) = (HIDDEN, N_KV_HEADS * HIDDEN / N_HEADS, 1.0 / (HIDDEN as f32).sqrt());
-    let mut tensors: Vec<(String, QTensor)> =
-        vec![("token_embd.weight".into(), weight(&mut rng, n_vocab, h, 1.0)), ("output_norm.weight".into(), ones(h))];
+    let mut tensors: Vec<(String, QTensor)> = vec![
+        ("token_embd.weight".into(), weight(&mut rng, n_vocab, h, 1.0, embd)),
+        ("output_norm.weight".into(), ones(h)),
+    ];
     for i in 0..N_LAYERS {
         let mut add = |name: &str, t: QTensor| tensors.push((format!("blk.{i}.{name}.weight"), t));
         add("attn_norm", ones(h));
         add("ffn_norm", ones(h));
-        add("attn_q", weight(&mut rng, h, h, 2.0 * s));
-        add("attn_k", weight(&mut rng, kvd, h, 2.0 * s));
-        add("attn_v", weight(&mut rng, kvd, h, s));
-        add("attn_output", weight(&mut rng, h, h, s));
-        add("ffn_gate", weight(&mut rng, FFN, h, s));
-        add("ffn_up", weight(&mut rng, FFN, h, s));
-        add("ffn_down", weight(&mut rng, h, FFN, s));
+        add("attn_q", weight(&mut rng, h, h, 2.0 * s, dtype));
+        add("attn_k", weight(&mut rng, kvd, h, 2.0 * s, dtype));
+        add("attn_v", weight(&mut rng, kvd, h, s, dtype));
+        add("attn_output", weight(&mut rng, h, h, s, dtype));
+        add("ffn_gate", weight(&mut rng, FFN, h, s, dtype));
+        add("ffn_up", weight(&mut rng, FFN, h, s, dtype));
+        add("ffn_down", weight(&mut rng, h, FFN, s, dtype));
     }
     let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
     let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();

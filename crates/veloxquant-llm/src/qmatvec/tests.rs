@@ -1,0 +1,131 @@
+//! Every kernel against the scalar reference and against the f64 product of the
+//! dequantized matrix, over every packed format, awkward row counts and n = 1..=11.
+
+use super::*;
+use candle_core::{Device, Tensor};
+use half::f16;
+use veloxquant::rng::SplitMix64;
+
+/// Random but valid blocks: random code bytes, f16 scales in ±[0.004, 0.05] and q4_1
+/// minimums in ±0.5 (a real model's range), so products stay far from f32 overflow.
+fn random_matrix(format: PackedFormat, rows: usize, cols: usize, seed: u64) -> PackedMatrix {
+    let mut rng = SplitMix64::new(seed);
+    let bb = format.block_bytes();
+    let mut data = vec![0u8; rows * cols / BLOCK * bb];
+    for block in data.chunks_exact_mut(bb) {
+        block.iter_mut().for_each(|b| *b = rng.next_u64() as u8);
+        let sign = if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 };
+        let d = f16::from_f64(sign * (0.004 + 0.046 * rng.next_f64()));
+        block[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+        if format == PackedFormat::Q4_1 {
+            let m = f16::from_f64(rng.next_f64() - 0.5);
+            block[2..4].copy_from_slice(&m.to_bits().to_le_bytes());
+        }
+    }
+    PackedMatrix::from_bytes(format, rows, cols, data).unwrap()
+}
+
+/// Relative tolerance against the f64 product, per output, of Σ|w_i·x_i|: f32 sums over
+/// ≤ 1536 terms in ≥ 4 chains stay well under 2⁻¹⁷ of that (the f32 ε is 2⁻²⁴).
+const REL_TOL: f64 = 1e-5;
+
+/// The f64 product of the dequantized weights, `[n][rows]`, and per output Σ|w_i·x_i|.
+fn exact_product(w: &[f32], rows: usize, cols: usize, x: &[f32], n: usize) -> (Vec<f64>, Vec<f64>) {
+    let (mut exact, mut scale) = (vec![0f64; n * rows], vec![0f64; n * rows]);
+    for j in 0..n {
+        for r in 0..rows {
+            for (&a, &b) in w[r * cols..][..cols].iter().zip(&x[j * cols..][..cols]) {
+                exact[j * rows + r] += a as f64 * b as f64;
+                scale[j * rows + r] += (a as f64 * b as f64).abs();
+            }
+        }
+    }
+    (exact, scale)
+}
+
+/// The f32 path: candle's GEMM over the dequantized matrix, `[n][rows]`.
+fn f32_gemm(w: &[f32], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
+    let w = Tensor::from_slice(w, (rows, cols), &Device::Cpu).unwrap();
+    let x = Tensor::from_slice(x, (n, cols), &Device::Cpu).unwrap();
+    x.matmul(&w.t().unwrap()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+}
+
+#[test]
+fn kernels_match_reference_gemm_and_f64_on_every_format() {
+    // Row counts: one row, fewer than a task, a task ± 1, several tasks and a remainder.
+    let shapes = [(1, 32), (7, 64), (63, 96), (65, 576), (197, 160), (130, 1536)];
+    let mut kernels = vec![Kernel::Scalar];
+    if Kernel::best() == Kernel::Avx2 {
+        kernels.push(Kernel::Avx2);
+    } else {
+        eprintln!("SKIP avx2 kernel: this CPU lacks AVX2/FMA/F16C; scalar only");
+    }
+    for (fi, format) in PackedFormat::ALL.into_iter().enumerate() {
+        for (si, &(rows, cols)) in shapes.iter().enumerate() {
+            let m = random_matrix(format, rows, cols, 1000 + (fi * 100 + si) as u64);
+            let w = m.dequantize_ref();
+            for n in 1..=11 {
+                let x = SplitMix64::new(7 + n as u64).gaussian_vec(n * cols);
+                let (exact, scale) = exact_product(&w, rows, cols, &x, n);
+                let mut outputs = vec![("f32 gemm".to_string(), f32_gemm(&w, rows, cols, &x, n))];
+                outputs.extend(kernels.iter().map(|&k| (format!("{k:?}"), m.matvec_with(k, &x, n).unwrap())));
+                for (what, y) in &outputs {
+                    for (i, &got) in y.iter().enumerate() {
+                        assert!(
+                            (got as f64 - exact[i]).abs() <= REL_TOL * scale[i] + 1e-30,
+                            "{what} {format:?} {rows}×{cols} n={n} output {i}: {got} vs {} (scale {})",
+                            exact[i],
+                            scale[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn packed_values_equal_candle_dequantize_bitwise() {
+    for format in PackedFormat::ALL {
+        let (rows, cols) = (37, 96);
+        let w = SplitMix64::new(3).gaussian_vec(rows * cols);
+        let t = QTensor::quantize(&Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap(), format.ggml()).unwrap();
+        let m = PackedMatrix::from_qtensor(&t).unwrap().expect("packed format");
+        assert_eq!(m.bytes(), t.storage_size_in_bytes());
+        let ours: Vec<u32> = m.dequantize_ref().iter().map(|v| v.to_bits()).collect();
+        let candle: Vec<u32> = t
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert!(ours == candle, "{format:?}: dequantized values differ from candle's");
+    }
+}
+
+#[test]
+fn concat_rows_stacks_and_refuses_mixed_formats() {
+    let a = random_matrix(PackedFormat::Q4_1, 5, 64, 1);
+    let b = random_matrix(PackedFormat::Q4_1, 3, 64, 2);
+    let ab = PackedMatrix::concat_rows(&[a.clone(), b.clone()]).unwrap();
+    let x = SplitMix64::new(9).gaussian_vec(2 * 64);
+    let (ya, yb, yab) = (a.matvec(&x, 2).unwrap(), b.matvec(&x, 2).unwrap(), ab.matvec(&x, 2).unwrap());
+    for j in 0..2 {
+        assert_eq!(&yab[j * 8..j * 8 + 5], &ya[j * 5..j * 5 + 5]);
+        assert_eq!(&yab[j * 8 + 5..j * 8 + 8], &yb[j * 3..j * 3 + 3]);
+    }
+    assert!(PackedMatrix::concat_rows(&[a, random_matrix(PackedFormat::Q8_0, 3, 64, 3)]).is_none());
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    assert!(PackedMatrix::from_bytes(PackedFormat::Q4_0, 2, 48, vec![0; 2 * 18]).is_err());
+    assert!(PackedMatrix::from_bytes(PackedFormat::Q4_0, 2, 64, vec![0; 3 * 18]).is_err());
+    assert!(PackedMatrix::from_bytes(PackedFormat::Q4_0, 2, 0, Vec::new()).is_err());
+    let m = random_matrix(PackedFormat::Q8_0, 2, 32, 4);
+    assert!(m.matvec(&[0.0; 33], 1).is_err());
+}
