@@ -150,3 +150,89 @@ fn cache_saved_in_one_process_continues_identically_in_another() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Runs `vq` with `args`; `None` (after saying so) when the model cannot be fetched.
+fn run_or_skip(args: &[&str]) -> Option<()> {
+    let out = vq().args(args).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() && err.contains("fetching the model failed") {
+        skip(&err);
+        return None;
+    }
+    assert!(out.status.success(), "{args:?}: {err}");
+    Some(())
+}
+
+fn json_rows(p: &Path) -> Vec<serde_json::Value> {
+    serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap()
+}
+
+/// Without the timing column (the one thing that differs between processes).
+fn untimed(mut rows: Vec<serde_json::Value>) -> Vec<serde_json::Value> {
+    rows.iter_mut().for_each(|r| {
+        r.as_object_mut().unwrap().remove("tokens_per_s");
+    });
+    rows
+}
+
+/// `eval --merge` of one process per method (all reading one `--kl-base`) gives the rows of
+/// one process running every method; rows of other windows are refused.
+#[test]
+fn eval_runs_merged_equal_one_run() {
+    if !have_text() {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("vq-merge-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = |n: &str| dir.join(n).display().to_string();
+    let (base, all, a, b, merged) = (p("base.bin"), p("all.json"), p("a.json"), p("b.json"), p("merged.json"));
+    let (ma, mb) = ("q8_0:rot", "turboquant_mse:4:eden/turboquant_mse:3@8+4");
+    let common = ["eval", "--ctx", "128", "--windows", "2", "--kl-base", &base];
+    let with = |extra: &[&str]| -> Vec<String> { common.iter().chain(extra).map(|s| s.to_string()).collect() };
+    let run = |args: Vec<String>| run_or_skip(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    // The fp16 base first: every run below reads the same stored log-probs.
+    if run(with(&["--methods", "fp16", "--json", &p("fp16.json")])).is_none() {
+        return;
+    }
+    run(with(&["--methods", &format!("{ma},{mb}"), "--json", &all])).unwrap();
+    run(with(&["--methods", ma, "--json", &a])).unwrap();
+    run(with(&["--methods", mb, "--json", &b])).unwrap();
+    run_or_skip(&["eval", "--merge", &format!("{b},{a}"), "--json", &merged]).unwrap();
+    let (one, many) = (untimed(json_rows(Path::new(&all))), untimed(json_rows(Path::new(&merged))));
+    assert_eq!(many.len(), 3);
+    assert_eq!(many[0]["method"], "fp16");
+    for r in &one {
+        assert!(many.contains(r), "{r} missing from the merge");
+    }
+    // A run on other windows does not merge with these.
+    let other = p("other.json");
+    run(vec!["eval", "--ctx", "96", "--windows", "2", "--methods", ma, "--json", &other]
+        .into_iter()
+        .map(String::from)
+        .collect())
+    .unwrap();
+    let out = vq().args(["eval", "--merge", &format!("{a},{other}"), "--json", &p("bad.json")]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("other windows"));
+    // The same pair twice in a passkey merge is refused; one length per process merges to the
+    // rows of one run.
+    let (pk, p1, p2, pm) = (p("pk.json"), p("p1.json"), p("p2.json"), p("pm.json"));
+    let pk_args = |lengths: &str, out: &str| -> Vec<String> {
+        ["passkey", "--lengths", lengths, "--methods", &format!("fp16,{ma}"), "--depths", "0.5", "--json", out]
+            .into_iter()
+            .map(String::from)
+            .collect()
+    };
+    run(pk_args("200,300", &pk)).unwrap();
+    run(pk_args("200", &p1)).unwrap();
+    run(pk_args("300", &p2)).unwrap();
+    run_or_skip(&["passkey", "--merge", &format!("{p2},{p1}"), "--json", &pm]).unwrap();
+    let (one, many) = (json_rows(Path::new(&pk)), json_rows(Path::new(&pm)));
+    assert_eq!(one.len(), many.len());
+    for r in &one {
+        assert!(many.contains(r), "{r} missing from the passkey merge");
+    }
+    let out = vq().args(["passkey", "--merge", &format!("{p1},{p1}"), "--json", &p("bad2.json")]).output().unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    std::fs::remove_dir_all(&dir).ok();
+}
