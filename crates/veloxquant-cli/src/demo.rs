@@ -201,7 +201,8 @@ pub fn demo(a: &DemoArgs, p: &GenPlan, model_path: &Path) -> AnyResult {
     }
     let t0 = std::time::Instant::now();
     let method = &p.method;
-    let (model, tok) = load(model_path)?;
+    // Decode from the GGUF's own blocks, as `generate` does (the same greedy tokens).
+    let (model, tok) = load_with(model_path, WeightMode::Packed)?;
     let prompt = tok.encode(DEMO_PROMPT)?;
     println!("prompt: {DEMO_PROMPT}\n");
     let runs: Vec<Run> = [Method::Fp16, method.clone()]
