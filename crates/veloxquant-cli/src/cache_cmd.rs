@@ -61,7 +61,11 @@ impl CacheCmd {
                 ctx.output(Some(file), OutputKind::Cache, &[])?;
                 let mut p = gen.plan(ctx, 0, 2)?;
                 if p.method == Method::Fp16 {
-                    let fp16 = FormatSpec::parse("fp16").expect("registered");
+                    let fp16 = FormatSpec::parse("fp16").map_err(|source| ArgError::Spec {
+                        arg: "method",
+                        value: "fp16".into(),
+                        source,
+                    })?;
                     p.method = Method::Compressed { k: fp16.clone(), v: fp16, recent: 0, sink: 0 };
                 }
                 Ok(Some(p))

@@ -34,24 +34,24 @@ impl OutputKind {
 
     /// Whether the existing file at `path` (a regular file) is of this kind; empty counts.
     fn matches(self, path: &Path, len: u64) -> bool {
-        let Ok(mut f) = File::open(path) else { return false };
+        let Ok(f) = File::open(path) else { return false };
         if len == 0 {
             return true;
         }
-        if self == Self::Cache {
-            return veloxquant::cache::is_cache_file(&mut std::io::BufReader::new(f));
-        }
-        let mut head = Vec::new();
-        if len > MAX_TEXT_BYTES || f.read_to_end(&mut head).is_err() {
-            return false;
-        }
-        let text = String::from_utf8_lossy(&head);
-        let start = text.trim_start();
+        // The text kinds are judged on the whole file, read within the text bound.
+        let head = |mut f: File| -> Option<Vec<u8>> {
+            let mut head = Vec::new();
+            (len <= MAX_TEXT_BYTES && f.read_to_end(&mut head).is_ok()).then_some(head)
+        };
+        let starts = |h: &[u8], with: &[&str]| {
+            let text = String::from_utf8_lossy(h);
+            with.iter().any(|w| text.trim_start().starts_with(w))
+        };
         match self {
-            Self::Json => serde_json::from_slice::<serde_json::Value>(&head).is_ok(),
-            Self::Svg => start.starts_with("<svg") || start.starts_with("<?xml"),
-            Self::Markdown => std::str::from_utf8(&head).is_ok() && start.starts_with('|'),
-            Self::Cache => unreachable!("handled above"),
+            Self::Cache => veloxquant::cache::is_cache_file(&mut std::io::BufReader::new(f)),
+            Self::Json => head(f).is_some_and(|h| serde_json::from_slice::<serde_json::Value>(&h).is_ok()),
+            Self::Svg => head(f).is_some_and(|h| starts(&h, &["<svg", "<?xml"])),
+            Self::Markdown => head(f).is_some_and(|h| std::str::from_utf8(&h).is_ok() && starts(&h, &["|"])),
         }
     }
 }

@@ -144,6 +144,17 @@ pub fn answer_tokens(format: PasskeyFormat) -> usize {
     }
 }
 
+/// At least one trial at one depth (the CPU and GPU harnesses refuse the same).
+pub fn check_trials(n: usize, depths: &[f64]) -> Result<()> {
+    if n == 0 || depths.is_empty() {
+        return Err(LlmError::InvalidArgument(format!(
+            "passkey: {n} trials at {} depths: nothing to measure",
+            depths.len()
+        )));
+    }
+    Ok(())
+}
+
 /// The seed of trial `trial` at depth index `di` (the CPU and GPU runs build the same prompts).
 pub fn trial_seed(seed: u64, di: usize, trial: usize) -> u64 {
     seed ^ ((di as u64) << 32) ^ (trial as u64).wrapping_mul(0x9E37_79B9)
@@ -162,12 +173,7 @@ pub fn passkey_accuracy(
     seed: u64,
     format: PasskeyFormat,
 ) -> Result<PasskeyStats> {
-    if n == 0 || depths.is_empty() {
-        return Err(LlmError::InvalidArgument(format!(
-            "passkey: {n} trials at {} depths: nothing to measure",
-            depths.len()
-        )));
-    }
+    check_trials(n, depths)?;
     let answer = answer_tokens(format);
     // Prompt and answer must fit the context: refused before any prompt is built.
     let n_ctx_train = model.config.n_ctx_train;

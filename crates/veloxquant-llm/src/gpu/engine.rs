@@ -41,6 +41,7 @@ pub struct GpuMethod {
 impl GpuMethod {
     /// The fp16 cache (every token's K and V as fp16 rows).
     pub fn fp16() -> Self {
+        // "fp16" is a registered name (conformance tests parse every one): cannot fail.
         let f = FormatSpec::parse("fp16").expect("fp16 is registered");
         Self { k: f.clone(), v: f, recent: 0, sink: 0 }
     }
@@ -569,6 +570,7 @@ impl GpuEngine {
         up.extend_from_slice(&deltas);
         let st = self.stream.clone();
         st.memcpy_htod(&up, &mut self.uploads.up.slice_mut(..up.len())).map_err(drv("htod step"))?;
+        // Inserted above in this call (captured when missing); nothing removes graphs between.
         let g = self.graphs.get_mut(&key).expect("graph inserted above");
         st.memcpy_htod(slot_of, g.plan.rows_mut()).map_err(drv("htod rows"))?;
         g.plan.note_rows(slot_of);
@@ -690,7 +692,12 @@ impl GpuEngine {
         let st = self.stream.clone();
         st.synchronize().map_err(drv("synchronize"))?;
         let key = (bucket, self.page_bucket(pages), part);
-        let g = self.graphs.get(&key).expect("captured by launch_step");
+        let g = self.graphs.get(&key).ok_or_else(|| {
+            LlmError::Gpu(veloxquant_cuda::CudaError::Driver {
+                op: "time_step",
+                err: "no graph captured for this step".into(),
+            })
+        })?;
         let ctx = &self.model.dev.ctx;
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters + 3 {

@@ -3,9 +3,11 @@
 //! scoring, `passkey.rs`).
 
 use super::engine::GpuEngine;
-use crate::error::{LlmError, Result};
+use crate::error::Result;
 use crate::eval::argmax;
-use crate::passkey::{answer_tokens, extract_passkey, passkey_prompt, trial_seed, PasskeyFormat, PasskeyStats};
+use crate::passkey::{
+    answer_tokens, check_trials, extract_passkey, passkey_prompt, trial_seed, PasskeyFormat, PasskeyStats,
+};
 use crate::tokenizer::Tokenizer;
 
 /// As `passkey_accuracy`, through `engine` (empty, with a slot per trial and room for the
@@ -19,12 +21,7 @@ pub fn passkey_accuracy_gpu(
     seed: u64,
     format: PasskeyFormat,
 ) -> Result<PasskeyStats> {
-    if n == 0 || depths.is_empty() {
-        return Err(LlmError::InvalidArgument(format!(
-            "passkey: {n} trials at {} depths: nothing to measure",
-            depths.len()
-        )));
-    }
+    check_trials(n, depths)?;
     let answer = answer_tokens(format);
     let stop = tok.stop_ids();
     let mut trials = Vec::new();

@@ -78,7 +78,7 @@ impl<E: Engine> Scheduler<E> {
                     break;
                 }
                 // Nothing will ever free memory for it: refuse rather than wait forever.
-                let r = self.queue.remove(i).expect("index in range");
+                let Some(r) = self.queue.remove(i) else { break };
                 queue_dec(&self.metrics);
                 Metrics::inc(&self.metrics.requests_failed_total);
                 let msg = format!(
@@ -91,7 +91,7 @@ impl<E: Engine> Scheduler<E> {
                 used = None;
                 continue;
             }
-            let r = self.queue.remove(i).expect("index in range");
+            let Some(r) = self.queue.remove(i) else { break };
             queue_dec(&self.metrics);
             // Look up again: eviction may have dropped the checkpoint just found.
             let hit = self.prefix_hit(&prompt, &hashes, slot);
