@@ -22,21 +22,31 @@ CLIENTS=${CLIENTS:-256}
 REQUESTS=${REQUESTS:-256}
 COMMON="--device cuda --model /tmp/model.gguf --kv-budget-mib $BUDGET --max-context 4352 --gpu-slots 320 \
   --max-running $CLIENTS --max-queue 1024 --prefill-chunk 512 --step-prefill-tokens 8192"
-for M in fp16 turboquant_mse:4:eden/turboquant_mse:3@8+4; do
-  TAG=$(echo "$M" | tr '/:@+' '____')
-  timeout ${T_RUN:-280} python3 benchmarks/serve_load.py load --binary $BIN/veloxquant --port 18300 \
-    --server-args "$COMMON --method $M" --clients $CLIENTS --requests $REQUESTS \
-    --min-prompt 3500 --max-prompt 4000 --max-tokens ${MAX_TOKENS:-128} --disconnect 0.1 --timeout 250 \
-    --json $OUT/serve-gpu-$TAG.json > $OUT/serve-gpu-$TAG.log 2>&1
-  rc=$?; echo "$M: exit $rc"
-  [ -s $OUT/serve-gpu-$TAG.json ] || { tail -c 4000 /tmp/veloxquant-serve-18300-*.log > $OUT/serve-gpu-$TAG.server.log 2>/dev/null; rm -f /tmp/veloxquant-serve-18300-*.log; continue; }
-  python3 - "$OUT/serve-gpu-$TAG.json" <<'EOF'
+# run TAG METHOD CLIENTS REQUESTS MAX_TOKENS SECONDS: one load run; the server's log always comes back.
+run() {
+  timeout $6 python3 benchmarks/serve_load.py load --binary $BIN/veloxquant --port 18300 \
+    --server-args "$COMMON --method $2" --clients $3 --requests $4 \
+    --min-prompt 3500 --max-prompt 4000 --max-tokens $5 --disconnect 0.1 --timeout 250 \
+    --json $OUT/serve-gpu-$1.json > $OUT/serve-gpu-$1.log 2>&1
+  local rc=$?; echo "$1 ($2): exit $rc"
+  tail -c 4000 /tmp/veloxquant-serve-18300-*.log > $OUT/serve-gpu-$1.server.log 2>/dev/null
+  rm -f /tmp/veloxquant-serve-18300-*.log
+  [ -s $OUT/serve-gpu-$1.json ] || { tail -5 $OUT/serve-gpu-$1.log; return 1; }
+  python3 - "$OUT/serve-gpu-$1.json" <<'EOF'
 import json, sys
 r = json.load(open(sys.argv[1]))["runs"][0]
 print({k: r.get(k) for k in ["outcomes", "tokens_per_s", "sequences_running_max", "kv_bytes_max_sampled",
                              "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "drained", "pass",
                              "sigterm_exit_code"]})
 EOF
+}
+DEFAULT=turboquant_mse:4:eden/turboquant_mse:3@8+4
+# A small run first (a few seconds when all is well): a stuck or slow server shows here,
+# with its progress lines, before the long runs spend the call.
+run smoke $DEFAULT 16 32 32 ${T_SMOKE:-90} || exit 4
+rm -f $OUT/serve-gpu-smoke.json
+for M in fp16 $DEFAULT; do
+  run $(echo "$M" | tr '/:@+' '____') $M $CLIENTS $REQUESTS ${MAX_TOKENS:-128} ${T_RUN:-200}
 done
 python3 - "$OUT" <<'EOF'
 import glob, json, sys

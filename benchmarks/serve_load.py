@@ -209,8 +209,20 @@ class ServerProc:
 
 
 async def sample_server(srv, base, stop, out):
-    """Every 0.5 s: the server's RSS (when we started it) and its running sequences."""
+    """Every 0.5 s: the server's RSS (when we started it) and its running sequences; every
+    10 s a progress line on stderr (so a run that times out still says where it was)."""
+    t0 = last = time.monotonic()
+    keys = ["sequences_running", "queue_length", "steps_total", "step_rows_total", "prefill_tokens_total",
+            "generated_tokens_total", "forward_micros_total", "forward_micros_max", "requests_failed_total"]
     while not stop.is_set():
+        if time.monotonic() - last >= 10:
+            last = time.monotonic()
+            try:
+                m = await asyncio.to_thread(metrics, base)
+                print("progress %.0fs " % (last - t0) + " ".join("%s=%s" % (k, m.get(k)) for k in keys),
+                      file=sys.stderr, flush=True)
+            except Exception as e:  # noqa: BLE001
+                print("progress: metrics failed: %s" % e, file=sys.stderr, flush=True)
         r = srv.rss_mib() if srv else None
         if r is not None:
             out["rss"].append(r)

@@ -39,6 +39,8 @@ metrics! {
     prefix_cache_tokens_total: "counter", "Prompt tokens taken from the prefix cache instead of computed.";
     steps_total: "counter", "Batched forward passes.";
     step_rows_total: "counter", "Sequences over all forward passes (mean batch = this / steps_total).";
+    forward_micros_total: "counter", "Microseconds spent in the engine's forward passes (the rest of the loop is scheduling).";
+    forward_micros_max: "gauge", "The slowest forward pass, in microseconds.";
     queue_length: "gauge", "Requests waiting for admission.";
     sequences_running: "gauge", "Sequences being prefilled or decoded.";
     kv_bytes_in_use: "gauge", "KV-cache bytes held by live sequences (shared pages once).";

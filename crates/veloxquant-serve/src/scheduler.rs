@@ -311,8 +311,12 @@ impl<E: Engine> Scheduler<E> {
             .collect();
         let rows = work.len();
         let prefilled: usize = plan.iter().map(|&(_, s, e)| e - s).sum();
+        let t0 = Instant::now();
         let result = self.engine.forward(&work);
+        let micros = t0.elapsed().as_micros() as u64;
         drop(work);
+        Metrics::add(&self.metrics.forward_micros_total, micros);
+        self.metrics.forward_micros_max.fetch_max(micros, std::sync::atomic::Ordering::Relaxed);
         Metrics::inc(&self.metrics.steps_total);
         Metrics::add(&self.metrics.step_rows_total, rows as u64);
         Metrics::add(&self.metrics.prefill_tokens_total, prefilled as u64);
