@@ -13,12 +13,14 @@ export LD_LIBRARY_PATH=$(dirname "$(lib 'libnvrtc.so.13*')"):$(dirname "$(lib 'l
 cat "$1" "$2" > /tmp/model.gguf
 echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/model.gguf" | sha256sum -c || exit 3
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader
-# fp16 holds ~23 KB/token here (SmolLM2: 30 layers × 3 KV heads × 64 × 2 × 2 B): at 4.3k tokens
-# per sequence, BUDGET_MIB=7000 fits ~70 fp16 sequences, so 256 clients oversubscribe it.
-BUDGET=${BUDGET_MIB:-7000}
+# 4k-token contexts: prompts of 2,000–3,000 tokens and up to 1,024 generated (decode, where the
+# cache is read, is most of the work; with 4k prompts and 128 tokens prefill dominated both runs).
+# fp16 holds ~23 KB/token here (SmolLM2: 30 layers × 3 KV heads × 64 × 2 × 2 B): a request
+# reserves ~3.5k tokens, so BUDGET_MIB=6000 fits ~75 fp16 sequences and 256 clients oversubscribe it.
+BUDGET=${BUDGET_MIB:-6000}
+MIN_PROMPT=${MIN_PROMPT:-2000}
+MAX_PROMPT=${MAX_PROMPT:-3000}
 CLIENTS=${CLIENTS:-256}
-# 768 requests × 256 tokens did not finish in 262 s on the first try (no result came back):
-# the defaults are a quarter of that work, and the server's log comes back when a run fails.
 REQUESTS=${REQUESTS:-256}
 COMMON="--device cuda --model /tmp/model.gguf --kv-budget-mib $BUDGET --max-context 4352 --gpu-slots 320 \
   --max-running $CLIENTS --max-queue 1024 --prefill-chunk 512 --step-prefill-tokens 8192"
@@ -26,7 +28,7 @@ COMMON="--device cuda --model /tmp/model.gguf --kv-budget-mib $BUDGET --max-cont
 run() {
   timeout $6 python3 benchmarks/serve_load.py load --binary $BIN/veloxquant --port 18300 \
     --server-args "$COMMON --method $2" --clients $3 --requests $4 \
-    --min-prompt 3500 --max-prompt 4000 --max-tokens $5 --disconnect 0.1 --timeout 250 \
+    --min-prompt $MIN_PROMPT --max-prompt $MAX_PROMPT --max-tokens $5 --disconnect 0.1 --timeout 250 \
     --json $OUT/serve-gpu-$1.json > $OUT/serve-gpu-$1.log 2>&1
   local rc=$?; echo "$1 ($2): exit $rc"
   tail -c 4000 /tmp/veloxquant-serve-18300-*.log > $OUT/serve-gpu-$1.server.log 2>/dev/null
@@ -46,7 +48,7 @@ DEFAULT=turboquant_mse:4:eden/turboquant_mse:3@8+4
 run smoke $DEFAULT 16 32 32 ${T_SMOKE:-90} || exit 4
 rm -f $OUT/serve-gpu-smoke.json
 for M in fp16 $DEFAULT; do
-  run $(echo "$M" | tr '/:@+' '____') $M $CLIENTS $REQUESTS ${MAX_TOKENS:-128} ${T_RUN:-200}
+  run $(echo "$M" | tr '/:@+' '____') $M $CLIENTS $REQUESTS ${MAX_TOKENS:-1024} ${T_RUN:-200}
 done
 python3 - "$OUT" <<'EOF'
 import glob, json, sys

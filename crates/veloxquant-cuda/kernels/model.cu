@@ -135,6 +135,117 @@ __device__ __forceinline__ float normal_at(u64 seed, u64 i) {
     return sqrtf(-2.0f * __logf(u1)) * __cosf(6.2831853f * u2);
 }
 
+// Sampling (veloxquant-llm's sample.rs is the reference, the same arithmetic): per row, the
+// top-k and top-p thresholds on the logit found by bisection over the ordered bit patterns
+// of f32 (count / mass of the logits at or above a key), then the Gumbel-max among the
+// kept tokens with noise hashed from (seed, draw, id). params per row: [f32 temperature |
+// f32 top_p << 32, top_k, seed, draw]; temperature ≤ 0 or top_k = 1: argmax. Grid: rows;
+// block 1024.
+__device__ __forceinline__ unsigned order_key(float x) {
+    const unsigned b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ bool finite_f(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
+__device__ __forceinline__ double gumbel_at(u64 seed, u64 draw, u64 id) {
+    const u64 h = mix64(mix64(seed + 0x9e3779b97f4a7c15ull * (draw + 1)) + 0x9e3779b97f4a7c15ull * (id + 1));
+    const double u = ((double)(h >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+    return -log(-log(u));
+}
+template <typename T, typename Op> __device__ __forceinline__ T block_reduce(T x, T* red, Op op) {
+    red[threadIdx.x] = x;
+    __syncthreads();
+    for (int o = blockDim.x / 2; o > 0; o >>= 1) {
+        if (threadIdx.x < o) red[threadIdx.x] = op(red[threadIdx.x], red[threadIdx.x + o]);
+        __syncthreads();
+    }
+    const T r = red[0];
+    __syncthreads();
+    return r;
+}
+extern "C" __global__ void __launch_bounds__(1024) sample_rows(const float* __restrict__ logits, int n_vocab,
+                                                              const u64* __restrict__ params,
+                                                              int* __restrict__ ids) {
+    __shared__ double red_d[1024];
+    __shared__ int red_i[1024];
+    const float* r = logits + (size_t)blockIdx.x * n_vocab;
+    const u64* P = params + 4 * (size_t)blockIdx.x;
+    const float temp = __uint_as_float((unsigned)(P[0] & 0xffffffffu));
+    const float top_p = __uint_as_float((unsigned)(P[0] >> 32));
+    const u64 top_k = P[1], seed = P[2], draw = P[3];
+    const bool greedy = !(temp > 0.0f) || top_k == 1;
+    // The largest finite logit (greedy: its first index), the smallest, and their count.
+    float mx = -__int_as_float(0x7f800000), mn = __int_as_float(0x7f800000);
+    int cnt = 0, arg = 0x7fffffff;
+    for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
+        const float v = r[i];
+        if (finite_f(v)) {
+            if (v > mx) { mx = v; arg = i; }
+            mn = fminf(mn, v);
+            cnt++;
+        }
+    }
+    float* red_f = (float*)red_d;
+    const float m = block_reduce(mx, red_f, [](float a, float b) { return fmaxf(a, b); });
+    const float lo_v = block_reduce(mn, red_f, [](float a, float b) { return fminf(a, b); });
+    const int n_fin = block_reduce(cnt, red_i, [](int a, int b) { return a + b; });
+    if (n_fin == 0) {
+        if (threadIdx.x == 0) ids[blockIdx.x] = 0;
+        return;
+    }
+    if (greedy) {
+        const int a = block_reduce(mx == m ? arg : 0x7fffffff, red_i, [](int a, int b) { return min(a, b); });
+        if (threadIdx.x == 0) ids[blockIdx.x] = a;
+        return;
+    }
+    unsigned floor_key = order_key(lo_v);
+    const unsigned top_key = order_key(m) + 1;
+    if (top_k > 0 && top_k < (u64)n_fin) {
+        // The largest key with at least top_k finite logits at or above it.
+        unsigned lo = floor_key, hi = top_key;
+        while (hi - lo > 1) {
+            const unsigned mid = lo + (hi - lo) / 2;
+            int c = 0;
+            for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
+                const float v = r[i];
+                c += finite_f(v) && order_key(v) >= mid;
+            }
+            if ((u64)block_reduce(c, red_i, [](int a, int b) { return a + b; }) >= top_k) lo = mid; else hi = mid;
+        }
+        floor_key = lo;
+    }
+    if (top_p < 1.0f) {
+        // The largest key whose logits at or above it hold top_p of the kept mass.
+        auto mass = [&](unsigned key) {
+            double w = 0.0;
+            for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
+                const float v = r[i];
+                if (finite_f(v) && order_key(v) >= key) w += exp((double)(v - m) / (double)temp);
+            }
+            return block_reduce(w, red_d, [](double a, double b) { return a + b; });
+        };
+        const double need = (double)top_p * mass(floor_key);
+        unsigned lo = floor_key, hi = top_key;
+        while (hi - lo > 1) {
+            const unsigned mid = lo + (hi - lo) / 2;
+            if (mass(mid) >= need) lo = mid; else hi = mid;
+        }
+        floor_key = lo;
+    }
+    // Gumbel-max over the kept tokens, the smaller id on ties.
+    double best = -__longlong_as_double(0x7ff0000000000000ll);
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
+        const float v = r[i];
+        if (finite_f(v) && order_key(v) >= floor_key) {
+            const double sc = (double)(v - m) / (double)temp + gumbel_at(seed, draw, (u64)i);
+            if (sc > best) { best = sc; bi = i; }
+        }
+    }
+    const double b = block_reduce(best, red_d, [](double a, double c) { return fmax(a, c); });
+    const int a = block_reduce(best == b ? bi : 0x7fffffff, red_i, [](int x, int y) { return min(x, y); });
+    if (threadIdx.x == 0) ids[blockIdx.x] = a == 0x7fffffff ? 0 : a;
+}
+
 // out[i] = f16(scale · N(0,1)) (scale = 0: all `offset`).
 extern "C" __global__ void fill_f16(u16* __restrict__ out, u64 n, u64 seed, float scale, float offset) {
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)

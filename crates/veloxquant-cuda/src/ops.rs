@@ -14,6 +14,7 @@ pub struct ModelOps {
     f_rope: CudaFunction,
     f_swiglu: CudaFunction,
     f_argmax: CudaFunction,
+    f_sample: CudaFunction,
     f_fill16: CudaFunction,
     f_fill32: CudaFunction,
     sm_count: usize,
@@ -34,6 +35,12 @@ fn int(x: usize) -> Result<i32> {
     i32::try_from(x).map_err(|_| CudaError::ShapeMismatch { op: "size fits i32", expected: i32::MAX as usize, got: x })
 }
 
+/// One row's words for [`ModelOps::sample`]: temperature (≤ 0: argmax), top-p, top-k (0:
+/// none), seed, and the request's draw index.
+pub fn sample_params(temperature: f32, top_p: f32, top_k: u64, seed: u64, draw: u64) -> [u64; 4] {
+    [temperature.to_bits() as u64 | (top_p.to_bits() as u64) << 32, top_k, seed, draw]
+}
+
 /// The RoPE destination of the queries: f32 `[row][n_q][d]` (decode), or f16 in the prefill
 /// GEMM's grouped layout `[kv_head][row][group][d]`.
 pub enum QOut<'a, 'b> {
@@ -50,6 +57,7 @@ impl ModelOps {
             f_rope: f("rope")?,
             f_swiglu: f("swiglu")?,
             f_argmax: f("argmax_rows")?,
+            f_sample: f("sample_rows")?,
             f_fill16: f("fill_f16")?,
             f_fill32: f("fill_f32")?,
             sm_count: dev.sm_count,
@@ -190,6 +198,30 @@ impl ModelOps {
         // SAFETY: matches argmax_rows(logits, n_vocab, ids) with its 1024-thread block; extents
         // checked above.
         unsafe { l.launch(cfg) }.map_err(drv("argmax"))?;
+        Ok(())
+    }
+
+    /// A sampled token of each logits row (veloxquant-llm's `sample_token`, the same
+    /// arithmetic): `params` holds 4 words per row (see [`sample_params`]).
+    pub fn sample(
+        &self,
+        st: &Arc<CudaStream>,
+        logits: &CudaView<'_, f32>,
+        rows: usize,
+        n_vocab: usize,
+        params: &CudaView<'_, u64>,
+        ids: &mut CudaViewMut<'_, i32>,
+    ) -> Result<()> {
+        need("sample logits", logits.len(), rows * n_vocab)?;
+        need("sample params", params.len(), 4 * rows)?;
+        need("sample ids", ids.len(), rows)?;
+        let nv = int(n_vocab)?;
+        let mut l = st.launch_builder(&self.f_sample);
+        l.arg(logits).arg(&nv).arg(params).arg(ids);
+        let cfg = LaunchConfig { block_dim: (1024, 1, 1), ..rows_cfg(rows) };
+        // SAFETY: matches sample_rows(logits, n_vocab, params, ids) with its 1024-thread
+        // block; logits hold rows·n_vocab, params 4·rows, ids rows (checked above).
+        unsafe { l.launch(cfg) }.map_err(drv("sample"))?;
         Ok(())
     }
 

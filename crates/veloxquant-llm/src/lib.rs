@@ -34,6 +34,7 @@ pub mod model;
 pub mod passkey;
 pub mod qmatvec;
 pub mod report;
+pub mod sample;
 pub mod store;
 pub mod tokenizer;
 

@@ -7,9 +7,11 @@ use std::sync::Arc;
 
 use veloxquant::{CacheConfig, PagedCache};
 use veloxquant_llm::eval::argmax;
+use veloxquant_llm::sample::sample_token;
 use veloxquant_llm::{BatchItem, BatchStore, CompressedStore, KvStore, Llama};
 
 use crate::error::{Result, ServeError};
+use crate::sampling::SamplingParams;
 
 /// A sequence inside an engine.
 pub type SeqId = usize;
@@ -22,21 +24,32 @@ pub struct Work<'a> {
     pub want: Want,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Want {
     /// A prefill chunk that does not end the prompt.
     Nothing,
-    /// The argmax id only.
+    /// The argmax id.
     Greedy,
-    /// The whole logits row (sampling).
-    Logits,
+    /// A token sampled with these parameters at this draw (`veloxquant_llm::sample`; the
+    /// GPU engine samples on the device).
+    Sample(SamplingParams, u64),
 }
 
-/// The output for one work item's last position (empty for `Want::Nothing`).
-#[derive(Clone, Debug, Default)]
+impl Want {
+    /// The chosen token from a logits row (the CPU's way).
+    pub fn choose(&self, logits: &[f32]) -> Option<u32> {
+        match self {
+            Want::Nothing => None,
+            Want::Greedy => Some(argmax(logits) as u32),
+            Want::Sample(p, draw) => Some(sample_token(logits, p, *draw)),
+        }
+    }
+}
+
+/// The chosen token for one work item's last position (`None` for `Want::Nothing`).
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Out {
-    pub greedy: Option<u32>,
-    pub logits: Option<Vec<f32>>,
+    pub token: Option<u32>,
 }
 
 /// Facts the scheduler plans with.
@@ -194,15 +207,7 @@ impl Engine for CpuEngine {
             items.push(BatchItem { tokens: w.tokens, store: store as &mut dyn BatchStore, logits_from });
         }
         let logits = self.model.forward_batch(&mut items)?;
-        Ok(work
-            .iter()
-            .zip(logits)
-            .map(|(w, lg)| match w.want {
-                Want::Nothing => Out::default(),
-                Want::Greedy => Out { greedy: Some(argmax(&lg) as u32), logits: None },
-                Want::Logits => Out { greedy: Some(argmax(&lg) as u32), logits: Some(lg) },
-            })
-            .collect())
+        Ok(work.iter().zip(logits).map(|(w, lg)| Out { token: w.want.choose(&lg) }).collect())
     }
 
     fn kv_bytes(&self, seqs: &[SeqId]) -> usize {

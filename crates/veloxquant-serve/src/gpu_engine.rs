@@ -6,7 +6,6 @@
 use std::sync::Arc;
 
 use veloxquant::PagedCache;
-use veloxquant_llm::eval::argmax;
 use veloxquant_llm::gpu::{EngineConfig, GpuEngine, GpuMethod, GpuModel};
 
 use crate::engine::{cache_bound, Engine, EngineInfo, Out, SeqId, Want, Work};
@@ -101,25 +100,22 @@ impl Engine for GpuServeEngine {
                 .collect();
             let logits = self.engine.prefill(&items).map_err(Self::err)?;
             for (&i, lg) in pre.iter().zip(logits) {
-                outs[i] = match work[i].want {
-                    Want::Nothing => Out::default(),
-                    Want::Greedy => Out { greedy: Some(argmax(&lg) as u32), logits: None },
-                    Want::Logits => Out { greedy: Some(argmax(&lg) as u32), logits: Some(lg) },
-                };
+                outs[i] = Out { token: work[i].want.choose(&lg) };
             }
         }
         if !dec.is_empty() {
+            // Decode rows sample on the device: no logits cross to the host.
             let toks: Vec<(usize, u32)> = dec.iter().map(|&i| (work[i].seq, work[i].tokens[0])).collect();
-            let want_logits = dec.iter().any(|&i| work[i].want == Want::Logits);
-            let st = self.engine.step(&toks, want_logits).map_err(Self::err)?;
-            let nv = self.engine.model.config.n_vocab;
-            for (j, &i) in dec.iter().enumerate() {
-                let logits = match (&st.logits, work[i].want) {
-                    (Some(l), Want::Logits) => Some(l[j * nv..(j + 1) * nv].to_vec()),
+            let sampling: Vec<_> = dec
+                .iter()
+                .map(|&i| match work[i].want {
+                    Want::Sample(p, draw) => Some((p, draw)),
                     _ => None,
-                };
-                let greedy = (work[i].want != Want::Nothing).then(|| st.ids[j]);
-                outs[i] = Out { greedy, logits };
+                })
+                .collect();
+            let st = self.engine.step_sampled(&toks, &sampling, false).map_err(Self::err)?;
+            for (j, &i) in dec.iter().enumerate() {
+                outs[i] = Out { token: (work[i].want != Want::Nothing).then(|| st.ids[j]) };
             }
         }
         Ok(outs)

@@ -41,6 +41,9 @@ metrics! {
     step_rows_total: "counter", "Sequences over all forward passes (mean batch = this / steps_total).";
     forward_micros_total: "counter", "Microseconds spent in the engine's forward passes (the rest of the loop is scheduling).";
     forward_micros_max: "gauge", "The slowest forward pass, in microseconds.";
+    admit_micros_total: "counter", "Microseconds spent admitting requests (budget checks, prefix lookups, eviction).";
+    output_micros_total: "counter", "Microseconds spent after forward passes (sampling, streaming, checkpoints, finishing).";
+    publish_micros_total: "counter", "Microseconds spent updating the KV gauges each turn.";
     queue_length: "gauge", "Requests waiting for admission.";
     sequences_running: "gauge", "Sequences being prefilled or decoded.";
     kv_bytes_in_use: "gauge", "KV-cache bytes held by live sequences (shared pages once).";

@@ -1,90 +1,45 @@
 //! Token choice per request: greedy (temperature 0, the same argmax as `generate`), or
-//! temperature / top-k / top-p sampling from the request's own seeded generator, so the
-//! same seed gives the same text whatever else runs in the batch.
+//! temperature / top-k / top-p sampling by `veloxquant_llm::sample` — the algorithm the GPU
+//! engine runs on the device — keyed by the request's seed and its draw count, so the same
+//! seed gives the same text whatever else runs in the batch.
 
-use veloxquant::rng::SplitMix64;
-use veloxquant_llm::eval::argmax;
-
-/// Sampling parameters after validation.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct SamplingParams {
-    /// 0: greedy.
-    pub temperature: f32,
-    /// In (0, 1]; 1 keeps every token.
-    pub top_p: f32,
-    /// 0: no limit.
-    pub top_k: usize,
-    pub seed: u64,
-}
-
-impl SamplingParams {
-    pub fn greedy() -> Self {
-        Self { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 0 }
-    }
-
-    /// Whether the choice is the argmax (the engine's greedy id is enough; no logits needed).
-    pub fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0 || self.top_k == 1
-    }
-}
+use veloxquant_llm::sample::sample_token;
+pub use veloxquant_llm::sample::SampleParams as SamplingParams;
 
 pub struct Sampler {
     params: SamplingParams,
-    rng: SplitMix64,
+    /// Tokens sampled so far (the draw index of the next one).
+    draws: u64,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        Self { params, rng: SplitMix64::new(params.seed) }
+        Self { params, draws: 0 }
     }
 
     pub fn is_greedy(&self) -> bool {
         self.params.is_greedy()
     }
 
-    /// The next token from a logits row. Non-finite logits count as −∞.
+    pub fn params(&self) -> SamplingParams {
+        self.params
+    }
+
+    /// The index of the next draw (what a device sampler needs with the params).
+    pub fn draws(&self) -> u64 {
+        self.draws
+    }
+
+    /// Counts a token chosen elsewhere (the GPU engine) with this sampler's next draw.
+    pub fn note_draw(&mut self) {
+        self.draws += 1;
+    }
+
+    /// The next token from a logits row. Non-finite logits are never chosen.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.is_greedy() || logits.is_empty() {
-            return argmax(logits) as u32;
-        }
-        let p = self.params;
-        let mut cand: Vec<(u32, f32)> =
-            logits.iter().enumerate().filter(|(_, v)| v.is_finite()).map(|(i, &v)| (i as u32, v)).collect();
-        if cand.is_empty() {
-            return argmax(logits) as u32;
-        }
-        // Highest first, ties by id: a total order, so the result depends only on the logits.
-        let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.select_nth_unstable_by(p.top_k - 1, order);
-            cand.truncate(p.top_k);
-        }
-        cand.sort_unstable_by(order);
-        let max = cand[0].1 as f64;
-        let t = p.temperature as f64;
-        let mut probs: Vec<f64> = cand.iter().map(|&(_, v)| ((v as f64 - max) / t).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= total);
-        let mut keep = probs.len();
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            for (i, &x) in probs.iter().enumerate() {
-                acc += x;
-                if acc >= p.top_p as f64 {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        let mass: f64 = probs[..keep].iter().sum();
-        let mut u = self.rng.next_f64() * mass;
-        for (i, &x) in probs[..keep].iter().enumerate() {
-            u -= x;
-            if u < 0.0 {
-                return cand[i].0;
-            }
-        }
-        cand[keep - 1].0
+        let id = sample_token(logits, &self.params, self.draws);
+        self.draws += 1;
+        id
     }
 }
 
@@ -113,18 +68,22 @@ mod tests {
         };
         assert_eq!(run(7), run(7));
         assert_ne!(run(7), run(8), "different seeds should differ somewhere in 40 draws");
-        // top_k = 3: only the three largest logits (ids with (i*37)%11 == 10, 9, 8 → values 3.0, 2.7, 2.4).
-        let mut top: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &v)| (i as u32, v)).collect();
-        top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let allowed: Vec<u32> = top[..3].iter().map(|x| x.0).collect();
+        // top_k = 3 keeps the logits at or above the third largest: the value 2.4 and up
+        // (ids with (i*37)%11 ∈ {8, 9, 10}).
+        let third = {
+            let mut v = logits.clone();
+            v.sort_by(|a, b| b.total_cmp(a));
+            v[2]
+        };
         let mut s = Sampler::new(params(5.0, 1.0, 3, 1));
         for _ in 0..200 {
-            assert!(allowed.contains(&s.sample(&logits)));
+            assert!(logits[s.sample(&logits) as usize] >= third);
         }
-        // A tiny top_p keeps only the most likely token.
+        // A tiny top_p keeps only the most likely tokens (the ties of the largest value).
+        let top = logits.iter().copied().fold(f32::MIN, f32::max);
         let mut s = Sampler::new(params(1.0, 1e-6, 0, 1));
         for _ in 0..50 {
-            assert_eq!(s.sample(&logits), top[0].0);
+            assert_eq!(logits[s.sample(&logits) as usize], top);
         }
     }
 

@@ -170,7 +170,9 @@ impl<E: Engine> Scheduler<E> {
                 self.handle(cmd);
             }
             self.reap();
+            let t0 = Instant::now();
             self.admit();
+            Metrics::add(&self.metrics.admit_micros_total, t0.elapsed().as_micros() as u64);
             if !self.running.is_empty() {
                 // A panic inside the engine must not take the server down: the step's
                 // sequences may be half-appended, so their requests fail (500) and go.
@@ -187,7 +189,9 @@ impl<E: Engine> Scheduler<E> {
                     }
                 }
             }
+            let t0 = Instant::now();
             self.publish();
+            Metrics::add(&self.metrics.publish_micros_total, t0.elapsed().as_micros() as u64);
         }
         for a in std::mem::take(&mut self.running) {
             self.engine.remove(a.seq);
@@ -300,7 +304,11 @@ impl<E: Engine> Scheduler<E> {
             .zip(&singles)
             .map(|(&(i, s, e), t)| {
                 let a = &self.running[i];
-                let want = if a.sampler.is_greedy() { Want::Greedy } else { Want::Logits };
+                let want = if a.sampler.is_greedy() {
+                    Want::Greedy
+                } else {
+                    Want::Sample(a.sampler.params(), a.sampler.draws())
+                };
                 if e > s {
                     let want = if e == a.req.prompt.len() { want } else { Want::Nothing };
                     Work { seq: a.seq, tokens: &a.req.prompt[s..e], want }
@@ -335,6 +343,7 @@ impl<E: Engine> Scheduler<E> {
                 return;
             }
         };
+        let t0 = Instant::now();
         let mut done = Vec::new();
         for (&(i, s, e), out) in plan.iter().zip(outs) {
             if e > s {
@@ -356,6 +365,7 @@ impl<E: Engine> Scheduler<E> {
             let a = self.running.swap_remove(i);
             self.finish(a, f);
         }
+        Metrics::add(&self.metrics.output_micros_total, t0.elapsed().as_micros() as u64);
     }
 
     /// After a prefill chunk: leave a checkpoint if it ended on a chunk boundary or on the
@@ -391,12 +401,10 @@ impl<E: Engine> Scheduler<E> {
         let n_cached = self.engine.n_tokens(self.running[i].seq);
         let tok = self.tok.clone();
         let a = &mut self.running[i];
-        let id = match (&out.logits, out.greedy) {
-            (Some(lg), _) if !a.sampler.is_greedy() => a.sampler.sample(lg),
-            (_, Some(g)) => g,
-            (Some(lg), None) => a.sampler.sample(lg),
-            (None, None) => return Some(Finish::Length),
-        };
+        let Some(id) = out.token else { return Some(Finish::Length) };
+        if !a.sampler.is_greedy() {
+            a.sampler.note_draw();
+        }
         if self.cfg.stop_ids.contains(&id) {
             return Some(Finish::Stop);
         }

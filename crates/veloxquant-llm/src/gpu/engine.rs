@@ -19,11 +19,12 @@ use veloxquant::{CacheConfig, FormatSpec};
 use veloxquant_cuda::attn::{DecodeOptions, DecodeOut, PlanCore};
 use veloxquant_cuda::blas::Mat;
 use veloxquant_cuda::cache::{encode_deltas, AppendSrc};
-use veloxquant_cuda::ops::QOut;
+use veloxquant_cuda::ops::{sample_params, QOut};
 use veloxquant_cuda::{AppendRow, Blas, GpuCacheConfig, GpuKvCache, PrefillAttn};
 
 use super::model::{check_fits, gpu, GpuModel};
 use crate::error::{LlmError, Result};
+use crate::sample::SampleParams;
 
 fn drv<E: std::fmt::Debug>(op: &'static str) -> impl FnOnce(E) -> LlmError {
     move |e| LlmError::Gpu(veloxquant_cuda::CudaError::Driver { op, err: format!("{e:?}") })
@@ -105,6 +106,8 @@ struct Bufs {
     act: CudaSlice<u16>,
     logits: CudaSlice<f32>,
     ids_out: CudaSlice<i32>,
+    /// Sampled ids (rows that sample; the step's argmax stays in ids_out).
+    ids_sampled: CudaSlice<i32>,
 }
 
 /// Host-written inputs of a forward (graphs hold their addresses too).
@@ -114,6 +117,8 @@ struct Uploads {
     /// Prefill upload: [ids (N)] [positions (N)].
     pre_up: CudaSlice<i32>,
     pre_rows: CudaSlice<AppendRow>,
+    /// Sampling words, 4 per row (`veloxquant_cuda::ops::sample_params`).
+    sample: CudaSlice<u64>,
 }
 
 /// What a captured step records (the benchmark times the parts apart).
@@ -274,11 +279,13 @@ impl GpuEngine {
             act: a16(rows * f)?,
             logits: a32(cfg.logits_rows.max(cfg.max_seqs) * c.n_vocab)?,
             ids_out: st.alloc_zeros::<i32>(cfg.max_seqs).map_err(drv("alloc"))?,
+            ids_sampled: st.alloc_zeros::<i32>(cfg.max_seqs).map_err(drv("alloc"))?,
         };
         let uploads = Uploads {
             up: st.alloc_zeros::<i32>(8 * cfg.max_seqs + 1 + 2 * max_deltas).map_err(drv("alloc"))?,
             pre_up: st.alloc_zeros::<i32>(2 * cfg.prefill_rows).map_err(drv("alloc"))?,
             pre_rows: st.alloc_zeros::<AppendRow>(cfg.prefill_rows).map_err(drv("alloc"))?,
+            sample: st.alloc_zeros::<u64>(4 * cfg.max_seqs).map_err(drv("alloc"))?,
         };
         let blas = Blas::new(&model.dev).map_err(gpu)?;
         Ok(Self { model, cfg, cache, blas, prefill, bufs, uploads, graphs: HashMap::new(), max_deltas, stream: st })
@@ -489,7 +496,22 @@ impl GpuEngine {
     /// over its cache; returns the greedy next ids (and the logits `[B][n_vocab]` when
     /// `want_logits`). Replays a captured graph (captured on first use of its shape).
     pub fn step(&mut self, tokens: &[(usize, u32)], want_logits: bool) -> Result<StepOut> {
+        self.step_sampled(tokens, &[], want_logits)
+    }
+
+    /// [`Self::step`] where row `i` with `sampling[i] = Some((params, draw))` takes a token
+    /// sampled on the device (`crate::sample::sample_token`'s algorithm) instead of the
+    /// argmax; `sampling` is empty or one entry per row.
+    pub fn step_sampled(
+        &mut self,
+        tokens: &[(usize, u32)],
+        sampling: &[Option<(SampleParams, u64)>],
+        want_logits: bool,
+    ) -> Result<StepOut> {
         let b = tokens.len();
+        if !sampling.is_empty() && sampling.len() != b {
+            return Err(LlmError::InvalidArgument(format!("step: {} sampling entries for {b} rows", sampling.len())));
+        }
         if b == 0 || b > self.cfg.max_seqs {
             return Err(LlmError::InvalidArgument(format!("step of {b} sequences (1..={})", self.cfg.max_seqs)));
         }
@@ -517,6 +539,27 @@ impl GpuEngine {
         let st = self.stream.clone();
         let mut out = vec![0i32; bucket];
         st.memcpy_dtoh(&self.bufs.ids_out.slice(..bucket), &mut out).map_err(drv("dtoh ids"))?;
+        if sampling.iter().any(Option::is_some) {
+            let mut words = Vec::with_capacity(4 * b);
+            for s in sampling {
+                words.extend(match s {
+                    Some((p, draw)) => sample_params(p.temperature, p.top_p, p.top_k as u64, p.seed, *draw),
+                    None => [0; 4],
+                });
+            }
+            let nv = self.model.config.n_vocab;
+            st.memcpy_htod(&words, &mut self.uploads.sample.slice_mut(..4 * b)).map_err(drv("htod sampling"))?;
+            let (logits, params) = (self.bufs.logits.slice(..b * nv), self.uploads.sample.slice(..4 * b));
+            let mut ids = self.bufs.ids_sampled.slice_mut(..b);
+            self.model.ops.sample(&st, &logits, b, nv, &params, &mut ids).map_err(gpu)?;
+            let mut sampled = vec![0i32; b];
+            st.memcpy_dtoh(&self.bufs.ids_sampled.slice(..b), &mut sampled).map_err(drv("dtoh sampled"))?;
+            for (i, s) in sampling.iter().enumerate() {
+                if s.is_some() {
+                    out[i] = sampled[i];
+                }
+            }
+        }
         let logits = if want_logits {
             let nv = self.model.config.n_vocab;
             let mut lg = vec![0f32; b * nv];
