@@ -39,9 +39,10 @@ pub struct GenerateArgs {
     /// Where the model runs (cuda: builds with `--features cuda`).
     #[arg(long, value_enum, default_value_t = crate::gpu::Device::Cpu)]
     pub device: crate::gpu::Device,
-    /// How the CPU holds the weights: `packed` decodes from the GGUF's blocks (same greedy
-    /// tokens as `f32`, ~1/5 of the bytes read per token), `f32` from dequantized weights.
-    #[arg(long, value_enum, default_value_t = Weights::Packed)]
+    /// How the CPU decodes: `q8` from the GGUF's blocks with activations quantized to 8
+    /// bits (as llama.cpp; integer dots), `packed` from the blocks with f32 activations (the
+    /// f32 path's logits up to rounding), `f32` from dequantized weights (~5× the bytes).
+    #[arg(long, value_enum, default_value_t = Weights::Q8)]
     pub weights: Weights,
 }
 
@@ -49,13 +50,15 @@ pub struct GenerateArgs {
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Weights {
     #[default]
+    Q8,
     Packed,
     F32,
 }
 
 impl Weights {
-    fn mode(self) -> WeightMode {
+    pub(crate) fn mode(self) -> WeightMode {
         match self {
+            Weights::Q8 => WeightMode::PackedQ8,
             Weights::Packed => WeightMode::Packed,
             Weights::F32 => WeightMode::DequantF32,
         }
@@ -201,8 +204,8 @@ pub fn demo(a: &DemoArgs, p: &GenPlan, model_path: &Path) -> AnyResult {
     }
     let t0 = std::time::Instant::now();
     let method = &p.method;
-    // Decode from the GGUF's own blocks, as `generate` does (the same greedy tokens).
-    let (model, tok) = load_with(model_path, WeightMode::Packed)?;
+    // Decode from the GGUF's own blocks with 8-bit activations, as `generate` does.
+    let (model, tok) = load_with(model_path, Weights::default().mode())?;
     let prompt = tok.encode(DEMO_PROMPT)?;
     println!("prompt: {DEMO_PROMPT}\n");
     let runs: Vec<Run> = [Method::Fp16, method.clone()]

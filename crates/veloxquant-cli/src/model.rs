@@ -50,8 +50,8 @@ pub fn load(path: &Path) -> AnyResult<(Llama, Tokenizer)> {
     load_with(path, WeightMode::DequantF32)
 }
 
-/// [`load`] with a chosen weight mode (`generate` decodes with `WeightMode::Packed`: the
-/// same greedy tokens as f32, tested in veloxquant-llm's `tests/packed.rs`).
+/// [`load`] with a chosen weight mode (`generate` decodes with `WeightMode::PackedQ8`: its
+/// closeness to f32 is tested in veloxquant-llm's `tests/packed.rs`).
 pub fn load_with(path: &Path, mode: WeightMode) -> AnyResult<(Llama, Tokenizer)> {
     Ok((Llama::load(path, mode)?, Tokenizer::from_gguf_path(path)?))
 }

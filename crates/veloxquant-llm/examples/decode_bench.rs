@@ -1,5 +1,5 @@
 //! Greedy decode speed of the model at `path` in each weight mode (fp16 cache):
-//! `cargo run --release -p veloxquant-llm --example decode_bench PATH [n_tokens] [f32|packed]`.
+//! `cargo run --release -p veloxquant-llm --example decode_bench PATH [n_tokens] [f32|packed|q8]`.
 
 use veloxquant_llm::generate::generate_ids;
 use veloxquant_llm::{Fp16Store, Greedy, Llama, Tokenizer, WeightMode};
@@ -13,8 +13,9 @@ fn main() {
         tok.encode("The lighthouse keeper had lived alone on the island for twenty years. One stormy night,").unwrap();
     let modes = match args.next().as_deref() {
         Some("packed") => vec![WeightMode::Packed],
+        Some("q8") => vec![WeightMode::PackedQ8],
         Some("f32") => vec![WeightMode::DequantF32],
-        _ => vec![WeightMode::DequantF32, WeightMode::Packed],
+        _ => vec![WeightMode::DequantF32, WeightMode::Packed, WeightMode::PackedQ8],
     };
     for mode in modes {
         let m = Llama::load(&path, mode).unwrap();

@@ -155,7 +155,11 @@ impl Llama {
         let embed = embed_q.dequantize(&Device::Cpu)?;
         let output_tied = !g.content.tensor_infos.contains_key("output.weight");
         let output = if output_tied {
-            let packed = if mode == WeightMode::Packed { PackedMatrix::from_qtensor(&embed_q)? } else { None };
+            let packed = if mode.packs() {
+                PackedMatrix::from_qtensor(&embed_q)?.map(|p| p.with_q8_activations(mode == WeightMode::PackedQ8))
+            } else {
+                None
+            };
             Proj::new(vec![(QMatMul::Tensor(embed.clone()), packed)], h)?
         } else {
             Proj::new(vec![linear(tensor(g, "output.weight", Some(&[n_vocab, h]))?, mode)?], h)?

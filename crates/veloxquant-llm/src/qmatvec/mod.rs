@@ -24,7 +24,10 @@
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod int8;
 mod scalar;
+
+pub use int8::QuantX;
 
 use crate::error::{LlmError, Result};
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -85,6 +88,10 @@ pub struct PackedMatrix {
     rows: usize,
     cols: usize,
     data: Vec<u8>,
+    /// [`product`](Self::product) quantizes x to 8 bits ([`matvec_q8`](Self::matvec_q8)).
+    q8_x: bool,
+    /// The SIMD int8 kernel's layout, made on first use (None: odd blocks per row).
+    repacked: std::sync::OnceLock<Option<int8::Repacked>>,
 }
 
 /// Which kernel runs: the fast one where the CPU has it, or the scalar reference.
@@ -108,6 +115,36 @@ impl Kernel {
             Kernel::Avx2
         } else {
             Kernel::Scalar
+        }
+    }
+}
+
+/// Which kernel runs the products with 8-bit x ([`PackedMatrix::matvec_q8`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Int8Kernel {
+    Scalar,
+    /// AVX2 + FMA + F16C: the dot as `vpmaddubsw` + `vpmaddwd`.
+    Avx2,
+    /// As Avx2, the dot one `vpdpbusd` (AVX512-VNNI + AVX512VL).
+    Vnni,
+}
+
+impl Int8Kernel {
+    /// The fastest this CPU runs (detected once).
+    pub fn best() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if Kernel::best() == Kernel::Avx2 {
+            return if int8::has_vnni() { Int8Kernel::Vnni } else { Int8Kernel::Avx2 };
+        }
+        Int8Kernel::Scalar
+    }
+
+    /// Every kernel this CPU runs (tests compare them).
+    pub fn available() -> Vec<Self> {
+        match Self::best() {
+            Int8Kernel::Vnni => vec![Int8Kernel::Scalar, Int8Kernel::Avx2, Int8Kernel::Vnni],
+            Int8Kernel::Avx2 => vec![Int8Kernel::Scalar, Int8Kernel::Avx2],
+            Int8Kernel::Scalar => vec![Int8Kernel::Scalar],
         }
     }
 }
@@ -142,18 +179,50 @@ impl PackedMatrix {
         if cols == 0 || !cols.is_multiple_of(BLOCK) || data.len() != expected {
             return Err(LlmError::ShapeMismatch { op: "PackedMatrix::from_bytes", expected, got: data.len() });
         }
-        Ok(Self { format, rows, cols, data })
+        Ok(Self { format, rows, cols, data, q8_x: false, repacked: Default::default() })
     }
 
     /// Stacks matrices of one format and width along the rows (the fused QKV and gate/up
     /// projections); None when they differ.
     pub fn concat_rows(parts: &[PackedMatrix]) -> Option<Self> {
         let first = parts.first()?;
-        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols) {
+        if parts.iter().any(|p| p.format != first.format || p.cols != first.cols || p.q8_x != first.q8_x) {
             return None;
         }
         let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
-        Some(Self { format: first.format, rows: parts.iter().map(|p| p.rows).sum(), cols: first.cols, data })
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let m = Self { format: first.format, rows, cols: first.cols, data, q8_x: false, repacked: Default::default() };
+        Some(m.with_q8_activations(first.q8_x))
+    }
+
+    /// Whether [`product`](Self::product) quantizes x to 8 bits (the SIMD kernel's layout
+    /// is made now, so resident bytes are known from the start).
+    pub fn with_q8_activations(mut self, on: bool) -> Self {
+        self.q8_x = on;
+        if on {
+            self.repack();
+        }
+        self
+    }
+
+    fn repack(&self) -> Option<&int8::Repacked> {
+        let nb = self.cols / BLOCK;
+        self.repacked.get_or_init(|| int8::Repacked::new(self.format, &self.data, self.rows, nb)).as_ref()
+    }
+
+    /// Bytes held: the blocks, and the int8 kernel's relaid copy once made.
+    pub fn resident_bytes(&self) -> usize {
+        self.data.len() + self.repacked.get().and_then(Option::as_ref).map_or(0, int8::Repacked::bytes)
+    }
+
+    /// The product this matrix was set up for: [`matvec_q8`](Self::matvec_q8) or
+    /// [`matvec`](Self::matvec).
+    pub fn product(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        if self.q8_x {
+            self.matvec_q8(x, n)
+        } else {
+            self.matvec(x, n)
+        }
     }
 
     pub fn format(&self) -> PackedFormat {
@@ -205,11 +274,60 @@ impl PackedMatrix {
         Ok(y)
     }
 
+    /// `x [n][cols] · Wᵀ → [n][rows]` with x quantized to 8 bits per block ([`QuantX`]),
+    /// as llama.cpp decodes: exact integer dots, several times fewer instructions than
+    /// f32 x; the result is W·x̂ (x̂ = x's dequantized codes) up to f32 rounding.
+    pub fn matvec_q8(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        self.matvec_q8_with(Int8Kernel::best(), x, n)
+    }
+
+    /// [`matvec_q8`](Self::matvec_q8) with a chosen kernel (one the CPU lacks runs the
+    /// scalar reference).
+    pub fn matvec_q8_with(&self, kernel: Int8Kernel, x: &[f32], n: usize) -> Result<Vec<f32>> {
+        if x.len() != n * self.cols {
+            return Err(LlmError::ShapeMismatch {
+                op: "PackedMatrix::matvec_q8",
+                expected: n * self.cols,
+                got: x.len(),
+            });
+        }
+        let kernel = if Int8Kernel::available().contains(&kernel) { kernel } else { Int8Kernel::Scalar };
+        let n_blocks = self.cols / BLOCK;
+        let mut y = vec![0f32; n * self.rows];
+        for (xs, ys) in x.chunks(MAX_N * self.cols).zip(y.chunks_mut(MAX_N * self.rows)) {
+            let m = xs.len() / self.cols;
+            let qx = QuantX::new(xs);
+            #[cfg(target_arch = "x86_64")]
+            if kernel != Int8Kernel::Scalar {
+                if let Some(rp) = self.repack() {
+                    self.by_tasks(m, ys, |r0, w, out| {
+                        let rows = r0..r0 + w.len() / self.row_bytes();
+                        // SAFETY: as below; `rows_repacked` checks the rows, blocks and
+                        // outputs against the repacked matrix and x.
+                        unsafe { int8::rows_repacked(self.format, rp, rows, &qx, m, out, kernel == Int8Kernel::Vnni) };
+                    });
+                    continue;
+                }
+            }
+            self.by_tasks(m, ys, |_, w, out| {
+                #[cfg(target_arch = "x86_64")]
+                if kernel != Int8Kernel::Scalar {
+                    // SAFETY: `available()` lists Avx2 only where AVX2, FMA and F16C were
+                    // detected, and Vnni only where AVX512-VNNI and AVX512VL were too
+                    // (`rows` checks the extents).
+                    unsafe { int8::rows(self.format, w, n_blocks, &qx, m, out, kernel == Int8Kernel::Vnni) };
+                    return;
+                }
+                int8::rows_ref(self.format, w, n_blocks, &qx, m, out)
+            });
+        }
+        Ok(y)
+    }
+
     /// One pass over W for n ≤ 8 rows of x: tasks of whole rows write `[row][n]`, then
     /// that is transposed to `y [n][rows]`.
     fn pass(&self, kernel: Kernel, x: &[f32], n: usize, y: &mut [f32]) {
-        let (rb, n_blocks) = (self.row_bytes(), self.cols / BLOCK);
-        let mut by_row = vec![0f32; self.rows * n];
+        let n_blocks = self.cols / BLOCK;
         let kernel = if kernel == Kernel::best() { kernel } else { Kernel::Scalar };
         let (x, x_sums) = match kernel {
             #[cfg(target_arch = "x86_64")]
@@ -217,7 +335,7 @@ impl PackedMatrix {
             _ => (Cow::Borrowed(x), Vec::new()),
         };
         let (x, x_sums) = (x.as_ref(), x_sums.as_slice());
-        by_row.par_chunks_mut(ROWS_PER_TASK * n).zip(self.data.par_chunks(ROWS_PER_TASK * rb)).for_each(|(out, w)| {
+        self.by_tasks(n, y, |_, w, out| {
             let p = RowsParams { format: self.format, w, n_blocks, x, x_sums, n, out };
             match kernel {
                 #[cfg(target_arch = "x86_64")]
@@ -227,6 +345,18 @@ impl PackedMatrix {
                 _ => scalar::rows_ref(p),
             }
         });
+    }
+
+    /// Runs `task(first row, w rows, out [row][n])` over rayon tasks of whole weight rows,
+    /// then transposes the `[row][n]` results into `y [n][rows]`.
+    fn by_tasks(&self, n: usize, y: &mut [f32], task: impl Fn(usize, &[u8], &mut [f32]) + Sync) {
+        let rb = self.row_bytes();
+        let mut by_row = vec![0f32; self.rows * n];
+        by_row
+            .par_chunks_mut(ROWS_PER_TASK * n)
+            .zip(self.data.par_chunks(ROWS_PER_TASK * rb))
+            .enumerate()
+            .for_each(|(i, (out, w))| task(i * ROWS_PER_TASK, w, out));
         if n == 1 {
             y.copy_from_slice(&by_row);
             return;

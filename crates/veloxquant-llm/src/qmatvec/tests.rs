@@ -129,3 +129,72 @@ fn bad_shapes_are_errors() {
     let m = random_matrix(PackedFormat::Q8_0, 2, 32, 4);
     assert!(m.matvec(&[0.0; 33], 1).is_err());
 }
+
+/// 8-bit x: integer dots are exact, so a kernel's error against the f64 product of W with
+/// x̂ is only the per-block f32 scaling; 1e-4 of Σ|w·x̂| leaves room for the q4 formats'
+/// offset and code terms partly cancelling.
+const REL_TOL_Q8: f64 = 1e-4;
+
+#[test]
+fn int8_kernels_match_the_exact_product_with_quantized_x() {
+    // Even block counts up to 64 run the repacked kernel; odd ones (1, 3, 5) and 66 the per-block one.
+    let shapes = [(1, 32), (7, 64), (63, 96), (65, 576), (197, 160), (130, 1536), (3, 2048), (3, 2112)];
+    let kernels = Int8Kernel::available();
+    if kernels.len() < 3 {
+        eprintln!("SKIP some int8 kernels: this CPU runs only {kernels:?}");
+    }
+    for (fi, format) in PackedFormat::ALL.into_iter().enumerate() {
+        for (si, &(rows, cols)) in shapes.iter().enumerate() {
+            let m = random_matrix(format, rows, cols, 2000 + (fi * 100 + si) as u64);
+            let w = m.dequantize_ref();
+            for n in 1..=11 {
+                let mut x = SplitMix64::new(70 + n as u64).gaussian_vec(n * cols);
+                x[..BLOCK.min(cols)].fill(0.0); // an all-zero block: scale 0, codes 0
+                let xq = QuantX::new(&x).dequantize();
+                let (exact, scale) = exact_product(&w, rows, cols, &xq, n);
+                for &k in &kernels {
+                    let y = m.matvec_q8_with(k, &x, n).unwrap();
+                    for (i, &got) in y.iter().enumerate() {
+                        assert!(
+                            (got as f64 - exact[i]).abs() <= REL_TOL_Q8 * scale[i] + 1e-30,
+                            "{k:?} {format:?} {rows}×{cols} n={n} output {i}: {got} vs {}",
+                            exact[i]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_quantization_rounds_to_the_nearest_code_of_its_block_scale() {
+    let mut x = SplitMix64::new(5).gaussian_vec(4 * BLOCK);
+    x[BLOCK..2 * BLOCK].fill(0.0);
+    x[2 * BLOCK + 3] = -9.0; // the block's largest magnitude gets code −127
+    let q = QuantX::new(&x);
+    let xq = q.dequantize();
+    for (b, xb) in x.chunks_exact(BLOCK).enumerate() {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        assert_eq!(q.scale[b], amax / 127.0, "block {b} scale");
+        let sum: i32 = q.q[b * BLOCK..][..BLOCK].iter().map(|&c| c as i32).sum();
+        assert!((q.sum[b] - q.scale[b] * sum as f32).abs() <= 1e-6 * q.scale[b] * 127.0 * 32.0);
+        for i in 0..BLOCK {
+            let e = (x[b * BLOCK + i] - xq[b * BLOCK + i]).abs();
+            assert!(e <= 0.5 * q.scale[b] * (1.0 + 1e-5), "block {b} value {i}: error {e}");
+        }
+    }
+    assert_eq!(q.q[2 * BLOCK + 3], -127);
+    assert!(q.q[BLOCK..2 * BLOCK].iter().all(|&c| c == 0) && q.scale[1] == 0.0);
+    // The product's error against f32 x is bounded by Σ|w|·dx/2 per block.
+    let m = random_matrix(PackedFormat::Q4_1, 9, 4 * BLOCK, 8);
+    let w = m.dequantize_ref();
+    let y = m.matvec_q8(&x, 1).unwrap();
+    let (exact, _) = exact_product(&w, 9, 4 * BLOCK, &x, 1);
+    for r in 0..9 {
+        let bound: f64 =
+            (0..4 * BLOCK).map(|i| w[r * 4 * BLOCK + i].abs() as f64 * 0.5 * q.scale[i / BLOCK] as f64).sum();
+        assert!((y[r] as f64 - exact[r]).abs() <= bound * 1.01 + 1e-6, "row {r}");
+    }
+    assert!(m.matvec_q8(&x[..5], 1).is_err());
+}
