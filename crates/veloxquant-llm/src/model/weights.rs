@@ -2,7 +2,7 @@
 //! forward over n rows takes (the f32 GEMM for prefill, the GGUF blocks for decode steps).
 
 use crate::error::Result;
-use crate::qmatvec::{PackedMatrix, MAX_N};
+use crate::qmatvec::PackedMatrix;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
@@ -76,6 +76,13 @@ impl<W> Parts<W> {
         }
     }
 
+    fn first(&self) -> Option<&W> {
+        match self {
+            Parts::Fused { w, .. } => Some(w),
+            Parts::Separate(ws) => ws.first(),
+        }
+    }
+
     fn bytes(&self, f: impl Fn(&W) -> usize) -> usize {
         match self {
             Parts::Fused { w, .. } => f(w),
@@ -97,6 +104,12 @@ fn dense_bytes(w: &QMatMul) -> usize {
     match w {
         QMatMul::QTensor(t) => t.storage_size_in_bytes(),
         QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.elem_count() * t.dtype().size_in_bytes(),
+    }
+}
+
+impl Parts<PackedMatrix> {
+    fn max_rows(&self) -> usize {
+        self.first().map_or(0, PackedMatrix::max_rows_per_pass)
     }
 }
 
@@ -128,10 +141,11 @@ impl Proj {
     }
 
     /// `x [n][in]` times every weight: one row-major `[n][width_i]` buffer per weight. Up to
-    /// [`MAX_N`] rows (decode steps) use the packed blocks when there are some.
+    /// one pass of the packed kernel's rows (decode steps: 8, or 16 with 8-bit activations)
+    /// use the packed blocks when there are some.
     pub(crate) fn forward(&self, x: Vec<f32>, n: usize) -> Result<Vec<Vec<f32>>> {
         match &self.packed {
-            Some(p) if n <= MAX_N => p.forward(n, |w| w.product(&x, n)),
+            Some(p) if n <= p.max_rows() => p.forward(n, |w| w.product(&x, n)),
             _ => {
                 let x = Tensor::from_vec(x, (n, self.in_features), &Device::Cpu)?;
                 self.dense.forward(n, |w| Ok(w.forward(&x)?.flatten_all()?.to_vec1()?))

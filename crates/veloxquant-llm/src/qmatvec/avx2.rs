@@ -103,9 +103,10 @@ unsafe fn values<const F: u8>(q: [__m256; 4], d: __m256, m: __m256) -> [__m256; 
     v
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn hsum(v: __m256) -> f32 {
+/// The sum of a register's 8 lanes (no target features of its own: inlined into the
+/// kernels that have them; the int8 kernels use it too).
+#[inline(always)]
+pub(super) unsafe fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))

@@ -155,8 +155,10 @@ pub(super) use simd::{has_vnni, rows, rows_repacked};
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::super::{PackedFormat, BLOCK, MAX_N};
+    use super::super::avx2::hsum;
+    use super::super::{PackedFormat, BLOCK, MAX_N_Q8 as MAX_N};
     use super::{QuantX, Repacked, MAX_BLOCKS};
+    use std::mem::MaybeUninit;
 
     const Q4_0: u8 = 0;
     const Q4_1: u8 = 1;
@@ -189,13 +191,6 @@ mod simd {
     #[inline(always)]
     unsafe fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
-    }
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
     }
 
     #[derive(Clone, Copy)]
@@ -309,7 +304,7 @@ mod simd {
         m: *const u16,
         nb: usize,
         x: &QuantX,
-        s: &mut [[f32; MAX_BLOCKS]; N],
+        s: &mut [[MaybeUninit<f32>; MAX_BLOCKS]; N],
         off: &mut [f32; N],
     ) {
         let one = |p: *const u16| _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(p.read_unaligned() as i32)));
@@ -319,7 +314,7 @@ mod simd {
             let mut b = 0;
             while b + 8 <= nb {
                 let dv = _mm256_cvtph_ps(_mm_loadu_si128(d.add(b).cast()));
-                _mm256_storeu_ps(s[j].as_mut_ptr().add(b), _mm256_mul_ps(dv, _mm256_loadu_ps(dx.add(b))));
+                _mm256_storeu_ps(s[j].as_mut_ptr().add(b).cast(), _mm256_mul_ps(dv, _mm256_loadu_ps(dx.add(b))));
                 let mv = match F {
                     Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(m.add(b).cast())),
                     _ => _mm256_mul_ps(dv, _mm256_set1_ps(-8.0)),
@@ -332,7 +327,7 @@ mod simd {
             let mut o = hsum(acc);
             while b < nb {
                 let db = one(d.add(b));
-                s[j][b] = db * *dx.add(b);
+                s[j][b] = MaybeUninit::new(db * *dx.add(b));
                 let mb = if F == Q4_1 { one(m.add(b)) } else { -8.0 * db };
                 if F != Q8_0 {
                     o += mb * *sx.add(b);
@@ -347,7 +342,7 @@ mod simd {
     /// written to `out[(r − first)·N + j]`. Safety: the rows exist in `rp`, x holds N rows
     /// of `rp.nb` blocks, `out` holds `(row + R − first) · N` values.
     #[inline(always)]
-    unsafe fn rows_repacked_group<const F: u8, const N: usize, const R: usize, const VNNI: bool>(
+    unsafe fn rows_repacked_group<const F: u8, const N: usize, const R: usize, const A: usize, const VNNI: bool>(
         rp: &Repacked,
         x: &QuantX,
         row: usize,
@@ -356,14 +351,18 @@ mod simd {
     ) {
         let nb = rp.nb;
         let code_bytes = nb * BLOCK / if F == Q8_0 { 1 } else { 2 };
-        let mut s = [[[0f32; MAX_BLOCKS]; N]; R];
+        // Not zeroed (a 4 KiB memset per row at N = 16): `scales` writes s[k][j][..nb],
+        // every entry the loop below reads.
+        let mut s = [[[MaybeUninit::<f32>::uninit(); MAX_BLOCKS]; N]; R];
         let mut off = [[0f32; N]; R];
         for k in 0..R {
             let r = row + k;
             let m = if F == Q4_1 { rp.m.as_ptr().add(r * nb) } else { std::ptr::null() };
             scales::<F, N>(rp.d.as_ptr().add(r * nb), m, nb, x, &mut s[k], &mut off[k]);
         }
-        let mut acc = [[[_mm256_setzero_ps(); 2]; N]; R];
+        // A chains per row of x: two where there are few rows, one where there are many (R·N·A
+        // accumulators must stay in registers).
+        let mut acc = [[[_mm256_setzero_ps(); A]; N]; R];
         let mask = _mm256_set1_epi8(0x0F);
         let qx = x.q.as_ptr();
         let step = if F == Q8_0 { 1 } else { 2 };
@@ -387,8 +386,9 @@ mod simd {
                             wu = _mm256_sign_epi8(wu, wu);
                         }
                         let dot = if VNNI { dot_vnni(wu, xq) } else { dot_avx2(wu, xq) };
-                        let sc = _mm256_set1_ps(s[k][j][b + h]);
-                        acc[k][j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[k][j][h]);
+                        let sc = _mm256_set1_ps(s[k][j][b + h].assume_init());
+                        let a = h % A;
+                        acc[k][j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[k][j][a]);
                     }
                 }
             }
@@ -396,7 +396,8 @@ mod simd {
         }
         for k in 0..R {
             for j in 0..N {
-                *out.add((row + k - first) * N + j) = hsum(_mm256_add_ps(acc[k][j][0], acc[k][j][1])) + off[k][j];
+                let sum = acc[k][j][1..].iter().fold(acc[k][j][0], |a, &b| _mm256_add_ps(a, b));
+                *out.add((row + k - first) * N + j) = hsum(sum) + off[k][j];
             }
         }
     }
@@ -412,12 +413,16 @@ mod simd {
         let mut r = rows.start;
         if N == 1 {
             while r + 2 <= rows.end {
-                rows_repacked_group::<F, N, 2, VNNI>(rp, x, r, rows.start, out);
+                rows_repacked_group::<F, N, 2, 2, VNNI>(rp, x, r, rows.start, out);
                 r += 2;
             }
         }
         while r < rows.end {
-            rows_repacked_group::<F, N, 1, VNNI>(rp, x, r, rows.start, out);
+            if N <= 4 {
+                rows_repacked_group::<F, N, 1, 2, VNNI>(rp, x, r, rows.start, out);
+            } else {
+                rows_repacked_group::<F, N, 1, 1, VNNI>(rp, x, r, rows.start, out);
+            }
             r += 1;
         }
     }
@@ -471,7 +476,15 @@ mod simd {
                     5 => $k::<$f, 5>(rp, x, rows, o),
                     6 => $k::<$f, 6>(rp, x, rows, o),
                     7 => $k::<$f, 7>(rp, x, rows, o),
-                    _ => $k::<$f, 8>(rp, x, rows, o),
+                    8 => $k::<$f, 8>(rp, x, rows, o),
+                    9 => $k::<$f, 9>(rp, x, rows, o),
+                    10 => $k::<$f, 10>(rp, x, rows, o),
+                    11 => $k::<$f, 11>(rp, x, rows, o),
+                    12 => $k::<$f, 12>(rp, x, rows, o),
+                    13 => $k::<$f, 13>(rp, x, rows, o),
+                    14 => $k::<$f, 14>(rp, x, rows, o),
+                    15 => $k::<$f, 15>(rp, x, rows, o),
+                    _ => $k::<$f, 16>(rp, x, rows, o),
                 }
             };
         }
@@ -491,7 +504,7 @@ mod simd {
         *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl"))
     }
 
-    /// `out[r·n + j] = W_r · x̂_j` for the rows in `w` (n ≤ 8 rows of quantized x), with
+    /// `out[r·n + j] = W_r · x̂_j` for the rows in `w` (n ≤ 16 rows of quantized x), with
     /// the VNNI dot when `vnni`. Safety: the CPU has AVX2, FMA and F16C, and with `vnni`
     /// AVX512-VNNI and AVX512VL.
     pub unsafe fn rows(
@@ -528,7 +541,15 @@ mod simd {
                     5 => $k::<$f, 5>(t),
                     6 => $k::<$f, 6>(t),
                     7 => $k::<$f, 7>(t),
-                    _ => $k::<$f, 8>(t),
+                    8 => $k::<$f, 8>(t),
+                    9 => $k::<$f, 9>(t),
+                    10 => $k::<$f, 10>(t),
+                    11 => $k::<$f, 11>(t),
+                    12 => $k::<$f, 12>(t),
+                    13 => $k::<$f, 13>(t),
+                    14 => $k::<$f, 14>(t),
+                    15 => $k::<$f, 15>(t),
+                    _ => $k::<$f, 16>(t),
                 }
             };
         }

@@ -36,8 +36,11 @@ use std::borrow::Cow;
 
 /// Values per block, for every supported format.
 pub const BLOCK: usize = 32;
-/// Most rows of x one pass reads W for (the server's batched decode step is ≤ 8 rows).
+/// Most rows of x one pass of the f32-activation kernel reads W for.
 pub const MAX_N: usize = 8;
+/// Most rows of x one pass of the 8-bit-activation kernel reads W for (a batched decode
+/// step of 16 sequences reads the weights once).
+pub const MAX_N_Q8: usize = 16;
 /// Weight rows per rayon task: enough work (≈ 64 × 18 blocks) to hide the task overhead,
 /// small enough that the 576-row projections split into 9 tasks over 2 cores. Not tuned:
 /// 16, 64 and 256 gave the same decode-step time within noise (13–17 ms, loaded 2 cores).
@@ -215,6 +218,15 @@ impl PackedMatrix {
         self.data.len() + self.repacked.get().and_then(Option::as_ref).map_or(0, int8::Repacked::bytes)
     }
 
+    /// Most rows of x one pass of [`product`](Self::product) takes.
+    pub fn max_rows_per_pass(&self) -> usize {
+        if self.q8_x {
+            MAX_N_Q8
+        } else {
+            MAX_N
+        }
+    }
+
     /// The product this matrix was set up for: [`matvec_q8`](Self::matvec_q8) or
     /// [`matvec`](Self::matvec).
     pub fn product(&self, x: &[f32], n: usize) -> Result<Vec<f32>> {
@@ -294,7 +306,7 @@ impl PackedMatrix {
         let kernel = if Int8Kernel::available().contains(&kernel) { kernel } else { Int8Kernel::Scalar };
         let n_blocks = self.cols / BLOCK;
         let mut y = vec![0f32; n * self.rows];
-        for (xs, ys) in x.chunks(MAX_N * self.cols).zip(y.chunks_mut(MAX_N * self.rows)) {
+        for (xs, ys) in x.chunks(MAX_N_Q8 * self.cols).zip(y.chunks_mut(MAX_N_Q8 * self.rows)) {
             let m = xs.len() / self.cols;
             let qx = QuantX::new(xs);
             #[cfg(target_arch = "x86_64")]
