@@ -427,6 +427,90 @@ mod simd {
         }
     }
 
+    /// Rows `row..row + R` over the repacked layout with 512-bit VNNI: two blocks per
+    /// `vpdpbusd` (lanes 0–7 the first block, 8–15 the second: their codes and x's are
+    /// contiguous), scaled by [d·dx of the first ×8 | of the second ×8]. Safety: as
+    /// [`rows_repacked_group`], and the CPU has AVX512F/BW/VNNI.
+    #[inline(always)]
+    unsafe fn rows_repacked_group512<const F: u8, const N: usize, const R: usize>(
+        rp: &Repacked,
+        x: &QuantX,
+        row: usize,
+        first: usize,
+        out: *mut f32,
+    ) {
+        let nb = rp.nb;
+        let code_bytes = nb * BLOCK / if F == Q8_0 { 1 } else { 2 };
+        // Not zeroed: `scales` writes s[k][j][..nb], every entry read below.
+        let mut s = [[[MaybeUninit::<f32>::uninit(); MAX_BLOCKS]; N]; R];
+        let mut off = [[0f32; N]; R];
+        for k in 0..R {
+            let r = row + k;
+            let m = if F == Q4_1 { rp.m.as_ptr().add(r * nb) } else { std::ptr::null() };
+            scales::<F, N>(rp.d.as_ptr().add(r * nb), m, nb, x, &mut s[k], &mut off[k]);
+        }
+        let mut acc = [[_mm512_setzero_ps(); N]; R];
+        let mask = _mm256_set1_epi8(0x0F);
+        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let qx = x.q.as_ptr();
+        for b in (0..nb).step_by(2) {
+            for k in 0..R {
+                let c = rp.codes.as_ptr().add((row + k) * code_bytes);
+                let w = if F == Q8_0 {
+                    _mm512_loadu_si512(c.add(b * BLOCK).cast())
+                } else {
+                    let v = _mm256_loadu_si256(c.add(b * BLOCK / 2).cast());
+                    let (lo, hi) = (_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+                    _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
+                };
+                // q8_0: |w| times x with w's sign (no 512-bit vpsignb).
+                let (wu, neg) = if F == Q8_0 { (_mm512_abs_epi8(w), _mm512_movepi8_mask(w)) } else { (w, 0) };
+                for j in 0..N {
+                    let mut xq = _mm512_loadu_si512(qx.add((j * nb + b) * BLOCK).cast());
+                    if F == Q8_0 {
+                        xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
+                    }
+                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xq);
+                    // s[b], s[b + 1] in one 8-byte load, spread to the two halves.
+                    let pair = _mm_load_sd(s[k][j].as_ptr().add(b).cast::<f64>());
+                    let sc = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(pair)));
+                    acc[k][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[k][j]);
+                }
+            }
+        }
+        for k in 0..R {
+            for j in 0..N {
+                *out.add((row + k - first) * N + j) = _mm512_reduce_add_ps(acc[k][j]) + off[k][j];
+            }
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn rows_repacked_body512<const F: u8, const N: usize>(
+        rp: &Repacked,
+        x: &QuantX,
+        rows: std::ops::Range<usize>,
+        out: *mut f32,
+    ) {
+        // At least four accumulation chains: four rows at once for one row of x, two for two.
+        let mut r = rows.start;
+        if N == 1 {
+            while r + 4 <= rows.end {
+                rows_repacked_group512::<F, N, 4>(rp, x, r, rows.start, out);
+                r += 4;
+            }
+        } else if N == 2 {
+            while r + 2 <= rows.end {
+                rows_repacked_group512::<F, N, 2>(rp, x, r, rows.start, out);
+                r += 2;
+            }
+        }
+        while r < rows.end {
+            rows_repacked_group512::<F, N, 1>(rp, x, r, rows.start, out);
+            r += 1;
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn rp_avx2<const F: u8, const N: usize>(
         rp: &Repacked,
@@ -437,14 +521,14 @@ mod simd {
         rows_repacked_body::<F, N, false>(rp, x, rows, out)
     }
 
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn rp_vnni<const F: u8, const N: usize>(
         rp: &Repacked,
         x: &QuantX,
         rows: std::ops::Range<usize>,
         out: *mut f32,
     ) {
-        rows_repacked_body::<F, N, true>(rp, x, rows, out)
+        rows_repacked_body512::<F, N>(rp, x, rows, out)
     }
 
     /// [`rows`] over a [`Repacked`] matrix: weight rows `rows` into `out [row][n]`.
@@ -498,10 +582,16 @@ mod simd {
         }
     }
 
-    /// Whether the CPU has the 256-bit VNNI dot product (detected once).
+    /// Whether the CPU has AVX512F/BW/VL and VNNI (the 512-bit repacked kernel and the
+    /// 256-bit `vpdpbusd`; detected once).
     pub fn has_vnni() -> bool {
         static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *VNNI.get_or_init(|| is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl"))
+        *VNNI.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512vnni")
+        })
     }
 
     /// `out[r·n + j] = W_r · x̂_j` for the rows in `w` (n ≤ 16 rows of quantized x), with

@@ -128,7 +128,8 @@ pub enum Int8Kernel {
     Scalar,
     /// AVX2 + FMA + F16C: the dot as `vpmaddubsw` + `vpmaddwd`.
     Avx2,
-    /// As Avx2, the dot one `vpdpbusd` (AVX512-VNNI + AVX512VL).
+    /// AVX512F/BW/VL + VNNI: two blocks per 512-bit `vpdpbusd` (one 256-bit for rows of
+    /// an odd block count).
     Vnni,
 }
 
