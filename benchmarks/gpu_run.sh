@@ -22,7 +22,7 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   timeout 150 ./bench run --out $OUT/ours2.json --iters $IT --no-encode 2>&1 | tail -3
   PYTHONUNBUFFERED=1 timeout 150 python3 peer_sdpa.py --out $OUT/peer2.json --iters $IT 2>&1 | tail -2
   O=$(ls $OUT/ours*.json | paste -sd,); P=$(ls $OUT/peer*.json | paste -sd,)
-  ./bench report --ours $O --peer $P --out $OUT/cuda-decode.json --md $OUT/table.md --date "$(date -u +%F)" --commit "$COMMIT" | tee $OUT/table.md
+  ./bench report --ours $O --peer $P --out $OUT/cuda-decode.json --date "$(date -u +%F)" --commit "$COMMIT" | tee $OUT/table.md
 fi
 if [ "$MODE" = all ] || [ "$MODE" = memcheck ]; then
   timeout ${MC_T:-240} compute-sanitizer --tool memcheck --error-exitcode 9 ./parity decode_matches decode_graph --test-threads=1 2>&1 | tail -4

@@ -57,8 +57,77 @@ fn bench_device() -> Result<Arc<GpuDevice>> {
     GpuDevice::new_with(0, t, std::env::var_os("VELOXQUANT_PTX_DIR").map(std::path::PathBuf::from))
 }
 
-fn arg(args: &[String], name: &str) -> Option<String> {
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+/// `bench cuda`'s command line.
+#[derive(clap::Parser, Debug)]
+#[command(name = "bench cuda", about = "GPU decode-attention and encode benchmarks")]
+pub struct BenchCli {
+    #[command(subcommand)]
+    pub cmd: BenchCmd,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum BenchCmd {
+    /// Measure bandwidth, encode and decode; write the rows as JSON.
+    Run(RunArgs),
+    /// Merge rounds of ours and the peer's into one table (no GPU needed).
+    Report(ReportArgs),
+    /// REPS launches of one format's encoder on 2M f16 vectors (for profilers).
+    Encode {
+        #[arg(default_value = "turboquant_mse:4")]
+        format: String,
+        #[arg(default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        reps: u32,
+    },
+}
+
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    #[arg(long, default_value = "ours.json")]
+    pub out: std::path::PathBuf,
+    /// Timed steps per measurement (≥ 1).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub iters: u32,
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub blocks_per_sm: Option<u32>,
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub min_pages: Option<u32>,
+    /// Only these formats (comma-separated specs).
+    #[arg(long)]
+    pub formats: Option<String>,
+    /// Rows of the shape table (indices) or probes BxHQxHKVxS, comma-separated.
+    #[arg(long)]
+    pub shapes: Option<String>,
+    #[arg(long)]
+    pub no_decode: bool,
+    #[arg(long)]
+    pub no_encode: bool,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct ReportArgs {
+    /// Our `run` outputs (rounds), comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub ours: Vec<std::path::PathBuf>,
+    /// The peer's outputs (peer_sdpa.py), comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub peer: Vec<std::path::PathBuf>,
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+    #[arg(long, default_value = "")]
+    pub date: String,
+    #[arg(long, default_value = "")]
+    pub commit: String,
+}
+
+/// Writes `text` to `path` through a temporary file in the same folder and a rename, so a
+/// failed run never leaves a half-written report.
+fn write_atomic(path: &std::path::Path, text: &str) -> std::result::Result<(), String> {
+    let tmp = path.with_extension(format!("tmp-{}", std::process::id()));
+    std::fs::write(&tmp, text).map_err(|e| format!("writing {}: {e}", tmp.display()))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        format!("renaming onto {}: {e}", path.display())
+    })
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -210,9 +279,7 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
 }
 
 /// `encode FORMAT [REPS]`: REPS launches of the encoder on 2M f16 vectors (for profilers).
-fn encode_only(args: &[String]) -> Result<()> {
-    let f = args.get(2).map(String::as_str).unwrap_or("turboquant_mse:4");
-    let reps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(3);
+fn encode_only(f: &str, reps: usize) -> Result<()> {
     let dev = bench_device()?;
     let (n_vec, t) = (1usize << 21, 32);
     let jobs = n_vec / t;
@@ -318,46 +385,54 @@ fn decode_rows(
     Ok(rows)
 }
 
-fn run(args: &[String]) -> Result<()> {
-    let out = arg(args, "--out").unwrap_or_else(|| "ours.json".into());
-    let iters: usize = arg(args, "--iters").and_then(|s| s.parse().ok()).unwrap_or(100);
+fn run(a: &RunArgs) -> std::result::Result<(), String> {
+    let v = run_gpu(a).map_err(|e| e.to_string())?;
+    write_atomic(&a.out, &serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?)
+}
+
+fn run_gpu(a: &RunArgs) -> Result<Value> {
+    let iters = a.iters as usize;
     let mut opts = DecodeOptions::default();
-    if let Some(v) = arg(args, "--blocks-per-sm").and_then(|s| s.parse().ok()) {
-        opts.blocks_per_sm = v;
+    if let Some(v) = a.blocks_per_sm {
+        opts.blocks_per_sm = v as usize;
     }
-    if let Some(v) = arg(args, "--min-pages").and_then(|s| s.parse().ok()) {
-        opts.min_pages_per_split = v;
+    if let Some(v) = a.min_pages {
+        opts.min_pages_per_split = v as usize;
     }
     let dev = bench_device()?;
     eprintln!("device: {dev:?}, {} SMs", dev.sm_count);
     let (read_tbps, copy_tbps) = bandwidth(&dev)?;
     eprintln!("read probe {read_tbps:.2} TB/s, device copy {copy_tbps:.2} TB/s (read+write)");
-    let only = arg(args, "--formats");
-    let decode = if args.iter().any(|a| a == "--no-decode") {
+    let decode = if a.no_decode {
         vec![]
     } else {
-        decode_rows(&dev, iters, read_tbps, opts, only.as_deref(), arg(args, "--shapes").as_deref())?
+        decode_rows(&dev, iters, read_tbps, opts, a.formats.as_deref(), a.shapes.as_deref())?
     };
-    let encode =
-        if args.iter().any(|a| a == "--no-encode") { vec![] } else { encode_rows(&dev, read_tbps, copy_tbps)? };
-    let v = json!({
+    let encode = if a.no_encode { vec![] } else { encode_rows(&dev, read_tbps, copy_tbps)? };
+    Ok(json!({
         "device": dev.name, "sm_count": dev.sm_count, "read_tbps": read_tbps, "copy_tbps": copy_tbps,
         "iters": iters, "decode": decode, "encode": encode,
-    });
-    std::fs::write(&out, serde_json::to_string_pretty(&v).expect("json")).expect("write");
-    Ok(())
+    }))
 }
 
-fn load(list: &str) -> Vec<Value> {
-    list.split(',')
-        .filter(|s| !s.is_empty())
-        .map(|p| serde_json::from_str(&std::fs::read_to_string(p).expect("read")).expect("parse"))
+fn load(paths: &[std::path::PathBuf]) -> std::result::Result<Vec<Value>, String> {
+    paths
+        .iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(p).map_err(|e| format!("reading {}: {e}", p.display()))?;
+            serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", p.display()))
+        })
         .collect()
 }
 
-fn report(args: &[String]) {
-    let ours = load(&arg(args, "--ours").expect("--ours"));
-    let peers = load(&arg(args, "--peer").unwrap_or_default());
+/// A number a row must have (a report from another program or version is refused).
+fn num(r: &Value, key: &str) -> std::result::Result<f64, String> {
+    r[key].as_f64().ok_or_else(|| format!("a decode row has no number `{key}`: {r}"))
+}
+
+fn report(a: &ReportArgs) -> std::result::Result<(), String> {
+    let ours = load(&a.ours)?;
+    let peers = load(&a.peer)?;
     let key = |r: &Value| format!("{}-{}-{}-{}", r["b"], r["hq"], r["hkv"], r["s"]);
     // Per shape and timing mode, the peer's best median over rounds (and its backend).
     let mut peer_best: BTreeMap<(String, &str), (f64, String)> = BTreeMap::new();
@@ -404,7 +479,7 @@ fn report(args: &[String]) {
         let (us, gus) = (*us, *gus);
         let (peer_us, backend) = peer_best.get(&(k.0.clone(), "single")).cloned().unwrap_or((f64::NAN, "-".into()));
         let (peer_gus, gbackend) = peer_best.get(&(k.0.clone(), "graph")).cloned().unwrap_or((f64::NAN, "-".into()));
-        let bytes = r["bytes"].as_f64().unwrap();
+        let bytes = num(r, "bytes")?;
         let tbps = bytes / us / 1e6;
         let gtbps = bytes / gus / 1e6;
         let row = json!({
@@ -421,9 +496,9 @@ fn report(args: &[String]) {
             r["hkv"],
             r["d"],
             r["s"],
-            r["format"].as_str().unwrap(),
-            r["k_bits"].as_f64().unwrap(),
-            r["v_bits"].as_f64().unwrap(),
+            r["format"].as_str().ok_or_else(|| format!("a decode row has no format: {r}"))?,
+            num(r, "k_bits")?,
+            num(r, "v_bits")?,
             us,
             peer_us,
             backend,
@@ -459,46 +534,41 @@ fn report(args: &[String]) {
     }
     let v = json!({
         "device": ours.first().map(|o| o["device"].clone()).unwrap_or(Value::Null),
-        "date": arg(args, "--date").unwrap_or_default(),
-        "commit": arg(args, "--commit").unwrap_or_default(),
+        "date": a.date,
+        "commit": a.commit,
         "read_tbps": read_tbps,
         "copy_tbps": ours.first().map(|o| o["copy_tbps"].clone()).unwrap_or(Value::Null),
         "peer": "torch.nn.functional.scaled_dot_product_attention, bf16 K/V, fastest of flash and cuDNN",
         "rows": rows,
         "encode": enc,
     });
-    if let Some(p) = arg(args, "--out") {
-        std::fs::write(p, serde_json::to_string_pretty(&v).expect("json")).expect("write");
+    if let Some(p) = &a.out {
+        write_atomic(p, &serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?)?;
     }
+    Ok(())
 }
 
-/// Entry point: `args[1]` is `run` or `report` (args[0] is the program name). Returns the
-/// process exit code.
+/// Entry point: `args[0]` is the program name, then a subcommand ([`BenchCli`]). Returns the
+/// process exit code: 0, 1 for a failed run, 2 for a bad command line (clap's message).
 pub fn main_with_args(args: &[String]) -> i32 {
-    match args.get(1).map(String::as_str) {
-        Some("run") => match run(args) {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("error: {e}");
-                1
-            }
-        },
-        Some("report") => {
-            report(args);
-            0
+    use clap::Parser;
+    let cli = match BenchCli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() { 2 } else { 0 };
         }
-        Some("encode") => match encode_only(args) {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!("error: {e}");
-                1
-            }
-        },
-        _ => {
-            eprintln!(
-                "usage: bench cuda run --out FILE [--iters N] | report --ours A[,B] --peer P[,Q] --out FILE | encode FORMAT [REPS]"
-            );
-            2
+    };
+    let res = match &cli.cmd {
+        BenchCmd::Run(a) => run(a),
+        BenchCmd::Report(a) => report(a),
+        BenchCmd::Encode { format, reps } => encode_only(format, *reps as usize).map_err(|e| e.to_string()),
+    };
+    match res {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
         }
     }
 }
