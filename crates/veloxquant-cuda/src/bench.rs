@@ -8,7 +8,8 @@
 //!
 //! `run` measures the read bandwidth (probe kernel) and copy bandwidth, encode throughput
 //! per format at 2M vectors, and decode time per (shape, format) as the median of CUDA-event
-//! timings after warm-up, rotating among several caches so L2 cannot help, three ways: one
+//! timings after warm-up, rotating among up to 16 caches that together hold ≥ 256 MiB (5× an H200's
+//! L2; each row records how many and their bytes) so L2 cannot help, three ways: one
 //! synchronized step per event pair, ten back-to-back steps, ten steps captured in a CUDA graph
 //! and replayed. `--shapes` picks rows of the table (indices) or adds probes (BxHQxHKVxS).
 //! `report` merges rounds of ours and the peer's (peer_sdpa.py, timed the same three ways),
@@ -332,7 +333,10 @@ fn decode_rows(
             let cfg = GpuCacheConfig::from_cpu(&cpu, b, sl, b * sl);
             let gf = GpuFormat::new(&spec, D, 32, 1)?;
             let bytes_one = b * hkv * (sl / 32) * gf.page_bytes * 2;
-            let n_sets = (256usize << 20).div_ceil(bytes_one).clamp(1, 4);
+            // Enough caches that a rotation reads ≥ 256 MiB (5× the H200's 50 MB L2, so no
+            // step finds the last one's bytes there); at most 16 (the smallest cache here,
+            // 2-bit at B = 1, S = 32k, is 18 MB).
+            let n_sets = (256usize << 20).div_ceil(bytes_one).clamp(1, 16);
             let mut caches = Vec::new();
             let mut plans = Vec::new();
             let slots: Vec<usize> = (0..b).collect();
@@ -378,7 +382,8 @@ fn decode_rows(
                 "b": b, "hq": hq, "hkv": hkv, "d": D, "s": sl, "format": f,
                 "k_bits": gf.bits_per_value(), "v_bits": gf.bits_per_value(),
                 "ours_us": us, "ours_stream_us": stream_us, "ours_graph_us": graph_us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
-                "n_splits": plans[0].n_splits, "finite": finite,
+                "n_splits": plans[0].n_splits, "finite": finite, "rotated_caches": n_sets,
+                "rotated_bytes": n_sets * bytes_one,
             }));
         }
     }
