@@ -54,7 +54,7 @@ pub enum Weights {
 }
 
 impl Weights {
-    fn mode(self) -> WeightMode {
+    pub(crate) fn mode(self) -> WeightMode {
         match self {
             Weights::Packed => WeightMode::Packed,
             Weights::F32 => WeightMode::DequantF32,
