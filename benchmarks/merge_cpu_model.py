@@ -43,7 +43,8 @@ def llama_rows(path):
 def column(r):
     name = "ours" if r["engine"] == "veloxquant" else r["engine"]
     b = f" B={r['batch']}" if r["batch"] != 1 else ""
-    return f"{name} {r['cache']}{b}"
+    fa = " -fa 0" if r.get("flash_attn") == 0 else ""
+    return f"{name} {r['cache']}{fa}{b}"
 
 
 def write_atomic(path, text):
@@ -61,7 +62,8 @@ def render(rows, a):
     ours = [r for r in rows if r["engine"] == "veloxquant"]
     default = next((r["cache"] for r in ours if r["cache"] != "fp16"), None)
     cols = []
-    order = lambda r: (r["engine"] != "llama.cpp", r["batch"], r["cache"] not in ("f16/f16", "fp16"), r["cache"])
+    order = lambda r: (r["engine"] != "llama.cpp", r["batch"], r["cache"] not in ("f16/f16", "fp16"),
+                       r["cache"], r.get("flash_attn") == 0)
     for r in sorted(rows, key=order):
         if column(r) not in cols:
             cols.append(column(r))
@@ -76,12 +78,13 @@ def render(rows, a):
         f"{model} on {cpu}, {a.threads} threads, median of {a.reps} reps (min–max and samples in the JSON). "
         f"llama.cpp: llama-bench from the llama.cpp vendored in llama-cpp-python {a.llama_version} "
         f"(build {next((r['build_commit'] for r in rows if 'build_commit' in r), '?')}), `-fa 1`, "
-        f"KV cache `-ctk/-ctv`; built once in {a.build_seconds} s (Release, native, `-j2`, under `nice`). "
+        f"KV cache `-ctk/-ctv` (f16 also with `-fa 0`); built once in {a.build_seconds} s (Release, native, `-j2`, under `nice`). "
         f"ours: `veloxquant bench model` (commit {a.commit}), packed weights; "
         f"the default compressed cache is `{default}`.",
         "",
         "Both: random token ids, the depth filled untimed, one warm-up, every rep from the same "
-        "filled state (llama.cpp restores a saved state; ours copies the filled cache).",
+        "filled state (llama.cpp restores a saved state; ours copies the filled cache). "
+        "Run one after the other: llama.cpp f16 (-fa 1, 0), q4_0, then ours (tg, then pp).",
         "",
         f"Load before the run: `{a.load_before.strip()}`",
         "",
@@ -89,7 +92,7 @@ def render(rows, a):
         "",
     ]
     if load_high:
-        out += ["**Preliminary:** the load average was above 1 (another build shared the 2 cores), "
+        out += ["**Preliminary:** the load average was above 1 (the 2 cores are shared with other work), "
                 "so both engines ran slower and noisier than on an idle machine.", ""]
     out += ["| test | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     beyond = False
@@ -112,8 +115,11 @@ def render(rows, a):
     out += ["", "Ratios (tokens/s, ours ÷ llama.cpp):", "", "| ours | llama.cpp | test | ratio |", "|---|---|---|---:|"]
 
     def get(engine, cache, t, d):
+        """Batch 1; llama.cpp with flash attention unless the cache names `-fa 0`."""
+        cache, _, fa = cache.partition(" -fa ")
         r = next((r for r in rows if r["engine"] == engine and r["cache"] == cache and r["test"] == t
-                  and r["depth"] == d and r["batch"] == 1), None)
+                  and r["depth"] == d and r["batch"] == 1
+                  and (engine != "llama.cpp" or r.get("flash_attn") == int(fa or 1))), None)
         return r and r["tokens_per_s"]
 
     tg = sorted({r["test"] for r in rows if r["test"].startswith("tg")}, key=test_key)
@@ -123,11 +129,11 @@ def render(rows, a):
     for t in tg:
         for d in depths:
             if d > 0:
-                pairs += [(default, "q4_0/q4_0", t, d), (default, "f16/f16", t, d)]
-        pairs.append(("fp16", "f16/f16", t, 0))
+                pairs += [(default, "q4_0/q4_0", t, d), (default, "f16/f16", t, d), (default, "f16/f16 -fa 0", t, d)]
+        pairs += [("fp16", "f16/f16", t, 0), ("fp16", "f16/f16 -fa 0", t, 0)]
     for t in pp:
         for d in depths:
-            pairs += [("fp16", "f16/f16", t, d), (default, "q4_0/q4_0", t, d)]
+            pairs += [("fp16", "f16/f16", t, d), ("fp16", "f16/f16 -fa 0", t, d), (default, "q4_0/q4_0", t, d)]
     for o, l, t, d in pairs:
         x, y = get("veloxquant", o, t, d), get("llama.cpp", l, t, d)
         if x and y:
