@@ -179,6 +179,7 @@ pub enum Plan {
     Specs(Vec<veloxquant::FormatSpec>),
     Cache(Option<crate::demo::GenPlan>),
     Bench(crate::bench::BenchPlan),
+    ModelBench(crate::bench_model::ModelBenchPlan),
     /// A checked input text.
     Text(PathBuf),
     Nothing,
@@ -206,6 +207,7 @@ pub fn plan(cmd: &crate::Cmd, ctx: &Ctx) -> Result<Plan, ArgError> {
         // Checked by the serve command itself (and per request by the server).
         Cmd::Serve(_) => Plan::Nothing,
         Cmd::Bench { which: BenchCmd::Cpu(a) } => Plan::Bench(a.plan(ctx)?),
+        Cmd::Bench { which: BenchCmd::Model(a) } => Plan::ModelBench(a.plan(ctx)?),
         // Parsed and checked by veloxquant-cuda's own bench driver.
         Cmd::Bench { which: BenchCmd::Cuda { .. } } => Plan::Nothing,
         Cmd::Bench { which: BenchCmd::E2e(a) } => {

@@ -98,6 +98,7 @@ fn argv() -> impl Strategy<Value = Vec<String>> {
             &["bench", "cpu"],
             &["--context", "--formats", "--shapes", "--reps", "--ref-reps", "--recent", "--json", "--md"],
         ),
+        (&["bench", "model"], &["--methods", "--tests", "--depths", "--batch", "--reps", "--threads", "--json"]),
         (&["bench", "e2e"], &["--batch", "--context", "--methods", "--iters", "--fit", "--json"]),
         (&["bench", "e2e-report"], &["--ours", "--hf", "--json", "--md", "--svg", "--svg-context"]),
         (&["generate", "--device", "cuda"], &["--prompt", "--method", "--max-tokens"]),
@@ -147,6 +148,10 @@ proptest! {
                     prop_assert!(p.methods.iter().enumerate().all(|(i, a)| !p.methods[..i].contains(a)), "duplicates");
                 }
                 Ok(Plan::Specs(s)) => prop_assert!(!s.is_empty()),
+                Ok(Plan::ModelBench(p)) => {
+                    prop_assert!(!p.methods.is_empty() && p.threads >= 1);
+                    prop_assert!(p.tests.iter().all(|t| (1..=m.n_ctx).contains(&t.n_tokens())), "{args:?}");
+                }
                 Ok(_) => {}
             }
         }

@@ -2,6 +2,7 @@
 
 mod allocate;
 mod bench;
+mod bench_model;
 mod cache_cmd;
 mod check;
 mod demo;
@@ -94,6 +95,9 @@ enum Cmd {
 enum BenchCmd {
     /// Encode throughput and decode attention on this CPU, each format vs the fp16 cache.
     Cpu(bench::CpuArgs),
+    /// The model's prefill and decode tokens/s per cache method at a context depth, measured
+    /// as llama.cpp's llama-bench does (ppN, tgN), optionally over a batch of sequences.
+    Model(bench_model::ModelBenchArgs),
     /// The model's decode step on the GPU, end to end (graph replay), per batch × context ×
     /// method: tokens/s, the step's split, memory, the bandwidth bound (feature `cuda`).
     E2e(gpu::E2eArgs),
@@ -142,6 +146,7 @@ fn run(cli: Cli) -> util::AnyResult {
         (Cmd::Cache { which }, check::Plan::Cache(p)) => cache_cmd::run(&which, p.as_ref(), model),
         (Cmd::Serve(a), _) => serve_cmd::run(&a, need()?),
         (Cmd::Bench { which: BenchCmd::Cpu(args) }, check::Plan::Bench(p)) => bench::run_cpu(&args, &p),
+        (Cmd::Bench { which: BenchCmd::Model(a) }, check::Plan::ModelBench(p)) => bench_model::run(&a, &p, need()?),
         (Cmd::Bench { which: BenchCmd::Cuda { args } }, _) => bench_cuda(args),
         (Cmd::Bench { which: BenchCmd::E2e(a) }, _) => gpu::bench_e2e(&a),
         (Cmd::Bench { which: BenchCmd::E2eReport(a) }, _) => gpu::e2e_report(&a),
@@ -161,6 +166,7 @@ impl Cmd {
             Cmd::FetchModel(a) => Some(a),
             Cmd::Cache { which } => which.model_args(),
             Cmd::Serve(a) => Some(&a.model),
+            Cmd::Bench { which: BenchCmd::Model(a) } => Some(&a.model),
             Cmd::Eval(_) | Cmd::Passkey(_) | Cmd::Distortion { .. } | Cmd::Bench { .. } => None,
         }
     }

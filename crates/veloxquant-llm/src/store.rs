@@ -99,6 +99,31 @@ impl<T: StoredValue> DenseStore<T> {
         Self::with_capacity(config.n_layers, config.n_kv_heads, config.head_dim, n_tokens.min(config.n_ctx_train))
     }
 
+    /// An independent copy of the held tokens whose buffers have room for `room` more per
+    /// layer (a clone's are exactly full, so its next append would regrow and copy every
+    /// head). As in [`with_capacity`](Self::with_capacity), the room is a hint.
+    pub fn copy_with_room(&self, room: usize) -> Self {
+        let extra = room.checked_mul(self.head_dim).unwrap_or(0);
+        let copy = |layers: &[Vec<Vec<T>>]| -> Vec<Vec<Vec<T>>> {
+            let head = |h: &Vec<T>| {
+                let mut v = Vec::new();
+                if v.try_reserve_exact(h.len().saturating_add(extra)).is_err() {
+                    v = Vec::with_capacity(h.len());
+                }
+                v.extend_from_slice(h);
+                v
+            };
+            layers.iter().map(|l| l.iter().map(head).collect()).collect()
+        };
+        Self {
+            n_kv_heads: self.n_kv_heads,
+            head_dim: self.head_dim,
+            keys: copy(&self.keys),
+            values: copy(&self.values),
+            lens: self.lens.clone(),
+        }
+    }
+
     fn check_layer(&self, layer: usize) -> Result<()> {
         if layer >= self.lens.len() {
             return Err(LlmError::Store(format!("layer {layer} out of range ({} layers)", self.lens.len())));
@@ -170,6 +195,27 @@ mod tests {
         // A reservation beyond memory, or one whose size overflows, is only a hint.
         assert_eq!(Fp16Store::with_capacity(1, 2, 64, usize::MAX / 8).resident_bytes(), 0);
         assert_eq!(Fp16Store::with_capacity(1, 1, 1 << 20, 1 << 50).resident_bytes(), 0);
+    }
+
+    /// A copy continues exactly as the original would, leaves the original alone, and has
+    /// its room reserved (no regrowth on the next appends).
+    #[test]
+    fn copy_with_room_continues_like_the_original() {
+        let (hd, n_kv, n_heads) = (8, 2, 4);
+        let mut a = Fp16Store::new(2, n_kv, hd);
+        for l in 0..2 {
+            a.append(l, &pseudo(n_kv * 5 * hd, 1 + l as u32), &pseudo(n_kv * 5 * hd, 3 + l as u32), 5).unwrap();
+        }
+        let mut b = a.copy_with_room(7);
+        assert!(b.keys.iter().chain(&b.values).flatten().all(|h| h.capacity() >= (5 + 7) * hd));
+        let (k, v, q) = (pseudo(n_kv * hd, 10), pseudo(n_kv * hd, 11), pseudo(n_heads * hd, 12));
+        b.append(1, &k, &v, 1).unwrap();
+        assert_eq!((a.len(1), b.len(1), b.len(0)), (5, 6, 5));
+        let mut want = Fp16Store::new(2, n_kv, hd);
+        want.append(1, &pseudo(n_kv * 5 * hd, 2), &pseudo(n_kv * 5 * hd, 4), 5).unwrap();
+        want.append(1, &k, &v, 1).unwrap();
+        assert_eq!(b.attend(1, &q, 1).unwrap(), want.attend(1, &q, 1).unwrap());
+        assert_eq!(b.resident_bytes(), a.resident_bytes() + 2 * n_kv * hd * 2);
     }
 
     #[test]
