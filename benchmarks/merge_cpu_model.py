@@ -72,6 +72,7 @@ def render(rows, a):
     load_high = any(float(s.split("load average:")[1].split(",")[0]) > 1 for s in (a.load_before, a.load_after))
     cpu = next((r["cpu_info"] for r in rows if "cpu_info" in r), "?")
     model = next((r["model"] for r in ours), os.path.basename(a.model))
+    weights = next((r["weights"] for r in ours if "weights" in r), "?")
     out = [
         "# CPU model throughput: veloxquant vs llama.cpp (llama-bench)",
         "",
@@ -79,12 +80,14 @@ def render(rows, a):
         f"llama.cpp: llama-bench from the llama.cpp vendored in llama-cpp-python {a.llama_version} "
         f"(build {next((r['build_commit'] for r in rows if 'build_commit' in r), '?')}), `-fa 1`, "
         f"KV cache `-ctk/-ctv` (f16 also with `-fa 0`); built once in {a.build_seconds} s (Release, native, `-j2`, under `nice`). "
-        f"ours: `veloxquant bench model` (commit {a.commit}), packed weights; "
+        f"ours: `veloxquant bench model` (commit {a.commit}), `--weights {weights}`; "
         f"the default compressed cache is `{default}`.",
         "",
         "Both: random token ids, the depth filled untimed, one warm-up, every rep from the same "
         "filled state (llama.cpp restores a saved state; ours copies the filled cache). "
-        "Run one after the other: llama.cpp f16 (-fa 1, 0), q4_0, then ours (tg, then pp).",
+        "Run one after the other: llama.cpp f16 (-fa 1, 0), q4_0, then ours (tg, then pp)."
+        + (f" **Here the llama.cpp rows are reused from an earlier run** ({a.llama_rows_note}); only ours ran now."
+           if a.llama_rows else ""),
         "",
         f"Load before the run: `{a.load_before.strip()}`",
         "",
@@ -143,7 +146,9 @@ def render(rows, a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--llama", nargs="+", required=True)
+    p.add_argument("--llama", nargs="*", default=[])
+    p.add_argument("--llama-rows", help="reuse the llama.cpp rows of an earlier merged JSON (LLAMA_ROWS)")
+    p.add_argument("--llama-rows-note", default="", help="when and how those rows were measured")
     p.add_argument("--ours", nargs="+", required=True)
     p.add_argument("--load-before", required=True)
     p.add_argument("--load-after", required=True)
@@ -158,6 +163,9 @@ def main():
     p.add_argument("--md", required=True)
     a = p.parse_args()
     rows = [r for f in a.llama for r in llama_rows(f)]
+    if a.llama_rows:
+        with open(a.llama_rows) as fh:
+            rows += [dict(r, reused_from=os.path.basename(a.llama_rows)) for r in json.load(fh) if r["engine"] == "llama.cpp"]
     for f in a.ours:
         with open(f) as fh:
             rows += json.load(fh)

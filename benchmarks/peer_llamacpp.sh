@@ -74,15 +74,25 @@ LOAD_BEFORE=$(uptime)
 echo "load before: $LOAD_BEFORE"
 # f16 also without flash attention (-fa 0): on this CPU its decode at depth is faster than
 # -fa 1's; a quantized V cache needs flash attention, so q4_0 runs with -fa 1 only.
-for run in "f16 1,0" "q4_0 1"; do
-  set -- $run
-  echo "llama-bench cache $1/$1, -fa $2"
-  "$LLAMA_BENCH" -m "$MODEL" -t "$THREADS" -fa "$2" -p $PP -n $TG -d "$DEPTHS" \
-    -ctk "$1" -ctv "$1" -r "$REPS" -o json > "$TMP/llama-$1.json"
-done
+# LLAMA_ROWS=FILE reuses the llama.cpp rows of an earlier merged JSON (said in the table).
+LLAMA_ARGS=(--llama)
+if [ -n "${LLAMA_ROWS:-}" ]; then
+  LLAMA_ARGS=(--llama-rows "$LLAMA_ROWS" --llama-rows-note "${LLAMA_ROWS_NOTE:-}" --llama)
+else
+  for run in "f16 1,0" "q4_0 1"; do
+    set -- $run
+    echo "llama-bench cache $1/$1, -fa $2"
+    "$LLAMA_BENCH" -m "$MODEL" -t "$THREADS" -fa "$2" -p $PP -n $TG -d "$DEPTHS" \
+      -ctk "$1" -ctv "$1" -r "$REPS" -o json > "$TMP/llama-$1.json"
+    LLAMA_ARGS+=("$TMP/llama-$1.json")
+  done
+fi
 echo "veloxquant tg$TG at depths $DEPTHS, pp$PP at depths $PP_DEPTHS"
 "$BIN" bench model --model "$MODEL" --threads "$THREADS" --reps "$REPS" \
   --tests tg$TG --depths "$DEPTHS" --batch 1 --json "$TMP/ours-tg.json"
+# Batched decode: 16 sequences per step at depth 0 (llama-bench has no such test).
+"$BIN" bench model --model "$MODEL" --threads "$THREADS" --reps "$REPS" \
+  --tests tg$TG --depths 0 --batch 16 --json "$TMP/ours-tg-b16.json"
 if [ -n "$PP_DEPTHS" ]; then
   "$BIN" bench model --model "$MODEL" --threads "$THREADS" --reps "$REPS" \
     --tests pp$PP --depths "$PP_DEPTHS" --json "$TMP/ours-pp.json"
@@ -91,7 +101,7 @@ LOAD_AFTER=$(uptime)
 echo "load after: $LOAD_AFTER"
 
 python3 benchmarks/merge_cpu_model.py \
-  --llama "$TMP/llama-f16.json" "$TMP/llama-q4_0.json" \
+  "${LLAMA_ARGS[@]}" \
   --ours "$TMP"/ours-*.json \
   --load-before "$LOAD_BEFORE" --load-after "$LOAD_AFTER" \
   --threads "$THREADS" --reps "$REPS" --model "$MODEL" --llama-version "$VERSION" \

@@ -50,7 +50,7 @@ pub struct ModelBenchArgs {
     #[arg(long, default_value_t = 3)]
     reps: usize,
     /// How the CPU holds the weights, as `generate --weights`.
-    #[arg(long, value_enum, default_value_t = Weights::Packed)]
+    #[arg(long, value_enum, default_value_t = Weights::default())]
     weights: Weights,
     /// Threads of the pool every parallel step runs on (default: one per core).
     #[arg(long)]
