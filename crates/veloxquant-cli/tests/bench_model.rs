@@ -119,7 +119,7 @@ fn tiny_run_counts_every_token() {
     let rows = run_and_rows(&[&args[..], &[json.to_str().unwrap()]].concat(), &json);
     let want = [("pp16", 0, 1), ("tg5", 0, 1), ("tg5", 0, 3), ("pp16", 40, 1), ("tg5", 40, 1), ("tg5", 40, 3)];
     check_rows(&rows, &want, 2, &caches);
-    assert!(rows.iter().all(|r| r["threads"] == 1 && r["weights"] == "packed"));
+    assert!(rows.iter().all(|r| r["threads"] == 1 && r["weights"] == "q8"), "generate's default weights");
     std::fs::remove_dir_all(&dir).ok();
 }
 
