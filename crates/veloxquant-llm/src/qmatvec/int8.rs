@@ -338,6 +338,28 @@ mod simd {
         }
     }
 
+    /// [`scales`] for rows `row..row + R`: per row, row of x and block, d·dx, and per row
+    /// and row of x the offset term. Safety: as [`scales`], the rows exist in `rp`.
+    #[inline(always)]
+    #[allow(clippy::type_complexity)]
+    unsafe fn group_scales<const F: u8, const N: usize, const R: usize>(
+        rp: &Repacked,
+        x: &QuantX,
+        row: usize,
+    ) -> ([[[MaybeUninit<f32>; MAX_BLOCKS]; N]; R], [[f32; N]; R]) {
+        let nb = rp.nb;
+        // Not zeroed (a 4 KiB memset per row at N = 16): `scales` writes s[k][j][..nb],
+        // every entry the kernels read.
+        let mut s = [[[MaybeUninit::<f32>::uninit(); MAX_BLOCKS]; N]; R];
+        let mut off = [[0f32; N]; R];
+        for k in 0..R {
+            let r = row + k;
+            let m = if F == Q4_1 { rp.m.as_ptr().add(r * nb) } else { std::ptr::null() };
+            scales::<F, N>(rp.d.as_ptr().add(r * nb), m, nb, x, &mut s[k], &mut off[k]);
+        }
+        (s, off)
+    }
+
     /// Rows `row..row + R` over the repacked layout (two blocks per code load for q4),
     /// written to `out[(r − first)·N + j]`. Safety: the rows exist in `rp`, x holds N rows
     /// of `rp.nb` blocks, `out` holds `(row + R − first) · N` values.
@@ -351,15 +373,7 @@ mod simd {
     ) {
         let nb = rp.nb;
         let code_bytes = nb * BLOCK / if F == Q8_0 { 1 } else { 2 };
-        // Not zeroed (a 4 KiB memset per row at N = 16): `scales` writes s[k][j][..nb],
-        // every entry the loop below reads.
-        let mut s = [[[MaybeUninit::<f32>::uninit(); MAX_BLOCKS]; N]; R];
-        let mut off = [[0f32; N]; R];
-        for k in 0..R {
-            let r = row + k;
-            let m = if F == Q4_1 { rp.m.as_ptr().add(r * nb) } else { std::ptr::null() };
-            scales::<F, N>(rp.d.as_ptr().add(r * nb), m, nb, x, &mut s[k], &mut off[k]);
-        }
+        let (s, off) = group_scales::<F, N, R>(rp, x, row);
         // A chains per row of x: two where there are few rows, one where there are many (R·N·A
         // accumulators must stay in registers).
         let mut acc = [[[_mm256_setzero_ps(); A]; N]; R];
@@ -441,14 +455,7 @@ mod simd {
     ) {
         let nb = rp.nb;
         let code_bytes = nb * BLOCK / if F == Q8_0 { 1 } else { 2 };
-        // Not zeroed: `scales` writes s[k][j][..nb], every entry read below.
-        let mut s = [[[MaybeUninit::<f32>::uninit(); MAX_BLOCKS]; N]; R];
-        let mut off = [[0f32; N]; R];
-        for k in 0..R {
-            let r = row + k;
-            let m = if F == Q4_1 { rp.m.as_ptr().add(r * nb) } else { std::ptr::null() };
-            scales::<F, N>(rp.d.as_ptr().add(r * nb), m, nb, x, &mut s[k], &mut off[k]);
-        }
+        let (s, off) = group_scales::<F, N, R>(rp, x, row);
         let mut acc = [[_mm512_setzero_ps(); N]; R];
         let mask = _mm256_set1_epi8(0x0F);
         let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
