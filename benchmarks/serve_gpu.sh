@@ -40,6 +40,11 @@ r = json.load(open(sys.argv[1]))["runs"][0]
 print({k: r.get(k) for k in ["outcomes", "tokens_per_s", "sequences_running_max", "kv_bytes_max_sampled",
                              "latency_p50_s", "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "drained", "pass",
                              "sigterm_exit_code"]})
+m = r["metrics_after"]
+ds, dm, fm = m.get("decode_steps_total", 0), m.get("decode_micros_total", 0), m.get("forward_micros_total", 0)
+if ds:
+    print("decode-only steps %d: %.2f ms each, %.1f rows each; prefill-carrying steps %d: %.2f s in all; forward %.2f s of %.2f s wall"
+          % (ds, dm / ds / 1e3, m.get("decode_step_rows_total", 0) / ds, m["steps_total"] - ds, (fm - dm) / 1e6, fm / 1e6, r["wall_s"]))
 EOF
 }
 DEFAULT=turboquant_mse:4:eden/turboquant_mse:3@8+4

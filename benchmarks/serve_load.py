@@ -214,7 +214,7 @@ async def sample_server(srv, base, stop, out):
     t0 = last = time.monotonic()
     keys = ["sequences_running", "queue_length", "steps_total", "step_rows_total", "prefill_tokens_total",
             "generated_tokens_total", "forward_micros_total", "forward_micros_max", "admit_micros_total", "output_micros_total",
-            "publish_micros_total", "requests_failed_total"]
+            "publish_micros_total", "decode_steps_total", "decode_micros_total", "requests_failed_total"]
     while not stop.is_set():
         if time.monotonic() - last >= 10:
             last = time.monotonic()

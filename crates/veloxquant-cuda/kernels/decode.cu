@@ -15,20 +15,23 @@
 #define VC (D / 8)   // value dims per thread row-group in the PV operand
 #define KS (D / 16)  // k-steps of the score mma, = M-tiles of the PV mma
 #define NEG_INF (-__int_as_float(0x7f800000))
-// FAST (sm_90: bulk copies; NOFAST=1 on older GPUs): 2- and 4-bit codes for both streams, dequantized in registers: 4-bit codes by one
+// FAST (sm_90: bulk copies; NOFAST=1 on older GPUs): 2- and 4-bit keys, 2- to 4-bit values, dequantized in registers
+// (3-bit values: one lookup per pair of codes, the two tokens' codes as a 6-bit entry of
+// the V table, V3 below); 4-bit codes by one
 // lookup per byte (two codes) in a lane-replicated f16x2 table in shared memory, 2-bit
 // codes by byte lookups too when both streams are 2-bit (K2L / V2L), else the 4 centroids as
 // f16 in two registers, two codes -> f16x2 by one prmt; pages streamed through a ring.
 #ifndef NOFAST
 #define NOFAST 0
 #endif
-#if !NOFAST && KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB == 2 || VB == 4) && (KB == 2 || VB == 2 || KVSAME)
+#if !NOFAST && KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB >= 2 && VB <= 4) && (KB == 2 || VB != 4 || KVSAME)
 #define FAST 1
 #else
 #define FAST 0
 #endif
 #define KLUT (FAST && KB == 4)
 #define VLUT (FAST && VB == 4)
+#define V3 (FAST && VB == 3)
 // Query hi and lo halves share one mma (columns [0,G) hi, [G,2G) lo) for G in {1, 2, 4}.
 #define QPACK (G == 1 || G == 2 || G == 4)
 #define KRB (QD * KB / 8)          // K bytes per thread per row (FAST)
@@ -313,6 +316,29 @@ __device__ __forceinline__ void plut4(u32 lb, u32 w, int k, u32& lo, u32& hi) {
     asm("{\n\t.reg .u32 a;\n\tprmt.b32 a, %2, %3, %4;\n\tld.shared.u32 %0, [a];\n\tld.shared.u32 %1, [a+128];\n\t}"
         : "=r"(lo), "=r"(hi) : "r"(w), "r"(lb), "r"(0x7604u | ((u32)k << 4)));
 }
+#if V3
+// VRB bytes (3-bit codes) from any byte address p of shared memory as VRW words, the first
+// code at bit 0: the aligned words around p, funnel-shifted. May read up to 4 bytes past the
+// window (still inside the page slot: the value norms follow the rows).
+__device__ __forceinline__ void ld3(const u8* p, u32* w) {
+    const size_t a = (size_t)p;
+    const u32* wp = (const u32*)(a & ~(size_t)3);
+    const u32 sh = (u32)(a & 3) * 8u;
+    u32 raw[VRW + 1];
+#pragma unroll
+    for (int i = 0; i <= VRW; i++) raw[i] = wp[i];
+#pragma unroll
+    for (int i = 0; i < VRW; i++) w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
+}
+// The f16x2 (centroid of a's code, of b's code) for the 3-bit codes at bit s: V table entry
+// (a code) | (b code) << 3 (lbv: the table's lane base for V).
+__device__ __forceinline__ u32 lut3(u32 lbv, u64 a, u64 b, int s) {
+    const u32 e = (u32)((a >> s) & 7u) | ((u32)((b >> s) & 7u) << 3);
+    u32 r;
+    asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(lbv + (e << 8)));
+    return r;
+}
+#endif
 #endif
 
 #if FAST
@@ -550,7 +576,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             const u32 x = (u32)ktab[(e >> sh) & 3] | ((u32)ktab[(e >> (sh + 2)) & 3] << 16);
 #else
             const u16* ts = (i & 8) ? vtab : ktab;
+#if V3
+            // V3: V's entry e < 64 pairs the centroids of 3-bit codes e & 7 and e >> 3.
+            const u32 x = (i & 8) ? ((u32)vtab[e & 7] | ((u32)vtab[(e >> 3) & 7] << 16))
+                                  : ((u32)ktab[e & 15] | ((u32)ktab[e >> 4] << 16));
+#else
             const u32 x = (u32)ts[e & 15] | ((u32)ts[e >> 4] << 16);
+#endif
 #endif
             *(vec4u*)(tabp + 16 * i) = vec4u{x, x, x, x};
         }
@@ -762,10 +794,17 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if FAST
             u32 vr[4][VRW];
             const u8* const vl = vst + v_lane + 16 * kk * V_ROW_BYTES;
+#if V3
+            ld3(vl, vr[0]);
+            ld3(vl + v_other, vr[1]);
+            ld3(vl + 8 * V_ROW_BYTES, vr[2]);
+            ld3(vl + 8 * V_ROW_BYTES + v_other, vr[3]);
+#else
             ldraw<VRB>(vl, vr[0]);
             ldraw<VRB>(vl + v_other, vr[1]);
             ldraw<VRB>(vl + 8 * V_ROW_BYTES, vr[2]);
             ldraw<VRB>(vl + 8 * V_ROW_BYTES + v_other, vr[3]);
+#endif
             const u32 b0 = pb[kk][0], b1 = pb[kk][1];
 #if VB == 4
 #pragma unroll
@@ -783,6 +822,17 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                                  plut(lbv, loCD, k), plut(lbv, hiCD, k), b0, b1);
                     }
                 }
+            }
+#elif V3
+            // Rows A, B (this lane's token pair) and C, D (the pair 8 tokens on): code i of the
+            // lane's window at bit 3i; the A operand's halves pair one dim of two tokens.
+            u64 w3[4];
+#pragma unroll
+            for (int r = 0; r < 4; r++) w3[r] = VRW == 1 ? (u64)vr[r][0] : ((u64)vr[r][VRW > 1 ? 1 : 0] << 32) | vr[r][0];
+#pragma unroll
+            for (int mt = 0; mt < KS; mt++) {
+                mma16816(acc[mt], lut3(lbv, w3[0], w3[1], 6 * mt), lut3(lbv, w3[0], w3[1], 6 * mt + 3),
+                         lut3(lbv, w3[2], w3[3], 6 * mt), lut3(lbv, w3[2], w3[3], 6 * mt + 3), b0, b1);
             }
 #elif V2L
             const u32 vA = vr[0][0], vB = vr[1][0];

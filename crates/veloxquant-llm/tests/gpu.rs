@@ -465,7 +465,9 @@ fn gpu_sampling_matches_the_cpu_reference() {
     let prompt: Vec<u32> = (0..40).map(|i| (i * 7 % VOCAB) as u32).collect();
     let items: Vec<(usize, &[u32], usize)> = slots.iter().map(|&s| (s, &prompt[..], prompt.len())).collect();
     engine.prefill(&items).unwrap();
-    let params = SampleParams { temperature: 1.5, top_p: 0.9, top_k: 0, seed: 5 };
+    // The tiny random model's logits are peaked (at 1.5, top-p 0.9 kept one token in every
+    // step on the H200): a high temperature flattens them, so the draws must show.
+    let params = SampleParams { temperature: 8.0, top_p: 0.9, top_k: 0, seed: 5 };
     let mut next = vec![1u32; 3];
     let mut varied = std::collections::HashSet::new();
     for draw in 0..12u64 {
@@ -480,7 +482,7 @@ fn gpu_sampling_matches_the_cpu_reference() {
         varied.insert(out.ids[0]);
         next = out.ids.clone();
     }
-    assert!(varied.len() > 1, "sampling at temperature 1.5 never varied in 12 steps");
+    assert!(varied.len() > 1, "sampling at temperature 8 never varied in 12 steps");
     assert!(engine.step_sampled(&[(slots[0], 1)], &[None, None], false).is_err(), "sampling entries ≠ rows");
     std::fs::remove_dir_all(&dir).ok();
 }

@@ -41,6 +41,9 @@ metrics! {
     step_rows_total: "counter", "Sequences over all forward passes (mean batch = this / steps_total).";
     forward_micros_total: "counter", "Microseconds spent in the engine's forward passes (the rest of the loop is scheduling).";
     forward_micros_max: "gauge", "The slowest forward pass, in microseconds.";
+    decode_steps_total: "counter", "Forward passes with no prefill rows (decode alone).";
+    decode_step_rows_total: "counter", "Sequences over the decode-only forward passes.";
+    decode_micros_total: "counter", "Microseconds in the decode-only forward passes (the rest of forward_micros_total ran prefill).";
     admit_micros_total: "counter", "Microseconds spent admitting requests (budget checks, prefix lookups, eviction).";
     output_micros_total: "counter", "Microseconds spent after forward passes (sampling, streaming, checkpoints, finishing).";
     publish_micros_total: "counter", "Microseconds spent updating the KV gauges each turn.";

@@ -328,6 +328,11 @@ impl<E: Engine> Scheduler<E> {
         Metrics::inc(&self.metrics.steps_total);
         Metrics::add(&self.metrics.step_rows_total, rows as u64);
         Metrics::add(&self.metrics.prefill_tokens_total, prefilled as u64);
+        if prefilled == 0 {
+            Metrics::inc(&self.metrics.decode_steps_total);
+            Metrics::add(&self.metrics.decode_step_rows_total, rows as u64);
+            Metrics::add(&self.metrics.decode_micros_total, micros);
+        }
         let outs = match result {
             Ok(o) => o,
             Err(e) => {
