@@ -129,6 +129,12 @@ mod imp {
         GpuDevice::new(0).map_err(|e| format!("--device cuda: {e}").into())
     }
 
+    /// `bench e2e`'s device: the defaults, or the kernel variants `bench cuda` takes from
+    /// `VELOXQUANT_DECODE_*` (A/B runs of the whole step; nothing else reads them).
+    fn bench_device() -> AnyResult<Arc<GpuDevice>> {
+        veloxquant_cuda::bench::bench_device().map_err(|e| format!("--device cuda: {e}").into())
+    }
+
     fn load_model(dev: &Arc<GpuDevice>, a: &E2eArgs) -> AnyResult<(String, Arc<GpuModel>)> {
         Ok(match &a.synthetic {
             Some(name) => {
@@ -226,7 +232,7 @@ mod imp {
         }
         let methods: Vec<Method> =
             a.methods.iter().map(|m| Method::parse("methods", m).map_err(Into::into)).collect::<AnyResult<_>>()?;
-        let dev = device()?;
+        let dev = bench_device()?;
         let (read_tbps, copy_tbps) = veloxquant_cuda::bench::bandwidth(&dev)?;
         eprintln!("{}: read {read_tbps:.2} TB/s, copy {copy_tbps:.2} TB/s", dev.name);
         let (name, model) = load_model(&dev, a)?;

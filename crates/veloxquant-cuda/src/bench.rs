@@ -34,7 +34,7 @@ const D: usize = 128;
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
 /// EXPFTZ,SLACK,PDL}` and `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}`,
 /// PTX kept in `VELOXQUANT_PTX_DIR` (A/B runs of variants; the library reads none of these).
-fn bench_device() -> Result<Arc<GpuDevice>> {
+pub fn bench_device() -> Result<Arc<GpuDevice>> {
     let knob = |name: &str, default: i64| -> i64 {
         std::env::var(format!("VELOXQUANT_{name}")).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
     };
