@@ -15,22 +15,21 @@
 #define VC (D / 8)   // value dims per thread row-group in the PV operand
 #define KS (D / 16)  // k-steps of the score mma, = M-tiles of the PV mma
 #define NEG_INF (-__int_as_float(0x7f800000))
-// FAST (sm_90: bulk copies; NOFAST=1 on older GPUs): 2- and 4-bit keys, 2- to 4-bit values, dequantized in registers
-// (3-bit values: one lookup per pair of codes, the two tokens' codes as a 6-bit entry of
-// the V table, V3 below); 4-bit codes by one
+// FAST (sm_90: bulk copies; NOFAST=1 on older GPUs): 2- to 4-bit codes for both streams, dequantized in registers
+// (3-bit codes: one lookup per pair of codes as a 6-bit table entry: a key's two adjacent
+// dims are 6 adjacent bits of its row (K3), values pair one dim of two tokens (V3)); 4-bit codes by one
 // lookup per byte (two codes) in a lane-replicated f16x2 table in shared memory, 2-bit
 // codes by byte lookups too when both streams are 2-bit (K2L / V2L), else the 4 centroids as
 // f16 in two registers, two codes -> f16x2 by one prmt; pages streamed through a ring.
 #ifndef NOFAST
 #define NOFAST 0
 #endif
-#if !NOFAST && KK == 3 && VK == 3 && (KB == 2 || KB == 4) && (VB >= 2 && VB <= 4) && (KB == 2 || VB != 4 || KVSAME)
+#if !NOFAST && KK == 3 && VK == 3 && (KB >= 2 && KB <= 4) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME)
 #define FAST 1
 #else
 #define FAST 0
 #endif
-#define KLUT (FAST && KB == 4)
-#define VLUT (FAST && VB == 4)
+#define K3 (FAST && KB == 3)
 #define V3 (FAST && VB == 3)
 // Query hi and lo halves share one mma (columns [0,G) hi, [G,2G) lo) for G in {1, 2, 4}.
 #define QPACK (G == 1 || G == 2 || G == 4)
@@ -316,26 +315,52 @@ __device__ __forceinline__ void plut4(u32 lb, u32 w, int k, u32& lo, u32& hi) {
     asm("{\n\t.reg .u32 a;\n\tprmt.b32 a, %2, %3, %4;\n\tld.shared.u32 %0, [a];\n\tld.shared.u32 %1, [a+128];\n\t}"
         : "=r"(lo), "=r"(hi) : "r"(w), "r"(lb), "r"(0x7604u | ((u32)k << 4)));
 }
-#if V3
-// VRB bytes (3-bit codes) from any byte address p of shared memory as VRW words, the first
-// code at bit 0: the aligned words around p, funnel-shifted. May read up to 4 bytes past the
-// window (still inside the page slot: the value norms follow the rows).
-__device__ __forceinline__ void ld3(const u8* p, u32* w) {
+#if K3 || V3
+// NW words from any 2-byte-aligned address p of shared memory, the byte at p first: the
+// aligned words around p, funnel-shifted. Reads up to 4 bytes past them (still inside the
+// page slot: the norms follow the rows).
+template <int NW>
+__device__ __forceinline__ void ldu(const u8* p, u32* w) {
     const size_t a = (size_t)p;
     const u32* wp = (const u32*)(a & ~(size_t)3);
     const u32 sh = (u32)(a & 3) * 8u;
-    u32 raw[VRW + 1];
+    u32 raw[NW + 1];
 #pragma unroll
-    for (int i = 0; i <= VRW; i++) raw[i] = wp[i];
+    for (int i = 0; i <= NW; i++) raw[i] = wp[i];
 #pragma unroll
-    for (int i = 0; i < VRW; i++) w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
+    for (int i = 0; i < NW; i++) w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
 }
-// The f16x2 (centroid of a's code, of b's code) for the 3-bit codes at bit s: V table entry
-// (a code) | (b code) << 3 (lbv: the table's lane base for V).
-__device__ __forceinline__ u32 lut3(u32 lbv, u64 a, u64 b, int s) {
-    const u32 e = (u32)((a >> s) & 7u) | ((u32)((b >> s) & 7u) << 3);
+// x with bit s of the window at bit `to` (a constant shift either way, s and to constant).
+__device__ __forceinline__ u32 at_bit(u32 x, int s, int to) { return s >= to ? x >> (s - to) : x << (to - s); }
+#endif
+#if K3
+// The f16x2 (centroid of code 2m, of code 2m + 1) of a key row's window w: the 6 bits at 6m
+// as the entry (lbk: the table's lane base for K).
+template <int NW>
+__device__ __forceinline__ u32 lut6(u32 lbk, const u32* w, int m) {
+    const int bit = 6 * m, wi = bit >> 5, o = bit & 31;
+    const u32 x = o <= 26 || wi + 1 >= NW ? at_bit(w[wi], o, 8) : at_bit(__funnelshift_r(w[wi], w[wi + 1], o), 0, 8);
     u32 r;
-    asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(lbv + (e << 8)));
+    asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"((x & 0x3F00u) | lbk));
+    return r;
+}
+#endif
+#if V3
+// The f16x2 (centroid of a's code, of b's code) for the 3-bit codes at bit s of two value
+// windows: V table entry (a code) | (b code) << 3 (lbv: the table's lane base for V).
+template <int NW>
+__device__ __forceinline__ u32 lut3(u32 lbv, const u32* a, const u32* b, int s) {
+    const int wi = s >> 5, o = s & 31;
+    u32 xa, xb;
+    if (o <= 29 || wi + 1 >= NW) {
+        xa = at_bit(a[wi], o, 8);
+        xb = at_bit(b[wi], o, 11);
+    } else {
+        xa = at_bit(__funnelshift_r(a[wi], a[wi + 1], o), 0, 8);
+        xb = at_bit(__funnelshift_r(b[wi], b[wi + 1], o), 0, 11);
+    }
+    u32 r;
+    asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"((xa & 0x700u) | (xb & 0x3800u) | lbv));
     return r;
 }
 #endif
@@ -352,6 +377,12 @@ __device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 lbk,
     for (int by = 0; by < KRB; by++) {
         ka[by] = plut(lbk, ra[by / 4], by % 4);
         kb[by] = plut(lbk, rb[by / 4], by % 4);
+    }
+#elif K3
+#pragma unroll
+    for (int m = 0; m < QD / 2; m++) {
+        ka[m] = lut6<KRW>(lbk, ra, m);
+        kb[m] = lut6<KRW>(lbk, rb, m);
     }
 #elif K2L
 #pragma unroll
@@ -576,10 +607,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             const u32 x = (u32)ktab[(e >> sh) & 3] | ((u32)ktab[(e >> (sh + 2)) & 3] << 16);
 #else
             const u16* ts = (i & 8) ? vtab : ktab;
-#if V3
-            // V3: V's entry e < 64 pairs the centroids of 3-bit codes e & 7 and e >> 3.
-            const u32 x = (i & 8) ? ((u32)vtab[e & 7] | ((u32)vtab[(e >> 3) & 7] << 16))
-                                  : ((u32)ktab[e & 15] | ((u32)ktab[e >> 4] << 16));
+#if K3 || V3
+            // A 3-bit stream's entry e < 64 pairs the centroids of codes e & 7 and e >> 3.
+            const bool three = (i & 8) ? V3 : K3;
+            const u32 x = three ? ((u32)ts[e & 7] | ((u32)ts[(e >> 3) & 7] << 16))
+                                : ((u32)ts[e & 15] | ((u32)ts[e >> 4] << 16));
 #else
             const u32 x = (u32)ts[e & 15] | ((u32)ts[e >> 4] << 16);
 #endif
@@ -700,8 +732,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         for (int mt = 0; mt < 2; mt++) {
             u32 ka[KS * 2], kb[KS * 2];
             u32 kra[KRW], krb[KRW];
+#if K3
+            ldu<KRW>(kst + ((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
+            ldu<KRW>(kst + ((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
+#else
             ldraw<KRB>(kst + ((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
             ldraw<KRB>(kst + ((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
+#endif
             k_dequant(kra, krb, lbk, kt0, kt1, ka, kb);
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
@@ -795,10 +832,10 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             u32 vr[4][VRW];
             const u8* const vl = vst + v_lane + 16 * kk * V_ROW_BYTES;
 #if V3
-            ld3(vl, vr[0]);
-            ld3(vl + v_other, vr[1]);
-            ld3(vl + 8 * V_ROW_BYTES, vr[2]);
-            ld3(vl + 8 * V_ROW_BYTES + v_other, vr[3]);
+            ldu<VRW>(vl, vr[0]);
+            ldu<VRW>(vl + v_other, vr[1]);
+            ldu<VRW>(vl + 8 * V_ROW_BYTES, vr[2]);
+            ldu<VRW>(vl + 8 * V_ROW_BYTES + v_other, vr[3]);
 #else
             ldraw<VRB>(vl, vr[0]);
             ldraw<VRB>(vl + v_other, vr[1]);
@@ -826,13 +863,10 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #elif V3
             // Rows A, B (this lane's token pair) and C, D (the pair 8 tokens on): code i of the
             // lane's window at bit 3i; the A operand's halves pair one dim of two tokens.
-            u64 w3[4];
-#pragma unroll
-            for (int r = 0; r < 4; r++) w3[r] = VRW == 1 ? (u64)vr[r][0] : ((u64)vr[r][VRW > 1 ? 1 : 0] << 32) | vr[r][0];
 #pragma unroll
             for (int mt = 0; mt < KS; mt++) {
-                mma16816(acc[mt], lut3(lbv, w3[0], w3[1], 6 * mt), lut3(lbv, w3[0], w3[1], 6 * mt + 3),
-                         lut3(lbv, w3[2], w3[3], 6 * mt), lut3(lbv, w3[2], w3[3], 6 * mt + 3), b0, b1);
+                mma16816(acc[mt], lut3<VRW>(lbv, vr[0], vr[1], 6 * mt), lut3<VRW>(lbv, vr[0], vr[1], 6 * mt + 3),
+                         lut3<VRW>(lbv, vr[2], vr[3], 6 * mt), lut3<VRW>(lbv, vr[2], vr[3], 6 * mt + 3), b0, b1);
             }
 #elif V2L
             const u32 vA = vr[0][0], vB = vr[1][0];

@@ -35,14 +35,14 @@ fn splits_for_waves(rows: usize, target: usize, max_splits: usize) -> usize {
         .unwrap_or_else(|| (1..=max_splits).max_by(|&a, &b| fill(a).total_cmp(&fill(b)).then(b.cmp(&a))).unwrap_or(1))
 }
 
-/// Whether the decode kernel's FAST path (2/4-bit keys, 2–4-bit values dequantized in
-/// registers) applies; must agree with decode.cu's `FAST`.
+/// Whether the decode kernel's FAST path (2–4-bit codes dequantized in registers) applies;
+/// must agree with decode.cu's `FAST`.
 fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
     kf.kind == KernelKind::Codes
         && vf.kind == KernelKind::Codes
-        && matches!(kf.bits, 2 | 4)
+        && matches!(kf.bits, 2..=4)
         && matches!(vf.bits, 2..=4)
-        && (kf.bits == 2 || vf.bits != 4 || kf.table_f16 == vf.table_f16)
+        && (kf.bits != 4 || vf.bits != 4 || kf.table_f16 == vf.table_f16)
 }
 
 /// The FAST path (2/4-bit codes dequantized in registers): pages streamed through a per-warp
@@ -643,6 +643,7 @@ mod tests {
             ("turboquant_mse:4", "turboquant_mse:4"),
             ("turboquant_mse:4", "turboquant_mse:2"),
             ("turboquant_mse:4:eden", "turboquant_mse:3"),
+            ("turboquant_mse:3", "turboquant_mse:3"),
         ] {
             for d in [64, 128] {
                 let kf = GpuFormat::new(&FormatSpec::parse(k).unwrap(), d, 32, 1).unwrap();

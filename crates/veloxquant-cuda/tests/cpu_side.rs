@@ -164,7 +164,7 @@ fn every_kernel_configuration_compiles() {
             }
             // Decode: every same-format pair and the mixed pairs the engine's methods use.
             let mut pairs: Vec<(usize, usize)> = (0..fmts.len()).map(|i| (i, i)).collect();
-            pairs.extend([(10, 7), (9, 6), (8, 6), (9, 1), (2, 4), (6, 8)]);
+            pairs.extend([(10, 7), (9, 6), (8, 6), (9, 1), (2, 4), (6, 8), (8, 9)]);
             for (ki, vi) in pairs {
                 for g in [1, 2, 3, 4, 8] {
                     for (fam, defs) in veloxquant_cuda::attn::decode_modules(&fmts[ki], &fmts[vi], g, cc) {

@@ -294,6 +294,7 @@ fn decode_matches_cpu_reference() {
         ("turboquant_mse:2", "turboquant_mse:4:eden"),
         ("turboquant_mse:4:eden", "turboquant_mse:3"),
         ("turboquant_mse:2", "turboquant_mse:3:eden"),
+        ("turboquant_mse:3", "turboquant_mse:3"),
     ];
     let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097], &[3, 40]];
     let mut n = 0;
@@ -335,6 +336,8 @@ fn decode_long_ragged_rows_match_cpu_reference() {
         ("turboquant_mse:2", "turboquant_mse:2"),
         ("turboquant_mse:4", "turboquant_mse:2"),
         ("turboquant_mse:4:eden", "turboquant_mse:3"),
+        ("turboquant_mse:3", "turboquant_mse:3"),
+        ("turboquant_mse:3:eden", "turboquant_mse:4"),
     ];
     let mut bad = Vec::new();
     let mut worst_all = 0f64;
@@ -368,6 +371,7 @@ fn decode_generic_path_matches_cpu_reference() {
         ("turboquant_mse:2", "turboquant_mse:2"),
         ("turboquant_mse:4:eden", "turboquant_mse:2"),
         ("turboquant_mse:4:eden", "turboquant_mse:3"),
+        ("turboquant_mse:3", "turboquant_mse:3"),
     ] {
         for d in [64, 128] {
             for gqa in [1, 3, 8] {
