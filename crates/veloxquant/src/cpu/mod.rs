@@ -74,6 +74,9 @@ pub fn simd_level() -> SimdLevel {
     *LEVEL.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vbmi") {
+                return SimdLevel::Avx512;
+            }
             return SimdLevel::Avx2;
         }
         SimdLevel::Scalar
