@@ -110,6 +110,11 @@ pub struct Repacked {
 }
 
 impl Repacked {
+    /// Code bytes of one weight row (32 per block for q8_0, 16 for the 4-bit formats).
+    fn row_code_bytes(&self) -> usize {
+        self.codes.len() * self.nb / self.d.len()
+    }
+
     /// None when a row's block count is odd (the per-block kernel runs instead).
     pub(super) fn new(format: PackedFormat, data: &[u8], rows: usize, nb: usize) -> Option<Self> {
         if !nb.is_multiple_of(2) || rows == 0 || nb > MAX_BLOCKS {
@@ -372,7 +377,7 @@ mod simd {
         out: *mut f32,
     ) {
         let nb = rp.nb;
-        let code_bytes = nb * BLOCK / if F == Q8_0 { 1 } else { 2 };
+        let code_bytes = rp.row_code_bytes();
         let (s, off) = group_scales::<F, N, R>(rp, x, row);
         // A chains per row of x: two where there are few rows, one where there are many (R·N·A
         // accumulators must stay in registers).
@@ -454,7 +459,7 @@ mod simd {
         out: *mut f32,
     ) {
         let nb = rp.nb;
-        let code_bytes = nb * BLOCK / if F == Q8_0 { 1 } else { 2 };
+        let code_bytes = rp.row_code_bytes();
         let (s, off) = group_scales::<F, N, R>(rp, x, row);
         let mut acc = [[_mm512_setzero_ps(); N]; R];
         let mask = _mm256_set1_epi8(0x0F);
