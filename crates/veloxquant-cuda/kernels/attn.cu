@@ -1,8 +1,9 @@
 // Per-step helpers around decode_pages. Grid: (n_q_heads, batch); block: D threads.
-// prep_query: q · log2(e)/√d, rotated once by the key rotation (the rotated-query trick).
+// prep_query: q · log2(e)/√d, rotated once by the key rotation (the rotated-query trick), or
+// projected by the key sketch (KSKETCH: qjl).
 // combine: merge the split partials (16 splits per L2 round trip, no block barrier), one
 // inverse value rotation on the merged accumulator,
-// then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, VROT, PDL (combine launched
+// then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, VROT, PDL (combine launched
 // as a programmatic dependent of decode_pages: it scores the tail while decode_pages runs).
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -33,6 +34,15 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
 #if KROT
     x *= ksigns[(hq / G) * D + tid];
     x = fwht_block(x, s, tid) * krot_scale;
+#elif KSKETCH
+    // qjl keys: the query in the sketch domain, c·S·q (ksigns holds Sᵀ, d × d per KV head;
+    // thread tid = row tid of S, one coalesced row of Sᵀ per step).
+    s[tid] = x;
+    __syncthreads();
+    const float* st = ksigns + (size_t)(hq / G) * D * D + tid;
+    float p = 0.0f;
+    for (int e = 0; e < D; e++) p += st[(size_t)e * D] * s[e];
+    x = p * krot_scale;
 #endif
     qprep[at] = x;
 }

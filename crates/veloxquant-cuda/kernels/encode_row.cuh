@@ -1,8 +1,15 @@
 // Row encoding shared by encode.cu and kv.cu (both compiled with the format's defines: D, T,
 // KIND, BITS, ROT, EDEN, IN_KIND, ROW_BYTES, PAGE_BYTES). Bit-identical to the CPU under
 // --fmad=false: lane l holds elements l, l+32, … (the canonical reduction order of reduce.rs).
+// KIND 4 (qjl, m = d): the sign bits of S·x and ‖x‖; the transform argument is Sᵀ (TW
+// floats per head: S[i][e] at [e·D + i]) instead of rotation signs.
 #define EPL (D / 32)
 #define NTHR ((1 << BITS) - 1)
+#if KIND == 4
+#define TW (D * D)
+#else
+#define TW D
+#endif
 
 __device__ __forceinline__ float load_in(const void* x, size_t i) {
 #if IN_KIND == 0
@@ -42,6 +49,42 @@ __device__ __forceinline__ float warp_sum_canonical(float acc) {
     for (int off = 16; off > 0; off >>= 1) acc = acc + __shfl_xor_sync(FULL_MASK, acc, off);
     return acc;
 }
+
+#if KIND == 4
+// Sign bits of S·x for the row held by the warp (lane l: x_l, x_{l+32}, …) into `row`;
+// returns ‖x‖. Each (S·x)_i is the CPU's sequential sum Σ_e S[i][e]·x_e (sketch.rs
+// `project`) in the same order: lane l owns i = l + 32k, x_e is broadcast by a shuffle, and
+// the warp reads Sᵀ's row e (m consecutive floats) per step.
+__device__ __forceinline__ float sketch_row_warp(const float* v, u8* row, const float* __restrict__ st, int lane) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) ss = ss + v[k] * v[k];
+    const float norm = sqrtf(warp_sum_canonical(ss));
+    float p[EPL];  // from −0, as Rust's f32 sum: −0 + a = a exactly
+#pragma unroll
+    for (int k = 0; k < EPL; k++) p[k] = -0.0f;
+#pragma unroll
+    for (int kb = 0; kb < EPL; kb++) {
+#pragma unroll 8
+        for (int l = 0; l < 32; l++) {
+            const int e = 32 * kb + l;
+            const float xe = __shfl_sync(FULL_MASK, v[kb], l);
+            const float* se = st + (size_t)e * D + lane;
+#pragma unroll
+            for (int k = 0; k < EPL; k++) {
+                const float prod = se[32 * k] * xe;
+                p[k] = p[k] + prod;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const u32 w = __ballot_sync(FULL_MASK, p[k] >= 0.0f);
+        if (lane == 0) ((u32*)row)[k] = w;
+    }
+    return norm;
+}
+#endif
 
 #if KIND == 3
 // Codes of one row held by a warp (lane l: elements l, l+32, …, already rotated) into `row`
@@ -150,7 +193,11 @@ __device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const
         if (lane == 0) *(u16*)blk = f2h(d);  // blocks start at even offsets
     }
 #else
+#if KIND == 4
+    const float scale = sketch_row_warp(v, row, sg, lane);
+#else
     float scale = codes_row_warp(v, row, thresholds, centroids, lane);
+#endif
     if (lane == 0) {
         ((u16*)(page + T * ROW_BYTES))[t] = f2h(scale);
         if (t == 0 && PAGE_BYTES > T * ROW_BYTES + 2 * T) {
@@ -159,6 +206,31 @@ __device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const
     }
 #endif
 }
+
+#if KIND == 4
+// Row t of a sketch page decoded by a warp (lane l: elements l, l+32, …): the reference
+// k̂ = c·‖k‖·Sᵀ·sign (qjl.rs decode_page; summed in another order, so equal within rounding).
+// Per e the warp sums its lanes' ±S[i][e] (one coalesced row of Sᵀ) and lane e mod 32 keeps it.
+__device__ __forceinline__ void decode_sketch_row_warp(const u8* page, int t, const float* __restrict__ st,
+                                                       float c, int lane, float* v) {
+    const u32* w = (const u32*)(page + t * ROW_BYTES);
+    const float s = c * h2f(((const u16*)(page + T * ROW_BYTES))[t]);
+    float sgn[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) sgn[k] = (w[k] >> lane) & 1u ? s : -s;
+#pragma unroll
+    for (int kb = 0; kb < EPL; kb++) {
+        for (int l = 0; l < 32; l++) {
+            const float* se = st + (size_t)(32 * kb + l) * D + lane;
+            float a = 0.0f;
+#pragma unroll
+            for (int k = 0; k < EPL; k++) a += sgn[k] * se[32 * k];
+            a = warp_sum_canonical(a);
+            if (lane == l) v[kb] = a;
+        }
+    }
+}
+#endif
 
 // Row t of `page` decoded by a warp (lane l: elements l, l+32, …), per-token scale applied,
 // still in the rotated domain: the reference decode of rows.rs (f32 centroids `cen`).

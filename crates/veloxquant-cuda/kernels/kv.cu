@@ -49,7 +49,7 @@ __device__ __forceinline__ void encode_token(const AppendRow& r, int j, int h, c
     load_exact_or_new(r, j, h, src, src_stride, exact, lane, v);
     const int c = j - NSINK;
     const int phys = page_table[(size_t)(r.slot * NKV + h) * max_pages + c / T];
-    encode_row_warp(v, pool + (size_t)phys * PAGE_BYTES, c % T, signs + (size_t)h * D, rot_scale, thr, cen, lane);
+    encode_row_warp(v, pool + (size_t)phys * PAGE_BYTES, c % T, signs + (size_t)h * TW, rot_scale, thr, cen, lane);
 }
 
 // Token j (new, i = j − pos0) written to its exact slot, if it stays exact.
@@ -117,7 +117,11 @@ extern "C" __global__ void kv_dense(int slot, int n_end, int coded, const u16* _
     const int phys = page_table[(size_t)(slot * NKV + h) * max_pages + c / T];
     const u8* page = pool + (size_t)phys * PAGE_BYTES;
     float v[EPL];
+#if KIND == 4
+    decode_sketch_row_warp(page, c % T, signs + (size_t)h * TW, rot_scale, lane, v);
+#else
     decode_row_warp(page, c % T, cen, lane, v);
+#endif
 #if ROT
     // x = Hᵀ(D s ⊙ …): the rotation is R = scale · H · diag(signs), H symmetric, so
     // R⁻¹ y = diag(signs) · H · y · scale.

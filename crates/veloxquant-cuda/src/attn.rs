@@ -38,9 +38,9 @@ fn splits_for_waves(rows: usize, target: usize, max_splits: usize) -> usize {
 /// Whether the decode kernel's FAST path (2–4-bit codes dequantized in registers) applies;
 /// must agree with decode.cu's `FAST`.
 fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
-    kf.kind == KernelKind::Codes
+    kf.kind.decode_id() == KernelKind::Codes as i64
         && vf.kind == KernelKind::Codes
-        && matches!(kf.bits, 2..=4)
+        && matches!(kf.bits, 1..=4)
         && matches!(vf.bits, 2..=4)
         && (kf.bits != 4 || vf.bits != 4 || kf.table_f16 == vf.table_f16)
 }
@@ -75,7 +75,8 @@ impl Pipe {
             stages: t.decode_stages,
             warps: if fast { t.decode_warps } else { NWARPS },
             minb: t.decode_minb,
-            fuse_q: fast && t.decode_fuse_q,
+            // The fused prep rotates by Hadamard; a sketch's projection stays in prep_query.
+            fuse_q: fast && t.decode_fuse_q && kf.sketch.is_none(),
         }
     }
     /// One warp's ring of page slots (bytes).
@@ -166,6 +167,7 @@ fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(Str
         ("D", kf.d as i64),
         ("G", g as i64),
         ("KROT", kf.rotation.is_some() as i64),
+        ("KSKETCH", kf.sketch.is_some() as i64),
         ("VROT", vf.rotation.is_some() as i64),
         ("PDL", pdl as i64),
     ]
@@ -273,7 +275,7 @@ pub enum DecodeOut<'a, 'b> {
 
 fn kind_defines(prefix: char, f: &GpuFormat) -> [(String, i64); 4] {
     [
-        (format!("{prefix}K"), f.kind as i64),
+        (format!("{prefix}K"), f.kind.decode_id()),
         (format!("{prefix}B"), f.bits.max(1) as i64),
         (format!("{}_ROW_BYTES", prefix), f.row_bytes as i64),
         (format!("{}_PAGE_BYTES", prefix), f.page_bytes as i64),
@@ -456,8 +458,8 @@ impl PlanCore {
         }
         let (b, d, hk) = (self.batch as u32, cfg.head_dim as u32, cfg.n_kv_heads as i32);
         let s = stream.clone();
-        let ksigns = cache.k.layer_signs(layer, cfg.n_kv_heads, cfg.head_dim);
-        let vsigns = cache.v.layer_signs(layer, cfg.n_kv_heads, cfg.head_dim);
+        let ksigns = cache.k.layer_signs(layer, cfg.n_kv_heads);
+        let vsigns = cache.v.layer_signs(layer, cfg.n_kv_heads);
         let per_q = LaunchConfig { grid_dim: (self.n_q_heads as u32, b, 1), block_dim: (d, 1, 1), shared_mem_bytes: 0 };
         if !self.fuse_q {
             let mut l = s.launch_builder(&self.f_prep);

@@ -29,6 +29,10 @@ use veloxquant::FormatSpec;
 const SHAPES: [(usize, usize, usize, usize); 5] =
     [(1, 32, 8, 32768), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 8192), (1, 32, 32, 32768)];
 const FORMATS: [&str; 6] = ["fp16", "q8_0", "q4_0", "turboquant_mse:4", "turboquant_mse:3", "turboquant_mse:2"];
+/// Decode rows beyond FORMATS: `K/V` pairs for key-only formats.
+const KV_PAIRS: [&str; 1] = ["qjl/turboquant_mse:2"];
+/// Encode rows beyond FORMATS.
+const ENCODE_EXTRA: [&str; 3] = ["turboquant_mse:4:eden", "qjl", "qjl:orth"];
 const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
@@ -238,7 +242,7 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
     let pid = s.clone_htod(&pid).expect("htod");
     let hid = s.clone_htod(&hid).expect("htod");
     let mut rows = Vec::new();
-    for f in FORMATS.iter().chain(["turboquant_mse:4:eden"].iter()) {
+    for f in FORMATS.iter().chain(ENCODE_EXTRA.iter()) {
         let spec = FormatSpec::parse(f)?;
         let gf = GpuFormat::new(&spec, D, t, 11)?;
         let enc = GpuEncoder::new(dev, &gf, InputKind::F16)?;
@@ -323,16 +327,17 @@ fn decode_rows(
             .collect(),
     };
     for &(b, hq, hkv, sl) in &list {
-        for f in FORMATS {
+        for f in FORMATS.iter().chain(KV_PAIRS.iter()).copied() {
             if only.is_some_and(|o| !o.split(',').any(|x| x == f)) {
                 continue;
             }
-            let spec = FormatSpec::parse(f)?;
-            let mut cpu = veloxquant::CacheConfig::new(1, hkv, D, spec.clone(), spec.clone());
+            let (kname, vname) = f.split_once('/').unwrap_or((f, f));
+            let (kspec, vspec) = (FormatSpec::parse(kname)?, FormatSpec::parse(vname)?);
+            let mut cpu = veloxquant::CacheConfig::new(1, hkv, D, kspec.clone(), vspec.clone());
             cpu.encode_rows = true;
             let cfg = GpuCacheConfig::from_cpu(&cpu, b, sl, b * sl);
-            let gf = GpuFormat::new(&spec, D, 32, 1)?;
-            let bytes_one = b * hkv * (sl / 32) * gf.page_bytes * 2;
+            let (kf, vf) = (GpuFormat::new(&kspec, D, 32, 1)?, GpuFormat::new(&vspec, D, 32, 1)?);
+            let bytes_one = b * hkv * (sl / 32) * (kf.page_bytes + vf.page_bytes);
             // Enough caches that a rotation reads ≥ 256 MiB (5× the H200's 50 MB L2, so no
             // step finds the last one's bytes there); at most 16 (the smallest cache here,
             // 2-bit at B = 1, S = 32k, is 18 MB).
@@ -380,7 +385,7 @@ fn decode_rows(
             );
             rows.push(json!({
                 "b": b, "hq": hq, "hkv": hkv, "d": D, "s": sl, "format": f,
-                "k_bits": gf.bits_per_value(), "v_bits": gf.bits_per_value(),
+                "k_bits": kf.bits_per_value(), "v_bits": vf.bits_per_value(),
                 "ours_us": us, "ours_stream_us": stream_us, "ours_graph_us": graph_us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
                 "n_splits": plans[0].n_splits, "finite": finite, "rotated_caches": n_sets,
                 "rotated_bytes": n_sets * bytes_one,

@@ -1,8 +1,8 @@
 //! Fused encode on the GPU: norm → rotation → quantize → pack → side info, bit-identical to
 //! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0 and
 //! turboquant_mse codes use the thread-per-row kernel (`encode_pages_tpr`: one warp per
-//! page, one lane per row, all in registers); fp16 and other page sizes use one warp per row
-//! (`encode_rows`).
+//! page, one lane per row, all in registers); fp16, qjl and other page sizes use one warp
+//! per row (`encode_rows`).
 
 use std::sync::Arc;
 
@@ -72,7 +72,7 @@ impl GpuEncoder {
         let s = &dev.stream;
         let use_tpr = fmt.t == 32
             && match fmt.kind {
-                KernelKind::F16 => false,
+                KernelKind::F16 | KernelKind::Sketch => false,
                 KernelKind::Q8_0 | KernelKind::Q4_0 => true,
                 KernelKind::Codes => fmt.bins.is_some(),
             };

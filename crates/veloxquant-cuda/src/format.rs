@@ -4,6 +4,7 @@
 use half::f16;
 use veloxquant::codebook::ScaledCodebook;
 use veloxquant::format::rows::{RowKind, RowLayout};
+use veloxquant::format::sketch::Sketch;
 use veloxquant::rotate::Rotation;
 use veloxquant::{FormatSpec, NormMode};
 
@@ -16,6 +17,25 @@ pub enum KernelKind {
     Q8_0 = 1,
     Q4_0 = 2,
     Codes = 3,
+    /// QJL sign sketch: the decode kernels see it as 1-bit codes with the table {−1, +1}
+    /// (KK = 3), the query projected by the sketch instead of rotated; encode has its own
+    /// path (KIND = 4).
+    Sketch = 4,
+}
+
+impl KernelKind {
+    /// The decode kernels' id (`KK`/`VK`): a sketch's signs are 1-bit codes there.
+    pub fn decode_id(self) -> i64 {
+        match self {
+            KernelKind::Sketch => KernelKind::Codes as i64,
+            k => k as i64,
+        }
+    }
+
+    /// Whether rows carry one f16 scale per token after the page's T rows.
+    pub fn has_token_scale(self) -> bool {
+        matches!(self, KernelKind::Codes | KernelKind::Sketch)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -29,6 +49,9 @@ pub struct GpuFormat {
     pub page_bytes: usize,
     /// Hadamard signs (±1) and scale when the format rotates.
     pub rotation: Option<(Vec<f32>, f32)>,
+    /// QJL: the sketch S transposed (d × m, element [e][i] = S[i][e]: the kernels read one
+    /// input dimension's m entries in one coalesced load) and the estimator's scale √(π/2)/m.
+    pub sketch: Option<(Vec<f32>, f32)>,
     pub eden: bool,
     pub thresholds: Vec<f32>,
     pub centroids: Vec<f32>,
@@ -95,6 +118,15 @@ impl GpuFormat {
                 let table = ScaledCodebook::new(spec.bits, d).table16();
                 (KernelKind::Codes, RowKind::Codes { bits: spec.bits, table }, true)
             }
+            "qjl" => {
+                if spec.mult != 1 {
+                    return Err(unsupported("qjl on the GPU needs m = d (:1x)"));
+                }
+                // The sign rows have the 1-bit codes' layout: ⌈m/32⌉ words, then ‖k‖ in f16.
+                let mut table = [0f32; 16];
+                table[..2].copy_from_slice(&[-1.0, 1.0]);
+                (KernelKind::Sketch, RowKind::Codes { bits: 1, table }, false)
+            }
             _ => return Err(unsupported("no CUDA kernel for this format yet")),
         };
         let layout = RowLayout::new(row_kind, d, t);
@@ -106,11 +138,26 @@ impl GpuFormat {
         } else {
             None
         };
-        let (thresholds, centroids) = if kind == KernelKind::Codes {
-            let cb = ScaledCodebook::new(spec.bits, d);
-            (cb.thresholds, cb.centroids)
+        let sketch = if kind == KernelKind::Sketch {
+            // The CPU's qjl build: Sketch::new(kind, m, d, seed) with m = d.
+            let sk = Sketch::new(spec.sketch, d, d, seed);
+            let mut st = vec![0f32; d * d];
+            for (i, row) in sk.rows.chunks_exact(d).enumerate() {
+                for (e, &v) in row.iter().enumerate() {
+                    st[e * d + i] = v;
+                }
+            }
+            Some((st, sk.scale()))
         } else {
-            (vec![0.0], vec![0.0])
+            None
+        };
+        let (thresholds, centroids) = match kind {
+            KernelKind::Codes => {
+                let cb = ScaledCodebook::new(spec.bits, d);
+                (cb.thresholds, cb.centroids)
+            }
+            KernelKind::Sketch => (vec![0.0], vec![-1.0, 1.0]),
+            _ => (vec![0.0], vec![0.0]),
         };
         let mut table_f16 = [0u16; 16];
         for (o, c) in table_f16.iter_mut().zip(&centroids) {
@@ -120,12 +167,17 @@ impl GpuFormat {
         Ok(Self {
             spec: spec.clone(),
             kind,
-            bits: if kind == KernelKind::Codes { spec.bits } else { 0 },
+            bits: match kind {
+                KernelKind::Codes => spec.bits,
+                KernelKind::Sketch => 1,
+                _ => 0,
+            },
             d,
             t,
             row_bytes: layout.row_bytes,
             page_bytes: layout.page_bytes(),
             rotation,
+            sketch,
             eden: spec.norm == NormMode::Eden && kind == KernelKind::Codes,
             thresholds,
             centroids,
@@ -141,29 +193,41 @@ impl GpuFormat {
             return;
         }
         page[from * self.row_bytes..self.t * self.row_bytes].fill(0);
-        if self.kind == KernelKind::Codes {
+        if self.kind.has_token_scale() {
             let at = self.t * self.row_bytes;
             page[at + 2 * from..at + 2 * self.t].fill(0);
         }
     }
 
-    /// Per-instance state as the CPU counts it (`Format::state_bytes`): rotation signs and
-    /// the codebook.
+    /// Per-instance state as the CPU counts it (`Format::state_bytes`): rotation signs,
+    /// the sketch and the codebook.
     pub fn state_bytes(&self) -> usize {
         let rot = self.rotation.as_ref().map_or(0, |(s, _)| s.len() * 4);
+        let sk = self.sketch.as_ref().map_or(0, |(s, _)| s.len() * 4);
         let cb = if self.kind == KernelKind::Codes { (self.centroids.len() + self.thresholds.len()) * 4 } else { 0 };
-        rot + cb
+        rot + sk + cb
     }
 
     pub fn bits_per_value(&self) -> f64 {
         (self.page_bytes * 8) as f64 / (self.t * self.d) as f64
     }
 
-    /// Signs for the kernels (all ones when the format does not rotate) and the scale.
+    /// The per-head transform the kernels take (`signs` arguments, [`Self::transform_words`]
+    /// floats): the rotation's signs (all ones when the format does not rotate) and scale, or
+    /// the sketch Sᵀ and the estimator's scale.
     pub fn signs_or_ones(&self) -> (Vec<f32>, f32) {
-        match &self.rotation {
-            Some((s, sc)) => (s.clone(), *sc),
-            None => (vec![1.0; self.d], 1.0),
+        match (&self.rotation, &self.sketch) {
+            (_, Some((s, sc))) | (Some((s, sc)), None) => (s.clone(), *sc),
+            (None, None) => (vec![1.0; self.d], 1.0),
+        }
+    }
+
+    /// Floats per head of [`Self::signs_or_ones`]: d, or d·d for a sketch (kernels: `TW`).
+    pub fn transform_words(&self) -> usize {
+        if self.sketch.is_some() {
+            self.d * self.d
+        } else {
+            self.d
         }
     }
 }

@@ -13,10 +13,13 @@ fn gpu_layouts_match_cpu_page_sizes() {
         "turboquant_mse:2",
         "turboquant_mse:3:eden",
         "turboquant_mse:4",
+        "qjl",
+        "qjl:orth",
     ] {
         let spec = FormatSpec::parse(s).unwrap();
         for d in [64, 128] {
-            let cpu = spec.build(&FormatCtx::new(d, 32, Stream::Values, 9)).unwrap();
+            let stream = if spec.desc().for_values { Stream::Values } else { Stream::Keys };
+            let cpu = spec.build(&FormatCtx::new(d, 32, stream, 9)).unwrap();
             let g = GpuFormat::new(&spec, d, 32, 9).unwrap();
             assert_eq!(g.page_bytes, cpu.page_bytes(), "{s} d={d}");
             assert!((g.bits_per_value() - cpu.bits_per_value()).abs() < 1e-12);
@@ -129,6 +132,8 @@ fn every_kernel_configuration_compiles() {
         "turboquant_mse:3:eden",
         "turboquant_mse:4",
         "turboquant_mse:4:eden",
+        "qjl",
+        "qjl:orth",
     ];
     let mut built: Vec<String> = Vec::new();
     for (arch, cc) in archs {
@@ -163,8 +168,9 @@ fn every_kernel_configuration_compiles() {
                 }
             }
             // Decode: every same-format pair and the mixed pairs the engine's methods use.
-            let mut pairs: Vec<(usize, usize)> = (0..fmts.len()).map(|i| (i, i)).collect();
-            pairs.extend([(10, 7), (9, 6), (8, 6), (9, 1), (2, 4), (6, 8), (8, 9)]);
+            // (qjl is keys only: paired with value formats.)
+            let mut pairs: Vec<(usize, usize)> = (0..11).map(|i| (i, i)).collect();
+            pairs.extend([(10, 7), (9, 6), (8, 6), (9, 1), (2, 4), (6, 8), (8, 9), (11, 6), (12, 1), (11, 0), (12, 10), (11, 8), (5, 6), (5, 9)]);
             for (ki, vi) in pairs {
                 for g in [1, 2, 3, 4, 8] {
                     for (fam, defs) in veloxquant_cuda::attn::decode_modules(&fmts[ki], &fmts[vi], g, cc) {
@@ -175,4 +181,49 @@ fn every_kernel_configuration_compiles() {
         }
     }
     eprintln!("compiled {} module configurations:\n{}", built.len(), built.join("\n"));
+}
+
+/// The GPU reads a qjl page as 1-bit codes with the table {−1, +1} and the token's ‖k‖ as its
+/// scale, against the query c·S·q that prep_query forms from the uploaded Sᵀ: those scores
+/// equal the CPU's qjl scores on the same bytes (layout, sign convention, transposition and
+/// scale; no GPU needed).
+#[test]
+fn qjl_pages_read_as_sign_codes_score_as_the_cpu() {
+    use veloxquant::rng::SplitMix64;
+    for spec in ["qjl", "qjl:orth"] {
+        let spec = FormatSpec::parse(spec).unwrap();
+        for d in [64usize, 128] {
+            let (t, seed) = (32, 17 + d as u64);
+            let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
+            let g = GpuFormat::new(&spec, d, t, seed).unwrap();
+            let (st, c) = g.sketch.clone().expect("qjl has a sketch");
+            assert_eq!(st.len(), g.transform_words());
+            let mut rng = SplitMix64::new(seed);
+            let x = rng.gaussian_vec(t * d);
+            let mut page = vec![0u8; cpu.page_bytes()];
+            cpu.encode_page(&x, &mut page).unwrap();
+            let q = rng.gaussian_vec(d);
+            let mut want = vec![0f32; t];
+            cpu.scores(&cpu.prepare_query(&q, 1), &page, &mut want);
+            let p: Vec<f64> = (0..d).map(|i| (0..d).map(|e| st[e * d + i] as f64 * q[e] as f64).sum::<f64>()).collect();
+            let table = half::f16::from_bits(g.table_f16[1]).to_f32();
+            assert_eq!((table, half::f16::from_bits(g.table_f16[0]).to_f32()), (1.0, -1.0));
+            for (i, w) in want.iter().enumerate() {
+                let row = &page[i * g.row_bytes..(i + 1) * g.row_bytes];
+                let at = t * g.row_bytes + 2 * i;
+                let norm = half::f16::from_le_bytes([page[at], page[at + 1]]).to_f64();
+                let dot: f64 = (0..d)
+                    .map(|j| {
+                        let word = u32::from_le_bytes(row[4 * (j / 32)..4 * (j / 32) + 4].try_into().unwrap());
+                        let code = (word >> (j % 32)) & 1;
+                        half::f16::from_bits(g.table_f16[code as usize]).to_f64() * p[j]
+                    })
+                    .sum();
+                let got = norm * c as f64 * dot;
+                assert!((got - *w as f64).abs() <= 1e-4 * (1.0 + w.abs() as f64), "{spec} d={d} token {i}: {got} vs {w}");
+            }
+        }
+    }
+    let two = FormatSpec::parse("qjl:2x").unwrap();
+    assert!(matches!(GpuFormat::new(&two, 128, 32, 1), Err(veloxquant_cuda::CudaError::UnsupportedFormat { .. })));
 }

@@ -1,5 +1,5 @@
-//! GPU parity: encode bit-identical to the CPU for every format, d ∈ {64, 128}, all bit
-//! widths; decode attention vs the CPU reference ≤ 2e-3 relative across batch, GQA ratio,
+//! GPU parity: encode bit-identical to the CPU for every format the GPU supports (the rest
+//! are listed as skipped), d ∈ {64, 128}, all bit widths; decode attention vs the CPU reference ≤ 2e-3 relative across batch, GQA ratio,
 //! lengths off the page grid and the recent window R. Skips with a message without a GPU.
 
 use std::sync::Arc;
@@ -36,6 +36,9 @@ fn all_specs() -> Vec<FormatSpec> {
             }
             if desc.has_norm_mode {
                 out.push(FormatSpec::parse(&format!("{base}:eden")).unwrap());
+            }
+            if desc.has_sketch {
+                out.push(FormatSpec::parse(&format!("{base}:orth")).unwrap());
             }
         }
     }
@@ -84,7 +87,8 @@ fn encode_f16_input_bit_identical_to_cpu() {
                 Err(veloxquant_cuda::CudaError::UnsupportedFormat { .. }) => continue,
                 Err(e) => panic!("{spec} d={d}: {e}"),
             };
-            let cpu = spec.build(&FormatCtx::new(d, t, Stream::Values, seed)).unwrap();
+            let stream = if spec.desc().for_values { Stream::Values } else { Stream::Keys };
+            let cpu = spec.build(&FormatCtx::new(d, t, stream, seed)).unwrap();
             let enc = GpuEncoder::new(&dev, &gf, InputKind::F16).unwrap();
             let mut rng = SplitMix64::new(seed ^ 99);
             let n_pages = 8;
@@ -295,6 +299,11 @@ fn decode_matches_cpu_reference() {
         ("turboquant_mse:4:eden", "turboquant_mse:3"),
         ("turboquant_mse:2", "turboquant_mse:3:eden"),
         ("turboquant_mse:3", "turboquant_mse:3"),
+        ("qjl", "turboquant_mse:2"),
+        ("qjl:orth", "q8_0"),
+        ("qjl", "fp16"),
+        ("qjl:orth", "turboquant_mse:4:eden"),
+        ("turboquant_mse:1", "turboquant_mse:2"),
     ];
     let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097], &[3, 40]];
     let mut n = 0;
@@ -326,7 +335,7 @@ fn decode_matches_cpu_reference() {
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
-/// The pipelined 2/4-bit path over long ragged rows: 8 rows of up to ~90 pages in splits of 16,
+/// The pipelined 1/2/3/4-bit path over long ragged rows: 8 rows of up to ~90 pages in splits of 16,
 /// sequences ending inside a split or before it starts (warps and blocks with no pages), G = 8.
 #[test]
 fn decode_long_ragged_rows_match_cpu_reference() {
@@ -338,6 +347,8 @@ fn decode_long_ragged_rows_match_cpu_reference() {
         ("turboquant_mse:4:eden", "turboquant_mse:3"),
         ("turboquant_mse:3", "turboquant_mse:3"),
         ("turboquant_mse:3:eden", "turboquant_mse:4"),
+        ("qjl:orth", "turboquant_mse:2"),
+        ("turboquant_mse:1", "turboquant_mse:3"),
     ];
     let mut bad = Vec::new();
     let mut worst_all = 0f64;
@@ -372,6 +383,7 @@ fn decode_generic_path_matches_cpu_reference() {
         ("turboquant_mse:4:eden", "turboquant_mse:2"),
         ("turboquant_mse:4:eden", "turboquant_mse:3"),
         ("turboquant_mse:3", "turboquant_mse:3"),
+        ("qjl", "turboquant_mse:3"),
     ] {
         for d in [64, 128] {
             for gqa in [1, 3, 8] {

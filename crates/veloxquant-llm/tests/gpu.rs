@@ -161,7 +161,13 @@ fn gpu_logits_match_cpu_prefill_and_batched_decode() {
     let steps = 40;
     let forced: Vec<Vec<u32>> =
         lens.iter().map(|_| (0..steps).map(|_| (rng.next_u64() % VOCAB as u64) as u32).collect()).collect();
-    for method in [GpuMethod::fp16(), default_method()] {
+    let qjl = GpuMethod {
+        k: FormatSpec::parse("qjl").unwrap(),
+        v: FormatSpec::parse("turboquant_mse:4").unwrap(),
+        recent: 16,
+        sink: 0,
+    };
+    for method in [GpuMethod::fp16(), default_method(), qjl] {
         let mut cfg = EngineConfig::new(method.clone(), 4, 1024);
         cfg.prefill_chunk = 64; // several chunks per prompt: each attends as decode would
         cfg.prefill_rows = 128;
@@ -328,7 +334,12 @@ fn gpu_prefill_attention_matches_cpu_store() {
     let (hkv, g, d) = (2usize, 2usize, 64usize);
     let hq = hkv * g;
     for (k, v, recent, sink) in
-        [("fp16", "fp16", 0, 0), ("turboquant_mse:4:eden", "turboquant_mse:3", 8, 4), ("q8_0", "q4_0:rot", 5, 0)]
+    [
+        ("fp16", "fp16", 0, 0),
+        ("turboquant_mse:4:eden", "turboquant_mse:3", 8, 4),
+        ("q8_0", "q4_0:rot", 5, 0),
+        ("qjl:orth", "turboquant_mse:2", 8, 0),
+    ]
     {
         let mut cfg = CacheConfig::new(1, hkv, d, FormatSpec::parse(k).unwrap(), FormatSpec::parse(v).unwrap());
         cfg.recent = recent;

@@ -208,6 +208,38 @@ fn fused_verbs_match_reference_decode() {
     }
 }
 
+/// Row-granular formats: rows encoded one at a time, in any order, into a zeroed page give
+/// `encode_page`'s bytes, and `clear_rows_from(k)` leaves the page that rows 0..k alone give.
+#[test]
+fn row_encoding_matches_page_encoding() {
+    let mut n = 0;
+    for spec in all_specs() {
+        let d = 64;
+        let stream = streams(&spec)[0];
+        let f = spec.build(&ctx_stream(d, stream)).unwrap();
+        if !f.row_granular() {
+            continue;
+        }
+        let x = SplitMix64::new(5).gaussian_vec(T * d);
+        let mut want = vec![0u8; f.page_bytes()];
+        f.encode_page(&x, &mut want).unwrap();
+        let mut page = vec![0u8; f.page_bytes()];
+        for r in (0..T).rev() {
+            f.encode_row(&x[r * d..(r + 1) * d], &mut page, r).unwrap();
+        }
+        assert_eq!(page, want, "{spec}: rows vs page");
+        let k = 11;
+        let mut part = vec![0u8; f.page_bytes()];
+        for r in 0..k {
+            f.encode_row(&x[r * d..(r + 1) * d], &mut part, r).unwrap();
+        }
+        f.clear_rows_from(&mut page, k);
+        assert_eq!(page, part, "{spec}: clear_rows_from({k})");
+        n += 1;
+    }
+    assert!(n >= 8, "row-granular formats checked: {n}");
+}
+
 #[test]
 fn encode_is_deterministic_and_seeded() {
     for spec in all_specs() {

@@ -120,7 +120,7 @@ impl GpuCacheConfig {
         let pages = self.pool_groups * self.n_kv_heads;
         let per_layer = pages * (kf.page_bytes + vf.page_bytes) + 2 * self.max_seqs * self.n_kv_heads * xs * d * 2;
         let meta = (self.max_seqs * self.n_kv_heads * self.max_pages_per_seq + 2 * self.max_seqs) * 4;
-        let signs = 2 * self.n_layers * self.n_kv_heads * d * 4;
+        let signs = self.n_layers * self.n_kv_heads * (kf.transform_words() + vf.transform_words()) * 4;
         per_layer.checked_mul(self.n_layers).and_then(|b| b.checked_add(meta + signs)).ok_or(CudaError::ShapeMismatch {
             op: "cache bytes overflow",
             expected: 0,
@@ -167,15 +167,17 @@ pub struct Stream {
     pub pools: Vec<CudaSlice<u8>>,
     /// Per layer: `[slot][kv_head][S + C][d]` f16 bits.
     pub exact: Vec<CudaSlice<u16>>,
-    /// Rotation signs `[layer][kv_head][d]` (ones when the format does not rotate).
+    /// Per layer and KV head the format's transform, `fmt.transform_words()` floats each:
+    /// rotation signs (ones when the format does not rotate) or a sketch's Sᵀ.
     pub signs: CudaSlice<f32>,
     pub rot_scale: f32,
 }
 
 impl Stream {
     /// The signs of `layer` (offset view for the kernels).
-    pub fn layer_signs(&self, layer: usize, n_kv: usize, d: usize) -> cudarc::driver::CudaView<'_, f32> {
-        self.signs.slice(layer * n_kv * d..(layer + 1) * n_kv * d)
+    pub fn layer_signs(&self, layer: usize, n_kv: usize) -> cudarc::driver::CudaView<'_, f32> {
+        let w = n_kv * self.fmt.transform_words();
+        self.signs.slice(layer * w..(layer + 1) * w)
     }
 }
 
@@ -216,7 +218,7 @@ fn make_stream(
     row_mode: bool,
 ) -> Result<Stream> {
     let (d, t) = (cfg.head_dim, cfg.page_tokens);
-    let mut signs = Vec::with_capacity(cfg.n_layers * cfg.n_kv_heads * d);
+    let mut signs = Vec::new();
     let mut fmt0 = None;
     let mut rot_scale = 1.0;
     for l in 0..cfg.n_layers {

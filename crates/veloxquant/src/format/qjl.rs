@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 use super::sketch::{code_bytes, signed_sum, Sketch, TokenLayout};
-use super::{check_finite, check_len, Format, FormatDesc, FormatSpec, QueryState};
+use super::{check_finite, check_len, check_row_input, Format, FormatDesc, FormatSpec, QueryState};
 use crate::error::Result;
 use crate::reduce::sum_sq_canonical;
 
@@ -49,6 +49,13 @@ pub struct Qjl {
     layout: TokenLayout,
 }
 
+impl Qjl {
+    fn encode_row_unchecked(&self, k: &[f32], page: &mut [u8], i: usize) {
+        self.sketch.encode_signs(k, self.layout.row_mut(page, i));
+        self.layout.set_side(page, 0, i, sum_sq_canonical(k).sqrt());
+    }
+}
+
 impl Format for Qjl {
     fn spec(&self) -> &FormatSpec {
         &self.spec
@@ -73,10 +80,24 @@ impl Format for Qjl {
         check_finite("encode_page input", x, d)?;
         page.fill(0);
         for (i, k) in x.chunks_exact(d).enumerate() {
-            self.sketch.encode_signs(k, self.layout.row_mut(page, i));
-            self.layout.set_side(page, 0, i, sum_sq_canonical(k).sqrt());
+            self.encode_row_unchecked(k, page, i);
         }
         Ok(())
+    }
+
+    /// Tokens are sketched independently: the cache fills pages a token at a time (row mode).
+    fn row_granular(&self) -> bool {
+        true
+    }
+
+    fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
+        check_row_input(self, x, page, row)?;
+        self.encode_row_unchecked(x, page, row);
+        Ok(())
+    }
+
+    fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        self.layout.clear_rows_from(page, from);
     }
 
     fn decode_page(&self, page: &[u8], out: &mut [f32]) {

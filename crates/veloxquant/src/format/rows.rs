@@ -350,14 +350,7 @@ impl Format for RowFormat {
     }
 
     fn clear_rows_from(&self, page: &mut [u8], from: usize) {
-        let (t, rb) = (self.layout.t, self.layout.row_bytes);
-        if from >= t || page.len() < t * rb {
-            return;
-        }
-        page[from * rb..t * rb].fill(0);
-        if let Some(at) = self.layout.scales_at {
-            page[at + 2 * from..at + 2 * t].fill(0);
-        }
+        self.layout.clear_rows_from(page, from);
     }
 
     fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {

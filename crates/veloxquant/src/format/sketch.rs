@@ -142,6 +142,17 @@ impl TokenLayout {
         f16::from_le_bytes([page[o], page[o + 1]]).to_f32()
     }
 
+    /// Zero rows `from..` and their side values: an open page as a fresh one holds it.
+    pub fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        if from >= self.t || page.len() < self.page_bytes() {
+            return;
+        }
+        page[from * self.row_bytes..self.t * self.row_bytes].fill(0);
+        for k in 0..self.n_side {
+            page[self.side_at(k, from)..self.side_at(k, self.t)].fill(0);
+        }
+    }
+
     /// Store side value k of token t (rounded to f16); returns the stored value.
     pub fn set_side(&self, page: &mut [u8], k: usize, t: usize, v: f32) -> f32 {
         let o = self.side_at(k, t);

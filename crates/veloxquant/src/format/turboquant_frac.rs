@@ -427,6 +427,10 @@ impl Format for TurboFrac {
         true
     }
 
+    fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        self.layout.clear_rows_from(page, from);
+    }
+
     fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
         check_row_input(self, x, page, row)?;
         self.encode_checked(x, page, row);
