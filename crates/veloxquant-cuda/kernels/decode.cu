@@ -16,7 +16,7 @@
 #define KS (D / 16)  // k-steps of the score mma, = M-tiles of the PV mma
 #define NEG_INF (-__int_as_float(0x7f800000))
 // FAST (sm_90: bulk copies; NOFAST=1 on older GPUs): 1- to 4-bit key codes (1-bit: qjl's
-// signs, by prmt from the two table entries), 2- to 4-bit value codes, dequantized in registers
+// signs, a symmetric table by sign-bit xor), 2- to 4-bit value codes, dequantized in registers
 // (3-bit codes: one lookup per pair of codes as a 6-bit table entry: a key's two adjacent
 // dims are 6 adjacent bits of its row (K3), values pair one dim of two tokens (V3)); 4-bit codes by one
 // lookup per byte (two codes) in a lane-replicated f16x2 table in shared memory, 2-bit
@@ -25,7 +25,10 @@
 #ifndef NOFAST
 #define NOFAST 0
 #endif
-#if !NOFAST && KK == 3 && VK == 3 && (KB >= 1 && KB <= 4) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME)
+#ifndef K1SYM
+#define K1SYM 0
+#endif
+#if !NOFAST && KK == 3 && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME)
 #define FAST 1
 #else
 #define FAST 0
@@ -204,9 +207,9 @@ __device__ __forceinline__ u32 u4x2_h2(u32 t, u32 s2) {
 // The key dim that thread t's slot j of k-step ks holds (the Q operand uses the same map).
 __device__ __forceinline__ int kdim(int t, int ks, int j) {
 #if FAST && KB == 1
-    // 1-bit: k-step ks pairs bits (ks, ks + 8) and (ks + 16, ks + 24) of the thread's word
-    // (d = 128), or bits (i, i + 8) for i = 2ks + j/2 (d = 64): see k_dequant.
-    return D == 128 ? t * QD + ks + 8 * j : t * QD + 2 * ks + (j >> 1) + 8 * (j & 1);
+    // 1-bit: word i = 2ks + j/2 of k_dequant pairs bits (15 − i, 31 − i) of the thread's
+    // word (d = 128), or (7 − i, 15 − i) of its 16 bits (d = 64).
+    return t * QD + (D == 128 ? ((j & 1) ? 31 : 15) : ((j & 1) ? 15 : 7)) - (2 * ks + (j >> 1));
 #elif FAST && KB == 2 && !K2L
     return t * QD + 16 * (ks >> 2) + (ks & 3) + 4 * j;
 #elif KK == 2
@@ -384,21 +387,17 @@ __device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 lbk,
         kb[by] = plut(lbk, rb[by / 4], by % 4);
     }
 #elif KB == 1
-    // Bits k, k + 8, k + 16, k + 24 of the row word as one byte each (0/1), each byte's
-    // selector (2c, 2c + 1) picking the f16 of table entry c from kt0 by one prmt per pair.
+    // A symmetric table {c, −c} (K1SYM): code 1 is code 0's f16 with the sign flipped. Bits
+    // (15 − i, 31 − i) of the row word shifted to the halves' sign bits, masked and xor-ed into
+    // (c, c): one shift and one LOP3 per f16x2. d = 64: the 16 bits as w << 16 | w << 8, so
+    // bits 7 − i and 15 − i land on 15 and 31.
+    const u32 base = (kt0 & 0xFFFFu) * 0x10001u;
+    const u32 wa = D == 128 ? ra[0] : ((ra[0] << 16) | ((ra[0] & 0xFFFFu) << 8));
+    const u32 wb = D == 128 ? rb[0] : ((rb[0] << 16) | ((rb[0] & 0xFFFFu) << 8));
 #pragma unroll
-    for (int k = 0; k < 8; k++) {
-        const u32 sa = ((ra[0] >> k) & 0x01010101u) * 0x22u + 0x10101010u;
-        const u32 sb = ((rb[0] >> k) & 0x01010101u) * 0x22u + 0x10101010u;
-        if (D == 128) {
-            ka[2 * k] = prmt(kt0, 0u, sa);
-            ka[2 * k + 1] = prmt(kt0, 0u, sa >> 16);
-            kb[2 * k] = prmt(kt0, 0u, sb);
-            kb[2 * k + 1] = prmt(kt0, 0u, sb >> 16);
-        } else {
-            ka[k] = prmt(kt0, 0u, sa);
-            kb[k] = prmt(kt0, 0u, sb);
-        }
+    for (int i = 0; i < 2 * KS; i++) {
+        ka[i] = ((wa << i) & 0x80008000u) ^ base;
+        kb[i] = ((wb << i) & 0x80008000u) ^ base;
     }
 #elif K3
 #pragma unroll

@@ -40,9 +40,15 @@ fn splits_for_waves(rows: usize, target: usize, max_splits: usize) -> usize {
 fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
     kf.kind.decode_id() == KernelKind::Codes as i64
         && vf.kind == KernelKind::Codes
-        && matches!(kf.bits, 1..=4)
+        && (matches!(kf.bits, 2..=4) || (kf.bits == 1 && symmetric_1bit(kf)))
         && matches!(vf.bits, 2..=4)
         && (kf.bits != 4 || vf.bits != 4 || kf.table_f16 == vf.table_f16)
+}
+
+/// A 1-bit table {c, −c} (f16 bits differ in the sign only): the FAST path's sign-flip
+/// dequantization (decode.cu `K1SYM`) applies.
+fn symmetric_1bit(f: &GpuFormat) -> bool {
+    f.bits == 1 && f.table_f16[1] == f.table_f16[0] ^ 0x8000
 }
 
 /// The FAST path (2/4-bit codes dequantized in registers): pages streamed through a per-warp
@@ -131,6 +137,7 @@ fn decode_defines(
     defs.extend(kind_defines('K', kf));
     defs.extend(kind_defines('V', vf));
     defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
+    defs.push(("K1SYM".into(), symmetric_1bit(kf) as i64));
     if !pipe.fast && fast_path(kf, vf) {
         defs.push(("NOFAST".into(), 1)); // a pre-Hopper device: the generic path
     }

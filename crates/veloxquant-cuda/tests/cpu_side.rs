@@ -170,7 +170,22 @@ fn every_kernel_configuration_compiles() {
             // Decode: every same-format pair and the mixed pairs the engine's methods use.
             // (qjl is keys only: paired with value formats.)
             let mut pairs: Vec<(usize, usize)> = (0..11).map(|i| (i, i)).collect();
-            pairs.extend([(10, 7), (9, 6), (8, 6), (9, 1), (2, 4), (6, 8), (8, 9), (11, 6), (12, 1), (11, 0), (12, 10), (11, 8), (5, 6), (5, 9)]);
+            pairs.extend([
+                (10, 7),
+                (9, 6),
+                (8, 6),
+                (9, 1),
+                (2, 4),
+                (6, 8),
+                (8, 9),
+                (11, 6),
+                (12, 1),
+                (11, 0),
+                (12, 10),
+                (11, 8),
+                (5, 6),
+                (5, 9),
+            ]);
             for (ki, vi) in pairs {
                 for g in [1, 2, 3, 4, 8] {
                     for (fam, defs) in veloxquant_cuda::attn::decode_modules(&fmts[ki], &fmts[vi], g, cc) {
@@ -220,7 +235,10 @@ fn qjl_pages_read_as_sign_codes_score_as_the_cpu() {
                     })
                     .sum();
                 let got = norm * c as f64 * dot;
-                assert!((got - *w as f64).abs() <= 1e-4 * (1.0 + w.abs() as f64), "{spec} d={d} token {i}: {got} vs {w}");
+                assert!(
+                    (got - *w as f64).abs() <= 1e-4 * (1.0 + w.abs() as f64),
+                    "{spec} d={d} token {i}: {got} vs {w}"
+                );
             }
         }
     }

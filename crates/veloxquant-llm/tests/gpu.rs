@@ -333,14 +333,12 @@ fn gpu_prefill_attention_matches_cpu_store() {
     let Some(dev) = device() else { return };
     let (hkv, g, d) = (2usize, 2usize, 64usize);
     let hq = hkv * g;
-    for (k, v, recent, sink) in
-    [
+    for (k, v, recent, sink) in [
         ("fp16", "fp16", 0, 0),
         ("turboquant_mse:4:eden", "turboquant_mse:3", 8, 4),
         ("q8_0", "q4_0:rot", 5, 0),
         ("qjl:orth", "turboquant_mse:2", 8, 0),
-    ]
-    {
+    ] {
         let mut cfg = CacheConfig::new(1, hkv, d, FormatSpec::parse(k).unwrap(), FormatSpec::parse(v).unwrap());
         cfg.recent = recent;
         cfg.sink = sink;
