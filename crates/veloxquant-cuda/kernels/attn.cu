@@ -3,9 +3,17 @@
 // projected by the key sketch (KSKETCH: qjl).
 // combine: merge the split partials (16 splits per L2 round trip, no block barrier), one
 // inverse value rotation on the merged accumulator,
-// then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, VROT, PDL (combine launched
+// then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, KPROD, VROT, PDL (combine launched
 // as a programmatic dependent of decode_pages: it scores the tail while decode_pages runs).
 #define NEG_INF (-__int_as_float(0x7f800000))
+// Floats per KV head of the key transform (rotation signs, a sketch's Sᵀ, or both).
+#if KPROD
+#define KTW (D + D * D)
+#elif KSKETCH
+#define KTW (D * D)
+#else
+#define KTW D
+#endif
 
 // In-place Walsh-Hadamard transform of the block's D values (thread tid holds element tid):
 // butterflies (a + o, a − o) of span < 32 by shuffles, wider ones through s.
@@ -32,15 +40,23 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
     const size_t at = ((size_t)b * n_q + hq) * D + tid;
     float x = q[at] * (LOG2E / sqrtf((float)D));
 #if KROT
-    x *= ksigns[(hq / G) * D + tid];
+    x *= ksigns[(size_t)(hq / G) * KTW + tid];
     x = fwht_block(x, s, tid) * krot_scale;
+#endif
+#if KPROD
+    qprep[at] = x;  // turboquant_prod: R·q for the codes, then c·S·R·q for the signs
+    const float sc = (float)(1.2533141373155001 / D);
+    __syncthreads();  // fwht_block's last reads of s
 #elif KSKETCH
-    // qjl keys: the query in the sketch domain, c·S·q (ksigns holds Sᵀ, d × d per KV head;
-    // thread tid = row tid of S, one coalesced row of Sᵀ per step).
+    const float sc = krot_scale;  // qjl: c
+#endif
+#if KSKETCH || KPROD
+    // The query in the sketch domain, c·S·x (Sᵀ: d × d per KV head, after the signs for
+    // turboquant_prod; thread tid = row tid of S, one coalesced row of Sᵀ per step).
     s[tid] = x;
     __syncthreads();
     // Four chains, unrolled: the loads of Sᵀ (L2) overlap instead of one per FMA latency.
-    const float* st = ksigns + (size_t)(hq / G) * D * D + tid;
+    const float* st = ksigns + (size_t)(hq / G) * KTW + (KPROD ? D : 0) + tid;
     float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
 #pragma unroll 8
     for (int e = 0; e < D; e += 4) {
@@ -49,9 +65,13 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
         p2 += st[(size_t)(e + 2) * D] * s[e + 2];
         p3 += st[(size_t)(e + 3) * D] * s[e + 3];
     }
-    x = ((p0 + p1) + (p2 + p3)) * krot_scale;
+    x = ((p0 + p1) + (p2 + p3)) * sc;
 #endif
+#if KPROD
+    qprep[at + (size_t)gridDim.x * gridDim.y * D] = x;
+#else
     qprep[at] = x;
+#endif
 }
 
 extern "C" __global__ void combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,

@@ -6,8 +6,8 @@
 // softmax in base 2, and accumulates values as O^T += V^T · P^T in the value format's domain
 // (rotated for turboquant_mse). Warps merge in shared memory; blocks write one partial each,
 // merged by combine() in attn.cu.
-// Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes), KB/VB (code
-// bits), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
+// Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes, KK 5
+// turboquant_prod: codes then sign bits, K_MSE_BYTES), KB/VB (code bits), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
 // (STAGES, FUSEQ, SLACK, EXPFTZ, KROT, PDL, PMINB) as attn.rs sets them.
 // On the H200 the 4-bit path is bound by shared memory (lookups, page staging; ~88 % of the
 // L1/shared pipe at (8, 32k) under ncu): the variants trade it against instructions.
@@ -231,6 +231,8 @@ __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* 
     }
 #elif KK == 3
     codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)kr, t * QD, tab, out);
+#elif KK == 5
+    codes_to_h2<KB, QD, K_MSE_BYTES / 4>((const u32*)kr, t * QD, tab, out);
 #elif KK == 1
     int blk = (t * QD) / 32, off = (t * QD) % 32;
     const u8* base = kr + 34 * blk;
@@ -253,6 +255,14 @@ __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* 
     }
 #endif
 }
+
+#if KK == 5
+// turboquant_prod: the sign bits after a key row's codes as ±1 (stab = {−1, +1}), in k_row's
+// order.
+__device__ __forceinline__ void k_signs(const u8* kr, int t, const u16* stab, u32* out) {
+    codes_to_h2<1, QD, D / 32>((const u32*)(kr + K_MSE_BYTES), t * QD, stab, out);
+}
+#endif
 
 // One value row's dims [g*VC, (g+1)*VC) as VC/2 f16x2 pairs (2m, 2m+1).
 __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
@@ -520,6 +530,10 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     float* __restrict__ part_acc, float* __restrict__ part_ml,
     const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
+#if KK == 5
+    __shared__ u16 stab[2];
+    if (threadIdx.x < 2) stab[threadIdx.x] = threadIdx.x ? 0x3C00 : 0xBC00;  // f16 +1, −1
+#endif
 #if FAST
     __shared__ float qstage[G * D];  // FUSEQ: the group's prepared queries
 #else
@@ -648,6 +662,10 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
     // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
     u32 qh[KS][2], ql[KS][2];
+#if KK == 5
+    // turboquant_prod's second query, c·S·R·q (prep_query's second half), for the signs.
+    u32 qh2[KS][2], ql2[KS][2];
+#endif
 #if FUSEQ
     // prep_query fused: the group's G query rows, scaled by log2(e)/√d, sign-flipped and
     // Hadamard-rotated (a warp per head: lane i holds dims i + 32k; the butterflies of span
@@ -715,6 +733,21 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             qh[ks][hh] = hi;
 #endif
             ql[ks][hh] = lo;
+#if KK == 5
+            {
+                const float* qb2 = qb + (size_t)gridDim.z * n_kv * G * D;
+                const float y0 = on ? qb2[head * D + kdim(t, ks, 2 * hh)] : 0.0f;
+                const float y1 = on ? qb2[head * D + kdim(t, ks, 2 * hh + 1)] : 0.0f;
+                const u32 hi2 = pack_h2(y0, y1);
+                const u32 lo2 = pack_h2(y0 - h2f((u16)(hi2 & 0xffff)), y1 - h2f((u16)(hi2 >> 16)));
+#if QPACK
+                qh2[ks][hh] = g < G ? hi2 : lo2;
+#else
+                qh2[ks][hh] = hi2;
+#endif
+                ql2[ks][hh] = lo2;
+            }
+#endif
         }
     }
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
@@ -785,6 +818,19 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
             float n0 = h2f(kn[16 * mt + g]), n1 = h2f(kn[16 * mt + g + 8]);
             c[0] *= n0; c[1] *= n0; c[2] *= n1; c[3] *= n1;
+#elif KK == 5
+            {
+                // ‖x‖·(⟨Rq, ŷ⟩ + γ·⟨c·S·R·q, sign⟩)
+                k_signs(kp + (16 * mt + g) * K_ROW_BYTES, t, stab, ka);
+                k_signs(kp + (16 * mt + g + 8) * K_ROW_BYTES, t, stab, kb);
+                float c2[4];
+                score_tile(ka, kb, qh2, ql2, t, c2);
+                const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
+                const float n0 = h2f(kn[16 * mt + g]), n1 = h2f(kn[16 * mt + g + 8]);
+                const float g0 = h2f(kn[T + 16 * mt + g]), g1 = h2f(kn[T + 16 * mt + g + 8]);
+                c[0] = (c[0] + g0 * c2[0]) * n0; c[1] = (c[1] + g0 * c2[1]) * n0;
+                c[2] = (c[2] + g1 * c2[2]) * n1; c[3] = (c[3] + g1 * c2[3]) * n1;
+            }
 #endif
             s[mt][0] = c[0]; s[mt][1] = c[1]; s[mt][2] = c[2]; s[mt][3] = c[3];
         }

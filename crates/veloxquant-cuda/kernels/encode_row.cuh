@@ -2,14 +2,22 @@
 // KIND, BITS, ROT, EDEN, IN_KIND, ROW_BYTES, PAGE_BYTES). Bit-identical to the CPU under
 // --fmad=false: lane l holds elements l, l+32, … (the canonical reduction order of reduce.rs).
 // KIND 4 (qjl, m = d): the sign bits of S·x and ‖x‖; the transform argument is Sᵀ (TW
-// floats per head: S[i][e] at [e·D + i]) instead of rotation signs.
+// floats per head: S[i][e] at [e·D + i]) instead of rotation signs. KIND 5 (turboquant_prod):
+// the rotation's signs, then Sᵀ; rows of (BITS)-bit codes then MSE_BYTES on the sign bits.
 #define EPL (D / 32)
 #define NTHR ((1 << BITS) - 1)
 #if KIND == 4
 #define TW (D * D)
+#elif KIND == 5
+#define TW (D + D * D)
 #else
 #define TW D
 #endif
+#ifndef MSE_BYTES
+#define MSE_BYTES 0
+#endif
+// √(π/2)/d: the sketch estimator's scale (sketch.rs `scale`, rounded from f64 the same way).
+#define SKETCH_C ((float)(1.2533141373155001 / D))
 
 __device__ __forceinline__ float load_in(const void* x, size_t i) {
 #if IN_KIND == 0
@@ -50,16 +58,12 @@ __device__ __forceinline__ float warp_sum_canonical(float acc) {
     return acc;
 }
 
-#if KIND == 4
-// Sign bits of S·x for the row held by the warp (lane l: x_l, x_{l+32}, …) into `row`;
-// returns ‖x‖. Each (S·x)_i is the CPU's sequential sum Σ_e S[i][e]·x_e (sketch.rs
-// `project`) in the same order: lane l owns i = l + 32k, x_e is broadcast by a shuffle, and
-// the warp reads Sᵀ's row e (m consecutive floats) per step.
-__device__ __forceinline__ float sketch_row_warp(const float* v, u8* row, const float* __restrict__ st, int lane) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < EPL; k++) ss = ss + v[k] * v[k];
-    const float norm = sqrtf(warp_sum_canonical(ss));
+#if KIND == 4 || KIND == 5
+// Sign bits of S·x for the row held by the warp (lane l: x_l, x_{l+32}, …) into `row`. Each
+// (S·x)_i is the CPU's sequential sum Σ_e S[i][e]·x_e (sketch.rs `project`) in the same
+// order: lane l owns i = l + 32k, x_e is broadcast by a shuffle, and the warp reads Sᵀ's
+// row e (m consecutive floats) per step.
+__device__ __forceinline__ void sketch_signs_warp(const float* v, u8* row, const float* __restrict__ st, int lane) {
     float p[EPL];  // from −0, as Rust's f32 sum: −0 + a = a exactly
 #pragma unroll
     for (int k = 0; k < EPL; k++) p[k] = -0.0f;
@@ -82,7 +86,66 @@ __device__ __forceinline__ float sketch_row_warp(const float* v, u8* row, const 
         const u32 w = __ballot_sync(FULL_MASK, p[k] >= 0.0f);
         if (lane == 0) ((u32*)row)[k] = w;
     }
-    return norm;
+}
+
+__device__ __forceinline__ float norm_warp(const float* v) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) ss = ss + v[k] * v[k];
+    return sqrtf(warp_sum_canonical(ss));
+}
+#endif
+
+#if KIND == 3 || KIND == 5
+// The warp's codes (lane l: codes l, l+32, …) packed into `row`: chunk k (codes 32k..32k+31)
+// is exactly words k*BITS .. k*BITS+BITS-1.
+__device__ __forceinline__ void pack_codes_warp(const u32* code, u8* row, int lane) {
+    u32* words = (u32*)row;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        u32 word = 0;
+        int w = lane < BITS ? lane : 0;
+        int c0 = (32 * w) / BITS;
+#pragma unroll
+        for (int q = 0; q < 32 / BITS + 2; q++) {
+            int c = c0 + q;
+            u32 cv = __shfl_sync(FULL_MASK, code[k], c & 31);
+            int sh = c * BITS - 32 * w;
+            if (c < 32) {
+                if (sh >= 0 && sh < 32) word |= cv << sh;
+                else if (sh < 0 && sh > -BITS) word |= cv >> (-sh);
+            }
+        }
+        if (lane < BITS) words[k * BITS + lane] = word;
+    }
+}
+#endif
+
+#if KIND == 5
+// turboquant_prod's row (turboquant_prod.rs encode_page, operation for operation): v rotated;
+// y = v·(1/‖v‖), its (BITS)-bit codes, the residual e = y − ŷ (0 for a zero row), the signs
+// of S·e after the codes; returns (‖v‖, ‖e‖).
+__device__ __forceinline__ float2 prod_row_warp(float* v, u8* row, const float* __restrict__ st,
+                                                const float* __restrict__ thresholds,
+                                                const float* __restrict__ centroids, int lane) {
+    float thr[NTHR];
+#pragma unroll
+    for (int j = 0; j < NTHR; j++) thr[j] = thresholds[j];
+    const float norm = norm_warp(v);
+    const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
+    u32 code[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const float y = v[k] * inv;
+        u32 c = 0;
+#pragma unroll
+        for (int j = 0; j < NTHR; j++) c += (thr[j] < y) ? 1u : 0u;
+        code[k] = c;
+        v[k] = norm > 0.0f ? y - centroids[c] : 0.0f;
+    }
+    pack_codes_warp(code, row, lane);
+    sketch_signs_warp(v, row + MSE_BYTES, st, lane);
+    return make_float2(norm, norm_warp(v));
 }
 #endif
 
@@ -108,25 +171,7 @@ __device__ __forceinline__ float codes_row_warp(const float* v, u8* row, const f
         for (int j = 0; j < NTHR; j++) c += (thr[j] < y[k]) ? 1u : 0u;
         code[k] = c;
     }
-    // Chunk k (codes 32k..32k+31) is exactly words k*BITS .. k*BITS+BITS-1 of the row.
-    u32* words = (u32*)row;
-#pragma unroll
-    for (int k = 0; k < EPL; k++) {
-        u32 word = 0;
-        int w = lane < BITS ? lane : 0;
-        int c0 = (32 * w) / BITS;
-#pragma unroll
-        for (int q = 0; q < 32 / BITS + 2; q++) {
-            int c = c0 + q;
-            u32 cv = __shfl_sync(FULL_MASK, code[k], c & 31);
-            int sh = c * BITS - 32 * w;
-            if (c < 32) {
-                if (sh >= 0 && sh < 32) word |= cv << sh;
-                else if (sh < 0 && sh > -BITS) word |= cv >> (-sh);
-            }
-        }
-        if (lane < BITS) words[k * BITS + lane] = word;
-    }
+    pack_codes_warp(code, row, lane);
     float scale = norm;
 #if EDEN
     float ip = 0.0f;
@@ -193,28 +238,33 @@ __device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const
         if (lane == 0) *(u16*)blk = f2h(d);  // blocks start at even offsets
     }
 #else
-#if KIND == 4
-    const float scale = sketch_row_warp(v, row, sg, lane);
+#if KIND == 5
+    const float2 sides = prod_row_warp(v, row, sg + D, thresholds, centroids, lane);
+    const float scale = sides.x;
+    if (lane == 0) ((u16*)(page + T * ROW_BYTES))[T + t] = f2h(sides.y);
+#elif KIND == 4
+    const float scale = norm_warp(v);
+    sketch_signs_warp(v, row, sg, lane);
 #else
     float scale = codes_row_warp(v, row, thresholds, centroids, lane);
 #endif
     if (lane == 0) {
         ((u16*)(page + T * ROW_BYTES))[t] = f2h(scale);
-        if (t == 0 && PAGE_BYTES > T * ROW_BYTES + 2 * T) {
-            for (int i = T * ROW_BYTES + 2 * T; i < PAGE_BYTES; i++) page[i] = 0;
+        const int used = T * ROW_BYTES + 2 * T * (KIND == 5 ? 2 : 1);
+        if (t == 0 && PAGE_BYTES > used) {
+            for (int i = used; i < PAGE_BYTES; i++) page[i] = 0;
         }
     }
 #endif
 }
 
-#if KIND == 4
-// Row t of a sketch page decoded by a warp (lane l: elements l, l+32, …): the reference
-// k̂ = c·‖k‖·Sᵀ·sign (qjl.rs decode_page; summed in another order, so equal within rounding).
-// Per e the warp sums its lanes' ±S[i][e] (one coalesced row of Sᵀ) and lane e mod 32 keeps it.
-__device__ __forceinline__ void decode_sketch_row_warp(const u8* page, int t, const float* __restrict__ st,
-                                                       float c, int lane, float* v) {
-    const u32* w = (const u32*)(page + t * ROW_BYTES);
-    const float s = c * h2f(((const u16*)(page + T * ROW_BYTES))[t]);
+#if KIND == 4 || KIND == 5
+// v (lane l: elements l, l+32, …) += s·Sᵀ·sign for the m = d sign bits at w: the reference
+// back-projection (sketch.rs add_back_projection; summed in another order, so equal within
+// rounding). Per e the warp sums its lanes' ±S[i][e] (one coalesced row of Sᵀ) and lane
+// e mod 32 keeps it.
+__device__ __forceinline__ void sketch_back_warp(const u32* w, float s, const float* __restrict__ st, int lane,
+                                                 float* v) {
     float sgn[EPL];
 #pragma unroll
     for (int k = 0; k < EPL; k++) sgn[k] = (w[k] >> lane) & 1u ? s : -s;
@@ -226,7 +276,7 @@ __device__ __forceinline__ void decode_sketch_row_warp(const u8* page, int t, co
 #pragma unroll
             for (int k = 0; k < EPL; k++) a += sgn[k] * se[32 * k];
             a = warp_sum_canonical(a);
-            if (lane == l) v[kb] = a;
+            if (lane == l) v[kb] += a;
         }
     }
 }

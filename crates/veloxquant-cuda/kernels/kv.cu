@@ -117,16 +117,26 @@ extern "C" __global__ void kv_dense(int slot, int n_end, int coded, const u16* _
     const int phys = page_table[(size_t)(slot * NKV + h) * max_pages + c / T];
     const u8* page = pool + (size_t)phys * PAGE_BYTES;
     float v[EPL];
+    const u8* row = page + (c % T) * ROW_BYTES;
+    const u16* side = (const u16*)(page + T * ROW_BYTES);
 #if KIND == 4
-    decode_sketch_row_warp(page, c % T, signs + (size_t)h * TW, rot_scale, lane, v);
+    // qjl: k̂ = c·‖k‖·Sᵀ·sign (qjl.rs decode_page); rot_scale is c.
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = 0.0f;
+    sketch_back_warp((const u32*)row, rot_scale * h2f(side[c % T]), signs + (size_t)h * TW, lane, v);
 #else
     decode_row_warp(page, c % T, cen, lane, v);
+#endif
+#if KIND == 5
+    // turboquant_prod: ‖x‖·(ŷ + c·γ·Sᵀ·sign), then the rotation undone.
+    sketch_back_warp((const u32*)(row + MSE_BYTES), SKETCH_C * h2f(side[T + c % T]) * h2f(side[c % T]),
+                     signs + (size_t)h * TW + D, lane, v);
 #endif
 #if ROT
     // x = Hᵀ(D s ⊙ …): the rotation is R = scale · H · diag(signs), H symmetric, so
     // R⁻¹ y = diag(signs) · H · y · scale.
     fwht_warp(v, lane);
-    const float* sg = signs + (size_t)h * D;
+    const float* sg = signs + (size_t)h * TW;
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = v[k] * rot_scale * sg[lane + 32 * k];
 #endif

@@ -138,6 +138,9 @@ fn decode_defines(
     defs.extend(kind_defines('V', vf));
     defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
     defs.push(("K1SYM".into(), symmetric_1bit(kf) as i64));
+    if kf.kind == KernelKind::Prod {
+        defs.push(("K_MSE_BYTES".into(), kf.mse_bytes as i64));
+    }
     if !pipe.fast && fast_path(kf, vf) {
         defs.push(("NOFAST".into(), 1)); // a pre-Hopper device: the generic path
     }
@@ -174,7 +177,8 @@ fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(Str
         ("D", kf.d as i64),
         ("G", g as i64),
         ("KROT", kf.rotation.is_some() as i64),
-        ("KSKETCH", kf.sketch.is_some() as i64),
+        ("KSKETCH", (kf.kind == KernelKind::Sketch) as i64),
+        ("KPROD", (kf.kind == KernelKind::Prod) as i64),
         ("VROT", vf.rotation.is_some() as i64),
         ("PDL", pdl as i64),
     ]
@@ -372,7 +376,10 @@ impl PlanCore {
             rows: s.clone_htod(&rows_host).map_err(drv("htod"))?,
             rows_host,
             cache_id: cache.id,
-            qprep: s.alloc_zeros(nq).map_err(drv("alloc"))?,
+            // turboquant_prod: a second prepared query (the sketch's) after the first.
+            qprep: s
+                .alloc_zeros(if cache.k.fmt.kind == KernelKind::Prod { 2 * nq } else { nq })
+                .map_err(drv("alloc"))?,
             part_acc: s.alloc_zeros(rows * n_splits * g * d).map_err(drv("alloc"))?,
             part_ml: s.alloc_zeros(rows * n_splits * g * 2).map_err(drv("alloc"))?,
             f_prep,

@@ -5,6 +5,8 @@ use half::f16;
 use veloxquant::codebook::ScaledCodebook;
 use veloxquant::format::rows::{RowKind, RowLayout};
 use veloxquant::format::sketch::Sketch;
+use veloxquant::pack;
+use veloxquant::rng::derive_seed;
 use veloxquant::rotate::Rotation;
 use veloxquant::{FormatSpec, NormMode};
 
@@ -21,6 +23,9 @@ pub enum KernelKind {
     /// (KK = 3), the query projected by the sketch instead of rotated; encode has its own
     /// path (KIND = 4).
     Sketch = 4,
+    /// turboquant_prod: per row (b−1)-bit codes of the rotated unit vector, then the sign bits
+    /// of S·(residual); ‖x‖ and the residual norm γ per token (KIND = KK = 5).
+    Prod = 5,
 }
 
 impl KernelKind {
@@ -34,7 +39,16 @@ impl KernelKind {
 
     /// Whether rows carry one f16 scale per token after the page's T rows.
     pub fn has_token_scale(self) -> bool {
-        matches!(self, KernelKind::Codes | KernelKind::Sketch)
+        matches!(self, KernelKind::Codes | KernelKind::Sketch | KernelKind::Prod)
+    }
+
+    /// f16 side values per token after the rows (norms, residual norms).
+    pub fn token_sides(self) -> usize {
+        match self {
+            KernelKind::Codes | KernelKind::Sketch => 1,
+            KernelKind::Prod => 2,
+            _ => 0,
+        }
     }
 }
 
@@ -49,7 +63,9 @@ pub struct GpuFormat {
     pub page_bytes: usize,
     /// Hadamard signs (±1) and scale when the format rotates.
     pub rotation: Option<(Vec<f32>, f32)>,
-    /// QJL: the sketch S transposed (d × m, element [e][i] = S[i][e]: the kernels read one
+    /// turboquant_prod: bytes of a row's code segment (the sign bits follow); 0 otherwise.
+    pub mse_bytes: usize,
+    /// QJL and turboquant_prod: the sketch S transposed (d × m, element [e][i] = S[i][e]: the kernels read one
     /// input dimension's m entries in one coalesced load) and the estimator's scale √(π/2)/m.
     pub sketch: Option<(Vec<f32>, f32)>,
     pub eden: bool,
@@ -127,9 +143,21 @@ impl GpuFormat {
                 table[..2].copy_from_slice(&[-1.0, 1.0]);
                 (KernelKind::Sketch, RowKind::Codes { bits: 1, table }, false)
             }
+            "turboquant_prod" => {
+                // Only the code segment's table matters here; the layout is sized below.
+                let table = ScaledCodebook::new(spec.bits - 1, d).table16();
+                (KernelKind::Prod, RowKind::Codes { bits: spec.bits - 1, table }, true)
+            }
             _ => return Err(unsupported("no CUDA kernel for this format yet")),
         };
         let layout = RowLayout::new(row_kind, d, t);
+        // turboquant_prod (sketch.rs TokenLayout): rows of codes + d sign bits, two f16 sides.
+        let (mse_bytes, row_bytes, page_bytes) = if kind == KernelKind::Prod {
+            let rb = layout.row_bytes + pack::packed_bytes(d, 1);
+            (layout.row_bytes, rb, (t * rb + 4 * t).div_ceil(4) * 4)
+        } else {
+            (0, layout.row_bytes, layout.page_bytes())
+        };
         let rotation = if rotate {
             match Rotation::new(d, seed)? {
                 Rotation::Hadamard { signs, scale } => Some((signs, scale)),
@@ -138,9 +166,11 @@ impl GpuFormat {
         } else {
             None
         };
-        let sketch = if kind == KernelKind::Sketch {
-            // The CPU's qjl build: Sketch::new(kind, m, d, seed) with m = d.
-            let sk = Sketch::new(spec.sketch, d, d, seed);
+        let sketch = if matches!(kind, KernelKind::Sketch | KernelKind::Prod) {
+            // The CPU's builds: qjl's Sketch::new(kind, m, d, seed) with m = d; prod's m = d
+            // sketch of the residual under a derived seed.
+            let sseed = if kind == KernelKind::Prod { derive_seed(seed, &[0x51]) } else { seed };
+            let sk = Sketch::new(spec.sketch, d, d, sseed);
             let mut st = vec![0f32; d * d];
             for (i, row) in sk.rows.chunks_exact(d).enumerate() {
                 for (e, &v) in row.iter().enumerate() {
@@ -154,6 +184,10 @@ impl GpuFormat {
         let (thresholds, centroids) = match kind {
             KernelKind::Codes => {
                 let cb = ScaledCodebook::new(spec.bits, d);
+                (cb.thresholds, cb.centroids)
+            }
+            KernelKind::Prod => {
+                let cb = ScaledCodebook::new(spec.bits - 1, d);
                 (cb.thresholds, cb.centroids)
             }
             KernelKind::Sketch => (vec![0.0], vec![-1.0, 1.0]),
@@ -170,13 +204,15 @@ impl GpuFormat {
             bits: match kind {
                 KernelKind::Codes => spec.bits,
                 KernelKind::Sketch => 1,
+                KernelKind::Prod => spec.bits - 1,
                 _ => 0,
             },
             d,
             t,
-            row_bytes: layout.row_bytes,
-            page_bytes: layout.page_bytes(),
+            row_bytes,
+            page_bytes,
             rotation,
+            mse_bytes,
             sketch,
             eden: spec.norm == NormMode::Eden && kind == KernelKind::Codes,
             thresholds,
@@ -193,9 +229,9 @@ impl GpuFormat {
             return;
         }
         page[from * self.row_bytes..self.t * self.row_bytes].fill(0);
-        if self.kind.has_token_scale() {
-            let at = self.t * self.row_bytes;
-            page[at + 2 * from..at + 2 * self.t].fill(0);
+        let at = self.t * self.row_bytes;
+        for k in 0..self.kind.token_sides() {
+            page[at + 2 * (k * self.t + from)..at + 2 * (k + 1) * self.t].fill(0);
         }
     }
 
@@ -204,7 +240,11 @@ impl GpuFormat {
     pub fn state_bytes(&self) -> usize {
         let rot = self.rotation.as_ref().map_or(0, |(s, _)| s.len() * 4);
         let sk = self.sketch.as_ref().map_or(0, |(s, _)| s.len() * 4);
-        let cb = if self.kind == KernelKind::Codes { (self.centroids.len() + self.thresholds.len()) * 4 } else { 0 };
+        let cb = if matches!(self.kind, KernelKind::Codes | KernelKind::Prod) {
+            (self.centroids.len() + self.thresholds.len()) * 4
+        } else {
+            0
+        };
         rot + sk + cb
     }
 
@@ -215,19 +255,23 @@ impl GpuFormat {
     /// The per-head transform the kernels take (`signs` arguments, [`Self::transform_words`]
     /// floats): the rotation's signs (all ones when the format does not rotate) and scale, or
     /// the sketch Sᵀ and the estimator's scale.
+    /// turboquant_prod: the signs, then Sᵀ, with the rotation's scale (the sketch's is a
+    /// constant of d the kernels compute).
     pub fn signs_or_ones(&self) -> (Vec<f32>, f32) {
         match (&self.rotation, &self.sketch) {
-            (_, Some((s, sc))) | (Some((s, sc)), None) => (s.clone(), *sc),
+            (Some((r, sc)), Some((s, _))) => ([&r[..], &s[..]].concat(), *sc),
+            (None, Some((s, sc))) | (Some((s, sc)), None) => (s.clone(), *sc),
             (None, None) => (vec![1.0; self.d], 1.0),
         }
     }
 
-    /// Floats per head of [`Self::signs_or_ones`]: d, or d·d for a sketch (kernels: `TW`).
+    /// Floats per head of [`Self::signs_or_ones`]: d, d·d for qjl's sketch, d + d·d for
+    /// turboquant_prod (kernels: `TW`).
     pub fn transform_words(&self) -> usize {
-        if self.sketch.is_some() {
-            self.d * self.d
-        } else {
-            self.d
+        match (&self.rotation, &self.sketch) {
+            (Some(_), Some(_)) => self.d + self.d * self.d,
+            (None, Some(_)) => self.d * self.d,
+            _ => self.d,
         }
     }
 }

@@ -15,6 +15,9 @@ fn gpu_layouts_match_cpu_page_sizes() {
         "turboquant_mse:4",
         "qjl",
         "qjl:orth",
+        "turboquant_prod:2",
+        "turboquant_prod:3:orth",
+        "turboquant_prod:4",
     ] {
         let spec = FormatSpec::parse(s).unwrap();
         for d in [64, 128] {
@@ -134,6 +137,9 @@ fn every_kernel_configuration_compiles() {
         "turboquant_mse:4:eden",
         "qjl",
         "qjl:orth",
+        "turboquant_prod:2",
+        "turboquant_prod:3",
+        "turboquant_prod:4:orth",
     ];
     let mut built: Vec<String> = Vec::new();
     for (arch, cc) in archs {
@@ -168,7 +174,7 @@ fn every_kernel_configuration_compiles() {
                 }
             }
             // Decode: every same-format pair and the mixed pairs the engine's methods use.
-            // (qjl is keys only: paired with value formats.)
+            // (qjl and turboquant_prod are keys only: paired with value formats.)
             let mut pairs: Vec<(usize, usize)> = (0..11).map(|i| (i, i)).collect();
             pairs.extend([
                 (10, 7),
@@ -185,6 +191,10 @@ fn every_kernel_configuration_compiles() {
                 (11, 8),
                 (5, 6),
                 (5, 9),
+                (13, 6),
+                (14, 2),
+                (15, 0),
+                (14, 10),
             ]);
             for (ki, vi) in pairs {
                 for g in [1, 2, 3, 4, 8] {
@@ -199,46 +209,63 @@ fn every_kernel_configuration_compiles() {
 }
 
 /// The GPU reads a qjl page as 1-bit codes with the table {−1, +1} and the token's ‖k‖ as its
-/// scale, against the query c·S·q that prep_query forms from the uploaded Sᵀ: those scores
-/// equal the CPU's qjl scores on the same bytes (layout, sign convention, transposition and
-/// scale; no GPU needed).
+/// scale, against the query c·S·q that prep_query forms from the uploaded Sᵀ; a
+/// turboquant_prod page as ‖x‖·(⟨R·q, ŷ⟩ + γ·⟨c·S·R·q, ±1⟩) over its two row segments and two
+/// sides. Those scores equal the CPU's on the same bytes (layout, sign convention,
+/// transposition, seeds and scales; no GPU needed).
 #[test]
-fn qjl_pages_read_as_sign_codes_score_as_the_cpu() {
+fn sketch_pages_score_as_the_cpu_with_the_gpu_reading() {
     use veloxquant::rng::SplitMix64;
-    for spec in ["qjl", "qjl:orth"] {
-        let spec = FormatSpec::parse(spec).unwrap();
+    use veloxquant::rotate::Rotation;
+    for name in ["qjl", "qjl:orth", "turboquant_prod:2", "turboquant_prod:3:orth", "turboquant_prod:4"] {
+        let spec = FormatSpec::parse(name).unwrap();
         for d in [64usize, 128] {
             let (t, seed) = (32, 17 + d as u64);
             let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
             let g = GpuFormat::new(&spec, d, t, seed).unwrap();
-            let (st, c) = g.sketch.clone().expect("qjl has a sketch");
-            assert_eq!(st.len(), g.transform_words());
+            assert_eq!(g.page_bytes, cpu.page_bytes(), "{name} d={d}");
+            let (transform, _) = g.signs_or_ones();
+            assert_eq!(transform.len(), g.transform_words());
+            let prod = g.rotation.is_some();
+            let st = &transform[if prod { d } else { 0 }..];
+            let c = (std::f64::consts::PI / 2.0).sqrt() / d as f64;
             let mut rng = SplitMix64::new(seed);
             let x = rng.gaussian_vec(t * d);
             let mut page = vec![0u8; cpu.page_bytes()];
             cpu.encode_page(&x, &mut page).unwrap();
-            let q = rng.gaussian_vec(d);
+            let mut q = rng.gaussian_vec(d);
             let mut want = vec![0f32; t];
             cpu.scores(&cpu.prepare_query(&q, 1), &page, &mut want);
+            if prod {
+                Rotation::new(d, seed).unwrap().apply(&mut q);
+            }
             let p: Vec<f64> = (0..d).map(|i| (0..d).map(|e| st[e * d + i] as f64 * q[e] as f64).sum::<f64>()).collect();
-            let table = half::f16::from_bits(g.table_f16[1]).to_f32();
-            assert_eq!((table, half::f16::from_bits(g.table_f16[0]).to_f32()), (1.0, -1.0));
+            let bit = |seg: &[u8], j: usize| {
+                (u32::from_le_bytes(seg[4 * (j / 32)..4 * (j / 32) + 4].try_into().unwrap()) >> (j % 32)) & 1
+            };
+            let side = |k: usize, i: usize| {
+                let at = t * g.row_bytes + 2 * (k * t + i);
+                half::f16::from_le_bytes([page[at], page[at + 1]]).to_f64()
+            };
             for (i, w) in want.iter().enumerate() {
                 let row = &page[i * g.row_bytes..(i + 1) * g.row_bytes];
-                let at = t * g.row_bytes + 2 * i;
-                let norm = half::f16::from_le_bytes([page[at], page[at + 1]]).to_f64();
-                let dot: f64 = (0..d)
-                    .map(|j| {
-                        let word = u32::from_le_bytes(row[4 * (j / 32)..4 * (j / 32) + 4].try_into().unwrap());
-                        let code = (word >> (j % 32)) & 1;
-                        half::f16::from_bits(g.table_f16[code as usize]).to_f64() * p[j]
-                    })
-                    .sum();
-                let got = norm * c as f64 * dot;
-                assert!(
-                    (got - *w as f64).abs() <= 1e-4 * (1.0 + w.abs() as f64),
-                    "{spec} d={d} token {i}: {got} vs {w}"
-                );
+                let signs = &row[g.mse_bytes..];
+                let sketch: f64 = (0..d).map(|j| if bit(signs, j) == 1 { p[j] } else { -p[j] }).sum();
+                let got = if prod {
+                    let b = g.bits as usize;
+                    let mse: f64 = (0..d)
+                        .map(|j| {
+                            let code = (0..b).map(|k| (bit(row, j * b + k) as usize) << k).sum::<usize>();
+                            g.centroids[code] as f64 * q[j] as f64
+                        })
+                        .sum();
+                    side(0, i) * (mse + side(1, i) * c * sketch)
+                } else {
+                    assert_eq!((g.table_f16[0], g.table_f16[1]), (0xBC00, 0x3C00), "{{-1, +1}}");
+                    side(0, i) * c * sketch
+                };
+                let tol = 1e-4 * (1.0 + w.abs() as f64);
+                assert!((got - *w as f64).abs() <= tol, "{name} d={d} token {i}: {got} vs {w}");
             }
         }
     }

@@ -304,6 +304,9 @@ fn decode_matches_cpu_reference() {
         ("qjl", "fp16"),
         ("qjl:orth", "turboquant_mse:4:eden"),
         ("turboquant_mse:1", "turboquant_mse:2"),
+        ("turboquant_prod:3", "turboquant_mse:3"),
+        ("turboquant_prod:2:orth", "q8_0"),
+        ("turboquant_prod:4", "fp16"),
     ];
     let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097], &[3, 40]];
     let mut n = 0;
@@ -349,6 +352,7 @@ fn decode_long_ragged_rows_match_cpu_reference() {
         ("turboquant_mse:3:eden", "turboquant_mse:4"),
         ("qjl:orth", "turboquant_mse:2"),
         ("turboquant_mse:1", "turboquant_mse:3"),
+        ("turboquant_prod:3", "turboquant_mse:2"),
     ];
     let mut bad = Vec::new();
     let mut worst_all = 0f64;

@@ -167,7 +167,13 @@ fn gpu_logits_match_cpu_prefill_and_batched_decode() {
         recent: 16,
         sink: 0,
     };
-    for method in [GpuMethod::fp16(), default_method(), qjl] {
+    let prod = GpuMethod {
+        k: FormatSpec::parse("turboquant_prod:4").unwrap(),
+        v: FormatSpec::parse("turboquant_mse:3").unwrap(),
+        recent: 8,
+        sink: 4,
+    };
+    for method in [GpuMethod::fp16(), default_method(), qjl, prod] {
         let mut cfg = EngineConfig::new(method.clone(), 4, 1024);
         cfg.prefill_chunk = 64; // several chunks per prompt: each attends as decode would
         cfg.prefill_rows = 128;
@@ -338,6 +344,7 @@ fn gpu_prefill_attention_matches_cpu_store() {
         ("turboquant_mse:4:eden", "turboquant_mse:3", 8, 4),
         ("q8_0", "q4_0:rot", 5, 0),
         ("qjl:orth", "turboquant_mse:2", 8, 0),
+        ("turboquant_prod:3", "turboquant_mse:3", 4, 4),
     ] {
         let mut cfg = CacheConfig::new(1, hkv, d, FormatSpec::parse(k).unwrap(), FormatSpec::parse(v).unwrap());
         cfg.recent = recent;

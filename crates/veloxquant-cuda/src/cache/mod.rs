@@ -271,6 +271,7 @@ pub fn kv_defines(cfg: &GpuCacheConfig, fmt: &GpuFormat, row_mode: bool) -> Vec<
         ("IN_KIND", 1),
         ("ROW_BYTES", fmt.row_bytes as i64),
         ("PAGE_BYTES", fmt.page_bytes as i64),
+        ("MSE_BYTES", fmt.mse_bytes as i64),
         ("NKV", cfg.n_kv_heads as i64),
         ("NSINK", cfg.sink as i64),
         ("RING", cfg.ring_cap(row_mode) as i64),

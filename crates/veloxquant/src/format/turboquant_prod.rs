@@ -22,7 +22,7 @@
 use std::sync::Arc;
 
 use super::sketch::{code_bytes, signed_sum, Sketch, TokenLayout};
-use super::{check_finite, check_len, Format, FormatDesc, FormatSpec, QueryState};
+use super::{check_finite, check_len, check_row_input, Format, FormatDesc, FormatSpec, QueryState};
 use crate::codebook::ScaledCodebook;
 use crate::error::Result;
 use crate::pack;
@@ -70,6 +70,26 @@ pub struct Prod {
 }
 
 impl Prod {
+    /// Row i of `page` from the token x (checked by the caller).
+    fn encode_row_unchecked(&self, x: &[f32], page: &mut [u8], i: usize) {
+        let mut r = x.to_vec();
+        self.rot.apply(&mut r);
+        let norm = sum_sq_canonical(&r).sqrt();
+        let inv = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        r.iter_mut().for_each(|v| *v *= inv);
+        let codes: Vec<u8> = r.iter().map(|&v| self.cb.quantize(v)).collect();
+        let row = self.layout.row_mut(page, i);
+        let (mse, signs) = row.split_at_mut(self.mse_bytes);
+        pack::pack(&codes, self.cb.bits, mse).expect("row sized by the layout");
+        // Residual of the unit vector (zero for a zero input).
+        for (v, &c) in r.iter_mut().zip(&codes) {
+            *v = if norm > 0.0 { *v - self.table[c as usize] } else { 0.0 };
+        }
+        self.sketch.encode_signs(&r, signs);
+        self.layout.set_side(page, 0, i, norm);
+        self.layout.set_side(page, 1, i, dot_canonical(&r, &r).sqrt());
+    }
+
     /// ŷ (the MSE stage, unit scale) of row t.
     fn mse_part(&self, row: &[u8], out: &mut [f32]) {
         for (j, o) in out.iter_mut().enumerate() {
@@ -101,26 +121,25 @@ impl Format for Prod {
         check_len("encode_page output", self.page_bytes(), page.len())?;
         check_finite("encode_page input", x, d)?;
         page.fill(0);
-        let mut r = vec![0f32; d];
         for i in 0..t {
-            r.copy_from_slice(&x[i * d..(i + 1) * d]);
-            self.rot.apply(&mut r);
-            let norm = sum_sq_canonical(&r).sqrt();
-            let inv = if norm > 0.0 { 1.0 / norm } else { 0.0 };
-            r.iter_mut().for_each(|v| *v *= inv);
-            let codes: Vec<u8> = r.iter().map(|&v| self.cb.quantize(v)).collect();
-            let row = self.layout.row_mut(page, i);
-            let (mse, signs) = row.split_at_mut(self.mse_bytes);
-            pack::pack(&codes, self.cb.bits, mse).expect("row sized by the layout");
-            // Residual of the unit vector (zero for a zero input).
-            for (v, &c) in r.iter_mut().zip(&codes) {
-                *v = if norm > 0.0 { *v - self.table[c as usize] } else { 0.0 };
-            }
-            self.sketch.encode_signs(&r, signs);
-            self.layout.set_side(page, 0, i, norm);
-            self.layout.set_side(page, 1, i, dot_canonical(&r, &r).sqrt());
+            self.encode_row_unchecked(&x[i * d..(i + 1) * d], page, i);
         }
         Ok(())
+    }
+
+    /// Tokens are coded independently: the cache fills pages a token at a time (row mode).
+    fn row_granular(&self) -> bool {
+        true
+    }
+
+    fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
+        check_row_input(self, x, page, row)?;
+        self.encode_row_unchecked(x, page, row);
+        Ok(())
+    }
+
+    fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        self.layout.clear_rows_from(page, from);
     }
 
     fn decode_page(&self, page: &[u8], out: &mut [f32]) {
