@@ -28,7 +28,7 @@
 #ifndef K1SYM
 #define K1SYM 0
 #endif
-#if !NOFAST && KK == 3 && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME)
+#if !NOFAST && (KK == 3 || KK == 5) && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME)
 #define FAST 1
 #else
 #define FAST 0
@@ -204,12 +204,16 @@ __device__ __forceinline__ u32 u4x2_h2(u32 t, u32 s2) {
     return hmul2(hsub2((t & 0x000F000Fu) | 0x64006400u, 0x64086408u), s2);  // 1024+n − 1032
 }
 
+// FAST 1-bit rows (k1_dequant): word i = 2ks + j/2 pairs bits (15 − i, 31 − i) of the
+// thread's word (d = 128), or (7 − i, 15 − i) of its 16 bits (d = 64).
+__device__ __forceinline__ int kdim1(int t, int ks, int j) {
+    return t * QD + (D == 128 ? ((j & 1) ? 31 : 15) : ((j & 1) ? 15 : 7)) - (2 * ks + (j >> 1));
+}
+
 // The key dim that thread t's slot j of k-step ks holds (the Q operand uses the same map).
 __device__ __forceinline__ int kdim(int t, int ks, int j) {
 #if FAST && KB == 1
-    // 1-bit: word i = 2ks + j/2 of k_dequant pairs bits (15 − i, 31 − i) of the thread's
-    // word (d = 128), or (7 − i, 15 − i) of its 16 bits (d = 64).
-    return t * QD + (D == 128 ? ((j & 1) ? 31 : 15) : ((j & 1) ? 15 : 7)) - (2 * ks + (j >> 1));
+    return kdim1(t, ks, j);
 #elif FAST && KB == 2 && !K2L
     return t * QD + 16 * (ks >> 2) + (ks & 3) + 4 * j;
 #elif KK == 2
@@ -385,6 +389,21 @@ __device__ __forceinline__ u32 lut3(u32 lbv, const u32* a, const u32* b, int s) 
 #endif
 
 #if FAST
+// 1-bit rows a, b (this thread's QD bits) with a symmetric table {c, −c} (K1SYM; qjl's and
+// turboquant_prod's signs: ±1): code 1 is code 0's f16 with the sign flipped. Bits
+// (15 − i, 31 − i) of the word shifted to the halves' sign bits, masked and xor-ed into
+// base = (c, c): one shift and one LOP3 per f16x2. d = 64: the 16 bits as w << 16 | w << 8,
+// so bits 7 − i and 15 − i land on 15 and 31 (kdim1).
+__device__ __forceinline__ void k1_dequant(u32 ra, u32 rb, u32 base, u32* ka, u32* kb) {
+    const u32 wa = D == 128 ? ra : ((ra << 16) | ((ra & 0xFFFFu) << 8));
+    const u32 wb = D == 128 ? rb : ((rb << 16) | ((rb & 0xFFFFu) << 8));
+#pragma unroll
+    for (int i = 0; i < 2 * KS; i++) {
+        ka[i] = ((wa << i) & 0x80008000u) ^ base;
+        kb[i] = ((wb << i) & 0x80008000u) ^ base;
+    }
+}
+
 // One 16-token key tile (FAST): this thread's code words of rows g (ra) and g + 8 (rb) as the
 // score mma's A operand. 4-bit: one table lookup per byte (lbk: the table's lane base);
 // 2-bit: byte lookups (K2L), else the 4 centroids (kt0, kt1) selected by prmt.
@@ -397,18 +416,7 @@ __device__ __forceinline__ void k_dequant(const u32* ra, const u32* rb, u32 lbk,
         kb[by] = plut(lbk, rb[by / 4], by % 4);
     }
 #elif KB == 1
-    // A symmetric table {c, −c} (K1SYM): code 1 is code 0's f16 with the sign flipped. Bits
-    // (15 − i, 31 − i) of the row word shifted to the halves' sign bits, masked and xor-ed into
-    // (c, c): one shift and one LOP3 per f16x2. d = 64: the 16 bits as w << 16 | w << 8, so
-    // bits 7 − i and 15 − i land on 15 and 31.
-    const u32 base = (kt0 & 0xFFFFu) * 0x10001u;
-    const u32 wa = D == 128 ? ra[0] : ((ra[0] << 16) | ((ra[0] & 0xFFFFu) << 8));
-    const u32 wb = D == 128 ? rb[0] : ((rb[0] << 16) | ((rb[0] & 0xFFFFu) << 8));
-#pragma unroll
-    for (int i = 0; i < 2 * KS; i++) {
-        ka[i] = ((wa << i) & 0x80008000u) ^ base;
-        kb[i] = ((wb << i) & 0x80008000u) ^ base;
-    }
+    k1_dequant(ra[0], rb[0], (kt0 & 0xFFFFu) * 0x10001u, ka, kb);
 #elif K3
 #pragma unroll
     for (int m = 0; m < QD / 2; m++) {
@@ -736,8 +744,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if KK == 5
             {
                 const float* qb2 = qb + (size_t)gridDim.z * n_kv * G * D;
-                const float y0 = on ? qb2[head * D + kdim(t, ks, 2 * hh)] : 0.0f;
-                const float y1 = on ? qb2[head * D + kdim(t, ks, 2 * hh + 1)] : 0.0f;
+                // The sign rows' map: FAST's 1-bit one, else k_signs' (= kdim's) order.
+                const int e0 = FAST ? kdim1(t, ks, 2 * hh) : kdim(t, ks, 2 * hh);
+                const int e1 = FAST ? kdim1(t, ks, 2 * hh + 1) : kdim(t, ks, 2 * hh + 1);
+                const float y0 = on ? qb2[head * D + e0] : 0.0f;
+                const float y1 = on ? qb2[head * D + e1] : 0.0f;
                 const u32 hi2 = pack_h2(y0, y1);
                 const u32 lo2 = pack_h2(y0 - h2f((u16)(hi2 & 0xffff)), y1 - h2f((u16)(hi2 >> 16)));
 #if QPACK
@@ -797,6 +808,25 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
             const float n0 = h2f(knp[16 * mt + g]), n1 = h2f(knp[16 * mt + g + 8]);
+#if KK == 5
+            {
+                // turboquant_prod: + γ·⟨c·S·R·q, ±1⟩ over the sign bits after the codes.
+                const u8* sr = kst + K_MSE_BYTES + t * (QD / 8);
+                u32 sa, sb;
+                if (QD == 32) {
+                    sa = *(const u32*)(sr + (16 * mt + g) * K_ROW_BYTES);
+                    sb = *(const u32*)(sr + (16 * mt + g + 8) * K_ROW_BYTES);
+                } else {
+                    sa = *(const u16*)(sr + (16 * mt + g) * K_ROW_BYTES);
+                    sb = *(const u16*)(sr + (16 * mt + g + 8) * K_ROW_BYTES);
+                }
+                k1_dequant(sa, sb, 0xBC00BC00u, ka, kb);  // base (−1, −1)
+                float c2[4];
+                score_tile(ka, kb, qh2, ql2, t, c2);
+                const float g0 = h2f(knp[T + 16 * mt + g]), g1 = h2f(knp[T + 16 * mt + g + 8]);
+                c[0] += g0 * c2[0]; c[1] += g0 * c2[1]; c[2] += g1 * c2[2]; c[3] += g1 * c2[3];
+            }
+#endif
             s[mt][0] = c[0] * n0; s[mt][1] = c[1] * n0; s[mt][2] = c[2] * n1; s[mt][3] = c[3] * n1;
         }
         mask_rows(s, nc - (first + NWARPS * j) * T, g);
