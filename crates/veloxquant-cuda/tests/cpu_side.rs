@@ -269,6 +269,15 @@ fn sketch_pages_score_as_the_cpu_with_the_gpu_reading() {
             }
         }
     }
+    // A key-only format as the value stream is refused before anything is allocated.
+    for k in ["qjl", "turboquant_prod:3"] {
+        let spec = FormatSpec::parse(k).unwrap();
+        let mut cpu = veloxquant::CacheConfig::new(1, 2, 64, spec.clone(), spec);
+        cpu.recent = 0;
+        let cfg = veloxquant_cuda::GpuCacheConfig::from_cpu(&cpu, 1, 64, 64);
+        let err = cfg.device_bytes().unwrap_err();
+        assert!(matches!(err, veloxquant_cuda::CudaError::UnsupportedFormat { .. }), "{k}: {err}");
+    }
     let two = FormatSpec::parse("qjl:2x").unwrap();
     assert!(matches!(GpuFormat::new(&two, 128, 32, 1), Err(veloxquant_cuda::CudaError::UnsupportedFormat { .. })));
 }

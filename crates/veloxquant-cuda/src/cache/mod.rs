@@ -97,6 +97,15 @@ impl GpuCacheConfig {
         if self.max_pages_per_seq == 0 || self.max_pages_per_seq > 1 << 20 {
             return bad("cache config: pages per sequence in 1..=2^20", 1 << 20, self.max_pages_per_seq);
         }
+        // A key-only format (qjl, turboquant_prod, rabitq) has no value decode: its codes as
+        // values would be read as plain codes, silently wrong.
+        for (spec, values) in [(&self.k, false), (&self.v, true)] {
+            let desc = spec.desc();
+            if !(if values { desc.for_values } else { desc.for_keys }) {
+                let why = if values { "keys only: not a value format" } else { "values only: not a key format" };
+                return Err(CudaError::UnsupportedFormat { format: spec.to_string(), why });
+            }
+        }
         if self.sink + self.recent + self.page_tokens > MAX_EXACT_TOKENS {
             return bad("cache config: S + R + T exact tokens", MAX_EXACT_TOKENS, self.sink + self.recent + 32);
         }
