@@ -45,7 +45,7 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
 #endif
 #if KPROD
     qprep[at] = x;  // turboquant_prod: R·q for the codes, then c·S·R·q for the signs
-    const float sc = (float)(1.2533141373155001 / D);
+    const float sc = SKETCH_C(D);
     __syncthreads();  // fwht_block's last reads of s
 #elif KSKETCH
     const float sc = krot_scale;  // qjl: c

@@ -31,3 +31,5 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return r;
 }
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+// √(π/2)/d: the sketch estimator's scale (sketch.rs `scale`, rounded from f64 the same way).
+#define SKETCH_C(dim) ((float)(1.2533141373155001 / (dim)))

@@ -486,6 +486,19 @@ __device__ __forceinline__ int vdim(int g, int mt, int hf) {
 #endif
 }
 
+// One B-operand register pair of the query (x0, x1): hi = f16x2(x), lo = the rounding error;
+// QPACK: columns g < G hold hi, columns G..2G lo (score_tile sums them).
+__device__ __forceinline__ void q_operand(float x0, float x1, int g, u32& qh, u32& ql) {
+    const u32 hi = pack_h2(x0, x1);
+    const u32 lo = pack_h2(x0 - h2f((u16)(hi & 0xffff)), x1 - h2f((u16)(hi >> 16)));
+#if QPACK
+    qh = g < G ? hi : lo;
+#else
+    qh = hi;
+#endif
+    ql = lo;
+}
+
 // Score one 16-token tile: keys ka (rows g) / kb (rows g+8) against the query operand; the
 // result c[0..1] = (token g, heads 2t, 2t+1), c[2..3] = token g+8 (QPACK: hi + lo summed).
 __device__ __forceinline__ void score_tile(const u32* ka, const u32* kb, const u32 (*qh)[2],
@@ -720,6 +733,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #else
     const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
 #endif
+#if KK == 5
+    const float* qb2 = qb + (size_t)gridDim.z * n_kv * G * D;  // FUSEQ is off for it
+#endif
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
 #pragma unroll
@@ -731,33 +747,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             const int head = g;
             const bool on = g < G;
 #endif
-            float x0 = on ? qb[head * D + kdim(t, ks, 2 * hh)] : 0.0f;
-            float x1 = on ? qb[head * D + kdim(t, ks, 2 * hh + 1)] : 0.0f;
-            u32 hi = pack_h2(x0, x1);
-            u32 lo = pack_h2(x0 - h2f((u16)(hi & 0xffff)), x1 - h2f((u16)(hi >> 16)));
-#if QPACK
-            qh[ks][hh] = g < G ? hi : lo;
-#else
-            qh[ks][hh] = hi;
-#endif
-            ql[ks][hh] = lo;
+            q_operand(on ? qb[head * D + kdim(t, ks, 2 * hh)] : 0.0f,
+                      on ? qb[head * D + kdim(t, ks, 2 * hh + 1)] : 0.0f, g, qh[ks][hh], ql[ks][hh]);
 #if KK == 5
-            {
-                const float* qb2 = qb + (size_t)gridDim.z * n_kv * G * D;
-                // The sign rows' map: FAST's 1-bit one, else k_signs' (= kdim's) order.
-                const int e0 = FAST ? kdim1(t, ks, 2 * hh) : kdim(t, ks, 2 * hh);
-                const int e1 = FAST ? kdim1(t, ks, 2 * hh + 1) : kdim(t, ks, 2 * hh + 1);
-                const float y0 = on ? qb2[head * D + e0] : 0.0f;
-                const float y1 = on ? qb2[head * D + e1] : 0.0f;
-                const u32 hi2 = pack_h2(y0, y1);
-                const u32 lo2 = pack_h2(y0 - h2f((u16)(hi2 & 0xffff)), y1 - h2f((u16)(hi2 >> 16)));
-#if QPACK
-                qh2[ks][hh] = g < G ? hi2 : lo2;
-#else
-                qh2[ks][hh] = hi2;
-#endif
-                ql2[ks][hh] = lo2;
-            }
+            // The sign rows' map: FAST's 1-bit one, else k_signs' (= kdim's) order.
+            const int e0 = FAST ? kdim1(t, ks, 2 * hh) : kdim(t, ks, 2 * hh);
+            const int e1 = FAST ? kdim1(t, ks, 2 * hh + 1) : kdim(t, ks, 2 * hh + 1);
+            q_operand(on ? qb2[head * D + e0] : 0.0f, on ? qb2[head * D + e1] : 0.0f, g, qh2[ks][hh], ql2[ks][hh]);
 #endif
         }
     }

@@ -16,8 +16,6 @@
 #ifndef MSE_BYTES
 #define MSE_BYTES 0
 #endif
-// √(π/2)/d: the sketch estimator's scale (sketch.rs `scale`, rounded from f64 the same way).
-#define SKETCH_C ((float)(1.2533141373155001 / D))
 
 __device__ __forceinline__ float load_in(const void* x, size_t i) {
 #if IN_KIND == 0

@@ -129,7 +129,7 @@ extern "C" __global__ void kv_dense(int slot, int n_end, int coded, const u16* _
 #endif
 #if KIND == 5
     // turboquant_prod: ‖x‖·(ŷ + c·γ·Sᵀ·sign), then the rotation undone.
-    sketch_back_warp((const u32*)(row + MSE_BYTES), SKETCH_C * h2f(side[T + c % T]) * h2f(side[c % T]),
+    sketch_back_warp((const u32*)(row + MSE_BYTES), SKETCH_C(D) * h2f(side[T + c % T]) * h2f(side[c % T]),
                      signs + (size_t)h * TW + D, lane, v);
 #endif
 #if ROT

@@ -247,7 +247,7 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
         let gf = GpuFormat::new(&spec, D, t, 11)?;
         let enc = GpuEncoder::new(dev, &gf, InputKind::F16)?;
         let mut pool = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
-        let (signs, sc) = gf.signs_or_ones();
+        let (signs, sc) = gf.transform();
         let sd = s.clone_htod(&signs).expect("htod");
         let us = time_us(dev, 3, 20, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd.slice(..), sc))?;
         // The warp-per-row kernel (bit-identical to the CPU): its time, and whether the pages
@@ -296,7 +296,7 @@ fn encode_only(f: &str, reps: usize) -> Result<()> {
     let gf = GpuFormat::new(&FormatSpec::parse(f)?, D, t, 11)?;
     let enc = GpuEncoder::new(&dev, &gf, InputKind::F16)?;
     let mut pool = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
-    let (signs, sc) = gf.signs_or_ones();
+    let (signs, sc) = gf.transform();
     let sd = s.clone_htod(&signs).expect("htod");
     let us = time_us(&dev, 1, reps, |_| enc.launch(&x, jobs, &pid, &hid, &mut pool, &sd.slice(..), sc))?;
     eprintln!("encode {f}: {us:.1} µs (median of {reps}) [{}]", enc.kernel());

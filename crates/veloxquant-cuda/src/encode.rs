@@ -237,7 +237,7 @@ impl GpuEncoder {
         let pid = s.clone_htod(&idx).map_err(drv("htod"))?;
         let hid = s.clone_htod(&zeros).map_err(drv("htod"))?;
         let mut pool = s.alloc_zeros::<u8>(n * self.fmt.page_bytes).map_err(drv("alloc"))?;
-        let (signs, sc) = self.fmt.signs_or_ones();
+        let (signs, sc) = self.fmt.transform();
         let sd = s.clone_htod(&signs).map_err(drv("htod"))?;
         self.launch(&xd, n, &pid, &hid, &mut pool, &sd.slice(..), sc)?;
         s.clone_dtoh(&pool).map_err(drv("dtoh"))

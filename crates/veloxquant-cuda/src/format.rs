@@ -144,7 +144,7 @@ impl GpuFormat {
                 (KernelKind::Sketch, RowKind::Codes { bits: 1, table }, false)
             }
             "turboquant_prod" => {
-                // Only the code segment's table matters here; the layout is sized below.
+                // The code segment's layout; the sign bits and the second side are added below.
                 let table = ScaledCodebook::new(spec.bits - 1, d).table16();
                 (KernelKind::Prod, RowKind::Codes { bits: spec.bits - 1, table }, true)
             }
@@ -181,13 +181,14 @@ impl GpuFormat {
         } else {
             None
         };
+        // Code bits per value as the kernels see them (qjl's signs: 1; no codes: 0).
+        let bits = match &layout.kind {
+            RowKind::Codes { bits, .. } => *bits,
+            _ => 0,
+        };
         let (thresholds, centroids) = match kind {
-            KernelKind::Codes => {
-                let cb = ScaledCodebook::new(spec.bits, d);
-                (cb.thresholds, cb.centroids)
-            }
-            KernelKind::Prod => {
-                let cb = ScaledCodebook::new(spec.bits - 1, d);
+            KernelKind::Codes | KernelKind::Prod => {
+                let cb = ScaledCodebook::new(bits, d);
                 (cb.thresholds, cb.centroids)
             }
             KernelKind::Sketch => (vec![0.0], vec![-1.0, 1.0]),
@@ -201,12 +202,7 @@ impl GpuFormat {
         Ok(Self {
             spec: spec.clone(),
             kind,
-            bits: match kind {
-                KernelKind::Codes => spec.bits,
-                KernelKind::Sketch => 1,
-                KernelKind::Prod => spec.bits - 1,
-                _ => 0,
-            },
+            bits,
             d,
             t,
             row_bytes,
@@ -257,7 +253,7 @@ impl GpuFormat {
     /// the sketch Sᵀ and the estimator's scale.
     /// turboquant_prod: the signs, then Sᵀ, with the rotation's scale (the sketch's is a
     /// constant of d the kernels compute).
-    pub fn signs_or_ones(&self) -> (Vec<f32>, f32) {
+    pub fn transform(&self) -> (Vec<f32>, f32) {
         match (&self.rotation, &self.sketch) {
             (Some((r, sc)), Some((s, _))) => ([&r[..], &s[..]].concat(), *sc),
             (None, Some((s, sc))) | (Some((s, sc)), None) => (s.clone(), *sc),
@@ -265,7 +261,7 @@ impl GpuFormat {
         }
     }
 
-    /// Floats per head of [`Self::signs_or_ones`]: d, d·d for qjl's sketch, d + d·d for
+    /// Floats per head of [`Self::transform`]: d, d·d for qjl's sketch, d + d·d for
     /// turboquant_prod (kernels: `TW`).
     pub fn transform_words(&self) -> usize {
         match (&self.rotation, &self.sketch) {

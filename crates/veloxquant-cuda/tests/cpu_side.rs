@@ -224,7 +224,7 @@ fn sketch_pages_score_as_the_cpu_with_the_gpu_reading() {
             let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
             let g = GpuFormat::new(&spec, d, t, seed).unwrap();
             assert_eq!(g.page_bytes, cpu.page_bytes(), "{name} d={d}");
-            let (transform, _) = g.signs_or_ones();
+            let (transform, _) = g.transform();
             assert_eq!(transform.len(), g.transform_words());
             let prod = g.rotation.is_some();
             let st = &transform[if prod { d } else { 0 }..];

@@ -64,8 +64,7 @@ impl GpuKvCache {
                         shared_mem_bytes: 0,
                     }
                 };
-                let tw = hk * strm.fmt.transform_words();
-                let signs = strm.signs.slice(layer * tw..(layer + 1) * tw);
+                let signs = super::layer_transform(&strm.signs, &strm.fmt, layer, hk);
                 let stride = src.stride as i64;
                 let mut l = st.launch_builder(&strm.f_append);
                 l.arg(rows)
@@ -163,8 +162,7 @@ impl GpuKvCache {
                 block_dim: (256, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let tw = hk * strm.fmt.transform_words();
-            let signs = strm.signs.slice(layer * tw..(layer + 1) * tw);
+            let signs = super::layer_transform(&strm.signs, &strm.fmt, layer, hk);
             let (sl, ne, cd, ldl) = (slot as i32, n_end as i32, coded as i32, ld as i64);
             let mut l = st.launch_builder(&strm.f_dense);
             l.arg(&sl)

@@ -183,11 +183,22 @@ pub struct Stream {
 }
 
 impl Stream {
-    /// The signs of `layer` (offset view for the kernels).
+    /// The transforms of `layer` (offset view for the kernels).
     pub fn layer_signs(&self, layer: usize, n_kv: usize) -> cudarc::driver::CudaView<'_, f32> {
-        let w = n_kv * self.fmt.transform_words();
-        self.signs.slice(layer * w..(layer + 1) * w)
+        layer_transform(&self.signs, &self.fmt, layer, n_kv)
     }
+}
+
+/// `layer`'s part of a stream's transform buffer (a free function so launches can borrow the
+/// buffer while they hold the stream's pools mutably).
+pub(crate) fn layer_transform<'a>(
+    signs: &'a CudaSlice<f32>,
+    fmt: &GpuFormat,
+    layer: usize,
+    n_kv: usize,
+) -> cudarc::driver::CudaView<'a, f32> {
+    let w = n_kv * fmt.transform_words();
+    signs.slice(layer * w..(layer + 1) * w)
 }
 
 #[derive(Clone, Debug, Default)]
@@ -233,7 +244,7 @@ fn make_stream(
     for l in 0..cfg.n_layers {
         for h in 0..cfg.n_kv_heads {
             let f = GpuFormat::new(spec, d, t, derive_seed(cfg.seed, &[l as u64, h as u64, sid]))?;
-            let (s, sc) = f.signs_or_ones();
+            let (s, sc) = f.transform();
             signs.extend(s);
             rot_scale = sc;
             fmt0.get_or_insert(f);

@@ -110,8 +110,7 @@ impl GpuKvCache {
                     let e0 = self.dev.ctx.new_event(timing).map_err(drv("event"))?;
                     let e1 = self.dev.ctx.new_event(timing).map_err(drv("event"))?;
                     e0.record(&st).map_err(drv("record"))?;
-                    let tw = hk * strm.fmt.transform_words();
-                    let signs = strm.signs.slice(layer * tw..(layer + 1) * tw);
+                    let signs = super::layer_transform(&strm.signs, &strm.fmt, layer, hk);
                     strm.enc.launch(&x, chunk.len(), &pid, &hid, &mut strm.pools[layer], &signs, strm.rot_scale)?;
                     e1.record(&st).map_err(drv("record"))?;
                     if layer == 0 && si == 0 && ci == 0 {
