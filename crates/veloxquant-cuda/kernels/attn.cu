@@ -1,14 +1,18 @@
 // Per-step helpers around decode_pages. Grid: (n_q_heads, batch); block: D threads.
 // prep_query: q · log2(e)/√d, rotated once by the key rotation (the rotated-query trick), or
-// projected by the key sketch (KSKETCH: qjl).
+// projected by the key sketch (KSKETCH: qjl); KPROD / KRVQ add a second query (c·S·R·q,
+// R₂·R₁·q) after the first; KRABITQ quantizes the rotated query to 4 bits as rabitq.rs does.
 // combine: merge the split partials (16 splits per L2 round trip, no block barrier), one
 // inverse value rotation on the merged accumulator,
-// then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, KPROD, VROT, PDL (combine launched
+// then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, KPROD, KRVQ,
+// KRABITQ, VROT, PDL (combine launched
 // as a programmatic dependent of decode_pages: it scores the tail while decode_pages runs).
 #define NEG_INF (-__int_as_float(0x7f800000))
 // Floats per KV head of the key transform (rotation signs, a sketch's Sᵀ, or both).
 #if KPROD
 #define KTW (D + D * D)
+#elif KRVQ
+#define KTW (2 * D)
 #elif KSKETCH
 #define KTW (D * D)
 #else
@@ -38,10 +42,38 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
     __shared__ float s[D];
     const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, n_q = gridDim.x;
     const size_t at = ((size_t)b * n_q + hq) * D + tid;
+#if KRABITQ
+    // rabitq.rs quantize_query on r = R·q (unscaled): lo, hi over the head, Δ = (hi − lo)/15,
+    // u = round((r − lo)/Δ) clamped to [0, 15], r̄ = lo + Δ·u (no contraction: the CPU's
+    // rounding); the scale log2(e)/√d after.
+    __shared__ float mm[2][D / 32];
+    float r = q[at] * ksigns[(size_t)(hq / G) * KTW + tid];
+    r = fwht_block(r, s, tid) * krot_scale;
+    float lo = r, hi = r;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        lo = fminf(lo, __shfl_xor_sync(FULL_MASK, lo, off));
+        hi = fmaxf(hi, __shfl_xor_sync(FULL_MASK, hi, off));
+    }
+    if ((tid & 31) == 0) { mm[0][tid >> 5] = lo; mm[1][tid >> 5] = hi; }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < D / 32; w++) { lo = fminf(lo, mm[0][w]); hi = fmaxf(hi, mm[1][w]); }
+    const float delta = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
+    const float u = delta > 0.0f ? fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(r, lo), delta)), 0.0f), 15.0f) : 0.0f;
+    qprep[at] = __fmul_rn(__fadd_rn(lo, __fmul_rn(delta, u)), LOG2E / sqrtf((float)D));
+    return;
+#endif
     float x = q[at] * (LOG2E / sqrtf((float)D));
 #if KROT
     x *= ksigns[(size_t)(hq / G) * KTW + tid];
     x = fwht_block(x, s, tid) * krot_scale;
+#endif
+#if KRVQ
+    // turboquant_rvq: R₁·q for stage 1, then R₂·R₁·q for stage 2 (signs after R₁'s).
+    qprep[at] = x;
+    __syncthreads();  // fwht_block's last reads of s
+    x = fwht_block(x * ksigns[(size_t)(hq / G) * KTW + D + tid], s, tid) * krot_scale;
 #endif
 #if KPROD
     qprep[at] = x;  // turboquant_prod: R·q for the codes, then c·S·R·q for the signs
@@ -67,7 +99,7 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
     }
     x = ((p0 + p1) + (p2 + p3)) * sc;
 #endif
-#if KPROD
+#if KPROD || KRVQ
     qprep[at + (size_t)gridDim.x * gridDim.y * D] = x;
 #else
     qprep[at] = x;

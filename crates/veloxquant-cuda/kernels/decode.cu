@@ -6,8 +6,11 @@
 // softmax in base 2, and accumulates values as O^T += V^T · P^T in the value format's domain
 // (rotated for turboquant_mse). Warps merge in shared memory; blocks write one partial each,
 // merged by combine() in attn.cu.
-// Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes, KK 5
-// turboquant_prod: codes then sign bits, K_MSE_BYTES), KB/VB (code bits), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
+// Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes; KK 5 two
+// segments per key row: turboquant_prod's codes then sign bits, turboquant_rvq's stage-1 then
+// stage-2 codes, K_MSE_BYTES the first's bytes, K2B the second's bits, K2SAME when the second
+// segment has the first's bits and table), KB/VB (code bits), KRATIO (rabitq: the key scale
+// is ‖x‖/(x0·√d) from two sides), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
 // (STAGES, FUSEQ, SLACK, EXPFTZ, KROT, PDL, PMINB) as attn.rs sets them.
 // On the H200 the 4-bit path is bound by shared memory (lookups, page staging; ~88 % of the
 // L1/shared pipe at (8, 32k) under ncu): the variants trade it against instructions.
@@ -28,7 +31,16 @@
 #ifndef K1SYM
 #define K1SYM 0
 #endif
-#if !NOFAST && (KK == 3 || KK == 5) && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME)
+#ifndef K2B
+#define K2B 1
+#endif
+#ifndef K2SAME
+#define K2SAME 0
+#endif
+#ifndef KRATIO
+#define KRATIO 0
+#endif
+#if !NOFAST && (KK == 3 || KK == 5) && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME) && (KK != 5 || K2SAME || K2B == 1)
 #define FAST 1
 #else
 #define FAST 0
@@ -261,12 +273,23 @@ __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* 
 }
 
 #if KK == 5
-// turboquant_prod: the sign bits after a key row's codes as ±1 (stab = {−1, +1}), in k_row's
-// order.
-__device__ __forceinline__ void k_signs(const u8* kr, int t, const u16* stab, u32* out) {
-    codes_to_h2<1, QD, D / 32>((const u32*)(kr + K_MSE_BYTES), t * QD, stab, out);
+// A key row's second segment (turboquant_prod's signs with the table {−1, +1}, turboquant_rvq's
+// stage-2 codes) through its table k2t, in k_row's order.
+__device__ __forceinline__ void k_second(const u8* kr, int t, const u16* k2t, u32* out) {
+    codes_to_h2<K2B, QD, (K_ROW_BYTES - K_MSE_BYTES) / 4>((const u32*)(kr + K_MSE_BYTES), t * QD, k2t, out);
 }
 #endif
+
+// Token i's key scale from the page's sides kn: ‖x‖ (codes, qjl, both two-segment formats),
+// or rabitq's ‖x‖/(x0·√d) (rabitq.rs decode_page; 0 when x0 = 0).
+__device__ __forceinline__ float kscale(const u16* kn, int i) {
+#if KRATIO
+    const float x0 = h2f(kn[T + i]);
+    return x0 > 0.0f ? h2f(kn[i]) / x0 * (1.0f / sqrtf((float)D)) : 0.0f;
+#else
+    return h2f(kn[i]);
+#endif
+}
 
 // One value row's dims [g*VC, (g+1)*VC) as VC/2 f16x2 pairs (2m, 2m+1).
 __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
@@ -547,13 +570,12 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const float* __restrict__ qprep, const u8* __restrict__ kpool, const u8* __restrict__ vpool,
     const int* __restrict__ page_table, const int* __restrict__ slot_of, const int* __restrict__ n_coded,
     int max_pages,
-    int pages_per_split, int n_splits, int n_kv, const Tab16 ktab_p, const Tab16 vtab_p,
+    int pages_per_split, int n_splits, int n_kv, const Tab16 ktab_p, const Tab16 vtab_p, const Tab16 k2tab_p,
     float* __restrict__ part_acc, float* __restrict__ part_ml,
     const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
     __shared__ u16 ktab[16], vtab[16];
 #if KK == 5
-    __shared__ u16 stab[2];
-    if (threadIdx.x < 2) stab[threadIdx.x] = threadIdx.x ? 0x3C00 : 0xBC00;  // f16 +1, −1
+    __shared__ u16 k2tab[16];  // the second segment's table
 #endif
 #if FAST
     __shared__ float qstage[G * D];  // FUSEQ: the group's prepared queries
@@ -650,6 +672,14 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
         ktab[tid] = kx;
         vtab[tid] = vx;
+#if KK == 5
+        u16 k2x = 0;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            if (tid == i) k2x = k2tab_p.v[i];
+        }
+        k2tab[tid] = k2x;
+#endif
     }
     __syncthreads();
 #if FAST
@@ -684,7 +714,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
     u32 qh[KS][2], ql[KS][2];
 #if KK == 5
-    // turboquant_prod's second query, c·S·R·q (prep_query's second half), for the signs.
+    // The second query (prep_query's second half: turboquant_prod's c·S·R·q, turboquant_rvq's
+    // R₂·R₁·q) for the second segment.
     u32 qh2[KS][2], ql2[KS][2];
 #endif
 #if FUSEQ
@@ -750,9 +781,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             q_operand(on ? qb[head * D + kdim(t, ks, 2 * hh)] : 0.0f,
                       on ? qb[head * D + kdim(t, ks, 2 * hh + 1)] : 0.0f, g, qh[ks][hh], ql[ks][hh]);
 #if KK == 5
-            // The sign rows' map: FAST's 1-bit one, else k_signs' (= kdim's) order.
-            const int e0 = FAST ? kdim1(t, ks, 2 * hh) : kdim(t, ks, 2 * hh);
-            const int e1 = FAST ? kdim1(t, ks, 2 * hh + 1) : kdim(t, ks, 2 * hh + 1);
+            // The second segment's map: the first's (K2SAME, and k_second's order on the
+            // generic path), else FAST's 1-bit one.
+            const bool one = FAST && !K2SAME;
+            const int e0 = one ? kdim1(t, ks, 2 * hh) : kdim(t, ks, 2 * hh);
+            const int e1 = one ? kdim1(t, ks, 2 * hh + 1) : kdim(t, ks, 2 * hh + 1);
             q_operand(on ? qb2[head * D + e0] : 0.0f, on ? qb2[head * D + e1] : 0.0f, g, qh2[ks][hh], ql2[ks][hh]);
 #endif
         }
@@ -803,10 +836,22 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             k_dequant(kra, krb, lbk, kt0, kt1, ka, kb);
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
-            const float n0 = h2f(knp[16 * mt + g]), n1 = h2f(knp[16 * mt + g + 8]);
+            const float n0 = kscale(knp, 16 * mt + g), n1 = kscale(knp, 16 * mt + g + 8);
 #if KK == 5
             {
-                // turboquant_prod: + γ·⟨c·S·R·q, ±1⟩ over the sign bits after the codes.
+                // + n₂·⟨q₂, second segment⟩: turboquant_prod's γ·⟨c·S·R·q, ±1⟩ over the sign bits,
+                // turboquant_rvq's n₂·⟨R₂·R₁·q, ẑ⟩ over the stage-2 codes (dequantized as the first).
+#if K2SAME
+                const u8* sr = kst + K_MSE_BYTES + t * KRB;
+#if K3
+                ldu<KRW>(sr + (16 * mt + g) * K_ROW_BYTES, kra);
+                ldu<KRW>(sr + (16 * mt + g + 8) * K_ROW_BYTES, krb);
+#else
+                ldraw<KRB>(sr + (16 * mt + g) * K_ROW_BYTES, kra);
+                ldraw<KRB>(sr + (16 * mt + g + 8) * K_ROW_BYTES, krb);
+#endif
+                k_dequant(kra, krb, lbk, kt0, kt1, ka, kb);
+#else
                 const u8* sr = kst + K_MSE_BYTES + t * (QD / 8);
                 u32 sa, sb;
                 if (QD == 32) {
@@ -816,7 +861,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                     sa = *(const u16*)(sr + (16 * mt + g) * K_ROW_BYTES);
                     sb = *(const u16*)(sr + (16 * mt + g + 8) * K_ROW_BYTES);
                 }
-                k1_dequant(sa, sb, 0xBC00BC00u, ka, kb);  // base (−1, −1)
+                k1_dequant(sa, sb, (u32)k2tab[0] * 0x10001u, ka, kb);  // base (c₀, c₀): −1 for the signs
+#endif
                 float c2[4];
                 score_tile(ka, kb, qh2, ql2, t, c2);
                 const float g0 = h2f(knp[T + 16 * mt + g]), g1 = h2f(knp[T + 16 * mt + g + 8]);
@@ -842,13 +888,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             score_tile(ka, kb, qh, ql, t, c);
 #if KK == 3
             const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
-            float n0 = h2f(kn[16 * mt + g]), n1 = h2f(kn[16 * mt + g + 8]);
+            float n0 = kscale(kn, 16 * mt + g), n1 = kscale(kn, 16 * mt + g + 8);
             c[0] *= n0; c[1] *= n0; c[2] *= n1; c[3] *= n1;
 #elif KK == 5
             {
-                // ‖x‖·(⟨Rq, ŷ⟩ + γ·⟨c·S·R·q, sign⟩)
-                k_signs(kp + (16 * mt + g) * K_ROW_BYTES, t, stab, ka);
-                k_signs(kp + (16 * mt + g + 8) * K_ROW_BYTES, t, stab, kb);
+                // n₁·(⟨q₁, first segment⟩ + n₂·⟨q₂, second segment⟩)
+                k_second(kp + (16 * mt + g) * K_ROW_BYTES, t, k2tab, ka);
+                k_second(kp + (16 * mt + g + 8) * K_ROW_BYTES, t, k2tab, kb);
                 float c2[4];
                 score_tile(ka, kb, qh2, ql2, t, c2);
                 const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);

@@ -5,7 +5,8 @@
 // - encode_pages_tpr: one warp per 32-token page, one lane per row (q8_0, q4_0; codes when
 //   encode_pages_tpr2 is off).
 // - encode_pages_tpr2: two lanes per row (turboquant_mse codes).
-// Defines: D, T, KIND (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 4 qjl signs, 5 turboquant_prod: encode_rows only), BITS, ROT, EDEN, IN_KIND
+// Defines: D, T, KIND (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 4 qjl signs, 5 turboquant_prod, 6 rabitq, 7
+// turboquant_rvq: 4-7 encode_rows only), BITS, BITS2, ROT, EDEN, IN_KIND
 // (0 f32, 1 f16, 2 bf16), ROW_BYTES, PAGE_BYTES; for the page kernels WARPS/MINB (tpr),
 // WARPS2/MINB2 (tpr2), PF (cp.async prefetch), LOCKSTEP, QK/QS (cell table).
 extern "C" __global__ void __launch_bounds__(256) encode_rows(

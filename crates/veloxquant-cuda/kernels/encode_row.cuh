@@ -4,12 +4,21 @@
 // KIND 4 (qjl, m = d): the sign bits of S·x and ‖x‖; the transform argument is Sᵀ (TW
 // floats per head: S[i][e] at [e·D + i]) instead of rotation signs. KIND 5 (turboquant_prod):
 // the rotation's signs, then Sᵀ; rows of (BITS)-bit codes then MSE_BYTES on the sign bits.
+// KIND 6 (rabitq): the sign bits of R·x, ‖R·x‖ and x0. KIND 7 (turboquant_rvq): both
+// rotations' signs (TW = 2D); stage-1 (BITS) codes, then stage-2 (BITS2) codes at MSE_BYTES;
+// thresholds and centroids are stage 1's then stage 2's.
 #define EPL (D / 32)
 #define NTHR ((1 << BITS) - 1)
+#ifndef BITS2
+#define BITS2 1
+#endif
+#define NTHR2 ((1 << BITS2) - 1)
 #if KIND == 4
 #define TW (D * D)
 #elif KIND == 5
 #define TW (D + D * D)
+#elif KIND == 7
+#define TW (2 * D)
 #else
 #define TW D
 #endif
@@ -56,6 +65,15 @@ __device__ __forceinline__ float warp_sum_canonical(float acc) {
     return acc;
 }
 
+#if KIND >= 4
+__device__ __forceinline__ float norm_warp(const float* v) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) ss = ss + v[k] * v[k];
+    return sqrtf(warp_sum_canonical(ss));
+}
+#endif
+
 #if KIND == 4 || KIND == 5
 // Sign bits of S·x for the row held by the warp (lane l: x_l, x_{l+32}, …) into `row`. Each
 // (S·x)_i is the CPU's sequential sum Σ_e S[i][e]·x_e (sketch.rs `project`) in the same
@@ -85,37 +103,41 @@ __device__ __forceinline__ void sketch_signs_warp(const float* v, u8* row, const
         if (lane == 0) ((u32*)row)[k] = w;
     }
 }
-
-__device__ __forceinline__ float norm_warp(const float* v) {
-    float ss = 0.0f;
-#pragma unroll
-    for (int k = 0; k < EPL; k++) ss = ss + v[k] * v[k];
-    return sqrtf(warp_sum_canonical(ss));
-}
 #endif
 
-#if KIND == 3 || KIND == 5
+#if KIND == 3 || KIND == 5 || KIND == 7
 // The warp's codes (lane l: codes l, l+32, …) packed into `row`: chunk k (codes 32k..32k+31)
-// is exactly words k*BITS .. k*BITS+BITS-1.
+// is exactly words k*NB .. k*NB+NB-1.
+template <int NB>
 __device__ __forceinline__ void pack_codes_warp(const u32* code, u8* row, int lane) {
     u32* words = (u32*)row;
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
         u32 word = 0;
-        int w = lane < BITS ? lane : 0;
-        int c0 = (32 * w) / BITS;
+        int w = lane < NB ? lane : 0;
+        int c0 = (32 * w) / NB;
 #pragma unroll
-        for (int q = 0; q < 32 / BITS + 2; q++) {
+        for (int q = 0; q < 32 / NB + 2; q++) {
             int c = c0 + q;
             u32 cv = __shfl_sync(FULL_MASK, code[k], c & 31);
-            int sh = c * BITS - 32 * w;
+            int sh = c * NB - 32 * w;
             if (c < 32) {
                 if (sh >= 0 && sh < 32) word |= cv << sh;
-                else if (sh < 0 && sh > -BITS) word |= cv >> (-sh);
+                else if (sh < 0 && sh > -NB) word |= cv >> (-sh);
             }
         }
-        if (lane < BITS) words[k * BITS + lane] = word;
+        if (lane < NB) words[k * NB + lane] = word;
     }
+}
+
+// Lloyd-Max codes of the warp's row (the CPU's quantize: the count of thresholds strictly
+// below y), NT thresholds.
+template <int NT>
+__device__ __forceinline__ u32 lloyd_code(float y, const float* thr) {
+    u32 c = 0;
+#pragma unroll
+    for (int j = 0; j < NT; j++) c += (thr[j] < y) ? 1u : 0u;
+    return c;
 }
 #endif
 
@@ -135,15 +157,69 @@ __device__ __forceinline__ float2 prod_row_warp(float* v, u8* row, const float* 
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
         const float y = v[k] * inv;
-        u32 c = 0;
-#pragma unroll
-        for (int j = 0; j < NTHR; j++) c += (thr[j] < y) ? 1u : 0u;
+        const u32 c = lloyd_code<NTHR>(y, thr);
         code[k] = c;
         v[k] = norm > 0.0f ? y - centroids[c] : 0.0f;
     }
-    pack_codes_warp(code, row, lane);
+    pack_codes_warp<BITS>(code, row, lane);
     sketch_signs_warp(v, row + MSE_BYTES, st, lane);
     return make_float2(norm, norm_warp(v));
+}
+#endif
+
+#if KIND == 7
+// turboquant_rvq's row (turboquant_rvq.rs encode_row_unchecked, operation for operation): v
+// rotated by R₁; y = v·(1/n₁), stage-1 codes, e = y − ŷ₁ (0 for a zero row), z = R₂·(e·(1/n₂))
+// (signs sg2, the FWHT, the scale), stage-2 codes after stage 1's; returns (n₁, n₂).
+__device__ __forceinline__ float2 rvq_row_warp(float* v, u8* row, const float* __restrict__ sg2, float rot_scale,
+                                               const float* __restrict__ thresholds,
+                                               const float* __restrict__ centroids, int lane) {
+    float thr[NTHR], thr2[NTHR2];
+#pragma unroll
+    for (int j = 0; j < NTHR; j++) thr[j] = thresholds[j];
+#pragma unroll
+    for (int j = 0; j < NTHR2; j++) thr2[j] = thresholds[NTHR + j];
+    const float n1 = norm_warp(v);
+    const float inv = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+    u32 code[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const float y = v[k] * inv;
+        const u32 c = lloyd_code<NTHR>(y, thr);
+        code[k] = c;
+        v[k] = n1 > 0.0f ? y - centroids[c] : 0.0f;
+    }
+    pack_codes_warp<BITS>(code, row, lane);
+    const float n2 = norm_warp(v);
+    const float inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = v[k] * inv2 * sg2[lane + 32 * k];
+    fwht_warp(v, lane);
+#pragma unroll
+    for (int k = 0; k < EPL; k++) code[k] = lloyd_code<NTHR2>(v[k] * rot_scale, thr2);
+    pack_codes_warp<BITS2>(code, row + MSE_BYTES, lane);
+    return make_float2(n1, n2);
+}
+#endif
+
+#if KIND == 6
+// rabitq's row (rabitq.rs encode_row_unchecked): v = R·x (rotated by the caller); the sign
+// bits (v ≥ 0), ‖v‖ and x0 = ‖v‖₁/(‖v‖·√d) with ‖v‖₁ summed in f64 in element order as the
+// CPU does (lane 0 walks the elements, each broadcast by a shuffle); returns (‖v‖, x0).
+__device__ __forceinline__ float2 rabitq_row_warp(const float* v, u8* row, int lane) {
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const u32 w = __ballot_sync(FULL_MASK, v[k] >= 0.0f);
+        if (lane == 0) ((u32*)row)[k] = w;
+    }
+    const float norm = norm_warp(v);
+    double l1 = 0.0;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        for (int l = 0; l < 32; l++) l1 = __dadd_rn(l1, (double)fabsf(__shfl_sync(FULL_MASK, v[k], l)));
+    }
+    const float x0 = norm > 0.0f ? (float)__ddiv_rn(l1, __dmul_rn((double)norm, sqrt((double)D))) : 0.0f;
+    return make_float2(norm, x0);
 }
 #endif
 
@@ -164,12 +240,9 @@ __device__ __forceinline__ float codes_row_warp(const float* v, u8* row, const f
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
         y[k] = norm > 0.0f ? v[k] / norm : 0.0f;
-        u32 c = 0;
-#pragma unroll
-        for (int j = 0; j < NTHR; j++) c += (thr[j] < y[k]) ? 1u : 0u;
-        code[k] = c;
+        code[k] = lloyd_code<NTHR>(y[k], thr);
     }
-    pack_codes_warp(code, row, lane);
+    pack_codes_warp<BITS>(code, row, lane);
     float scale = norm;
 #if EDEN
     float ip = 0.0f;
@@ -236,8 +309,14 @@ __device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const
         if (lane == 0) *(u16*)blk = f2h(d);  // blocks start at even offsets
     }
 #else
+#if KIND >= 5
 #if KIND == 5
     const float2 sides = prod_row_warp(v, row, sg + D, thresholds, centroids, lane);
+#elif KIND == 6
+    const float2 sides = rabitq_row_warp(v, row, lane);
+#else
+    const float2 sides = rvq_row_warp(v, row, sg + D, rot_scale, thresholds, centroids, lane);
+#endif
     const float scale = sides.x;
     if (lane == 0) ((u16*)(page + T * ROW_BYTES))[T + t] = f2h(sides.y);
 #elif KIND == 4
@@ -248,7 +327,7 @@ __device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const
 #endif
     if (lane == 0) {
         ((u16*)(page + T * ROW_BYTES))[t] = f2h(scale);
-        const int used = T * ROW_BYTES + 2 * T * (KIND == 5 ? 2 : 1);
+        const int used = T * ROW_BYTES + 2 * T * (KIND >= 5 ? 2 : 1);
         if (t == 0 && PAGE_BYTES > used) {
             for (int i = used; i < PAGE_BYTES; i++) page[i] = 0;
         }

@@ -124,8 +124,33 @@ extern "C" __global__ void kv_dense(int slot, int n_end, int coded, const u16* _
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = 0.0f;
     sketch_back_warp((const u32*)row, rot_scale * h2f(side[c % T]), signs + (size_t)h * TW, lane, v);
+#elif KIND == 6
+    // rabitq: ±‖x‖/(x0·√d) by the sign bits (rabitq.rs decode_page), rotated back below.
+    const float x0 = h2f(side[T + c % T]);
+    const float w = x0 > 0.0f ? h2f(side[c % T]) / x0 * (1.0f / sqrtf((float)D)) : 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = ((((const u32*)row)[k] >> lane) & 1u) ? w : -w;
 #else
     decode_row_warp(page, c % T, cen, lane, v);
+#endif
+#if KIND == 7
+    {
+        // turboquant_rvq: n₁·(ŷ₁ + n₂·R₂ᵀ·ẑ) (turboquant_rvq.rs decode_page); ŷ₁·n₁ is in v.
+        const u32* w = (const u32*)(row + MSE_BYTES);
+        const float* sg2 = signs + (size_t)h * TW + D;
+        float z[EPL];
+#pragma unroll
+        for (int k = 0; k < EPL; k++) {
+            const int bit = (lane + 32 * k) * BITS2, wi = bit >> 5, o = bit & 31;
+            u32 cz = w[wi] >> o;
+            if (o + BITS2 > 32) cz |= w[wi + 1] << (32 - o);
+            z[k] = cen[(1 << BITS) + (cz & ((1u << BITS2) - 1u))];
+        }
+        fwht_warp(z, lane);
+        const float n12 = h2f(side[c % T]) * h2f(side[T + c % T]);
+#pragma unroll
+        for (int k = 0; k < EPL; k++) v[k] += n12 * (z[k] * rot_scale * sg2[lane + 32 * k]);
+    }
 #endif
 #if KIND == 5
     // turboquant_prod: ‖x‖·(ŷ + c·γ·Sᵀ·sign), then the rotation undone.

@@ -38,9 +38,10 @@ fn splits_for_waves(rows: usize, target: usize, max_splits: usize) -> usize {
 /// Whether the decode kernel's FAST path (2–4-bit codes dequantized in registers) applies;
 /// must agree with decode.cu's `FAST`.
 fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
-    matches!(kf.kind, KernelKind::Codes | KernelKind::Sketch | KernelKind::Prod)
+    matches!(kf.kind.decode_id(), 3 | 5)
         && vf.kind == KernelKind::Codes
         && (matches!(kf.bits, 2..=4) || (kf.bits == 1 && symmetric_1bit(kf)))
+        && (!kf.two_queries() || second_like_first(kf) || (kf.bits2 == 1 && symmetric_1bit_table(&kf.table2_f16)))
         && matches!(vf.bits, 2..=4)
         && (kf.bits != 4 || vf.bits != 4 || kf.table_f16 == vf.table_f16)
 }
@@ -48,7 +49,17 @@ fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
 /// A 1-bit table {c, −c} (f16 bits differ in the sign only): the FAST path's sign-flip
 /// dequantization (decode.cu `K1SYM`) applies.
 fn symmetric_1bit(f: &GpuFormat) -> bool {
-    f.bits == 1 && f.table_f16[1] == f.table_f16[0] ^ 0x8000
+    f.bits == 1 && symmetric_1bit_table(&f.table_f16)
+}
+
+fn symmetric_1bit_table(t: &[u16; 16]) -> bool {
+    t[1] == t[0] ^ 0x8000
+}
+
+/// A two-segment key (turboquant_rvq b₁ = b₂) whose second segment is dequantized as the
+/// first (same bits and table: decode.cu `K2SAME`).
+fn second_like_first(f: &GpuFormat) -> bool {
+    f.two_queries() && f.bits2 == f.bits && f.table2_f16 == f.table_f16
 }
 
 /// The FAST path (2/4-bit codes dequantized in registers): pages streamed through a per-warp
@@ -81,8 +92,9 @@ impl Pipe {
             stages: t.decode_stages,
             warps: if fast { t.decode_warps } else { NWARPS },
             minb: t.decode_minb,
-            // The fused prep rotates by Hadamard; a sketch's projection stays in prep_query.
-            fuse_q: fast && t.decode_fuse_q && kf.sketch.is_none(),
+            // The fused prep rotates by Hadamard; a sketch's projection, a second query and
+            // rabitq's quantized query stay in prep_query.
+            fuse_q: fast && t.decode_fuse_q && kf.plain_query_prep(),
         }
     }
     /// One warp's ring of page slots (bytes).
@@ -138,9 +150,12 @@ fn decode_defines(
     defs.extend(kind_defines('V', vf));
     defs.push(("KVSAME".into(), (kf.table_f16 == vf.table_f16) as i64));
     defs.push(("K1SYM".into(), symmetric_1bit(kf) as i64));
-    if kf.kind == KernelKind::Prod {
+    if kf.two_queries() {
         defs.push(("K_MSE_BYTES".into(), kf.mse_bytes as i64));
+        defs.push(("K2B".into(), kf.bits2 as i64));
+        defs.push(("K2SAME".into(), second_like_first(kf) as i64));
     }
+    defs.push(("KRATIO".into(), (kf.kind == KernelKind::Rabitq) as i64));
     if !pipe.fast && fast_path(kf, vf) {
         defs.push(("NOFAST".into(), 1)); // a pre-Hopper device: the generic path
     }
@@ -179,6 +194,8 @@ fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(Str
         ("KROT", kf.rotation.is_some() as i64),
         ("KSKETCH", (kf.kind == KernelKind::Sketch) as i64),
         ("KPROD", (kf.kind == KernelKind::Prod) as i64),
+        ("KRVQ", (kf.kind == KernelKind::Rvq) as i64),
+        ("KRABITQ", (kf.kind == KernelKind::Rabitq) as i64),
         ("VROT", vf.rotation.is_some() as i64),
         ("PDL", pdl as i64),
     ]
@@ -376,10 +393,8 @@ impl PlanCore {
             rows: s.clone_htod(&rows_host).map_err(drv("htod"))?,
             rows_host,
             cache_id: cache.id,
-            // turboquant_prod: a second prepared query (the sketch's) after the first.
-            qprep: s
-                .alloc_zeros(if cache.k.fmt.kind == KernelKind::Prod { 2 * nq } else { nq })
-                .map_err(drv("alloc"))?,
+            // turboquant_prod, turboquant_rvq: a second prepared query after the first.
+            qprep: s.alloc_zeros(if cache.k.fmt.two_queries() { 2 * nq } else { nq }).map_err(drv("alloc"))?,
             part_acc: s.alloc_zeros(rows * n_splits * g * d).map_err(drv("alloc"))?,
             part_ml: s.alloc_zeros(rows * n_splits * g * 2).map_err(drv("alloc"))?,
             f_prep,
@@ -490,6 +505,7 @@ impl PlanCore {
             shared_mem_bytes: self.smem,
         };
         let (ktab, vtab) = (Tab16(cache.k.fmt.table_f16), Tab16(cache.v.fmt.table_f16));
+        let k2tab = Tab16(cache.k.fmt.table2_f16);
         let table = cache.meta.slice(..cache.n_table());
         let coded = cache.meta.slice(cache.coded_at()..cache.coded_at() + cfg.max_seqs);
         let seq_len = cache.meta.slice(cache.seq_len_at()..cache.seq_len_at() + cfg.max_seqs);
@@ -506,6 +522,7 @@ impl PlanCore {
             .arg(&hk)
             .arg(&ktab)
             .arg(&vtab)
+            .arg(&k2tab)
             .arg(&mut self.part_acc)
             .arg(&mut self.part_ml)
             .arg(q)

@@ -30,9 +30,15 @@ const SHAPES: [(usize, usize, usize, usize); 5] =
     [(1, 32, 8, 32768), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 8192), (1, 32, 32, 32768)];
 const FORMATS: [&str; 6] = ["fp16", "q8_0", "q4_0", "turboquant_mse:4", "turboquant_mse:3", "turboquant_mse:2"];
 /// Decode rows beyond FORMATS: `K/V` pairs for key-only formats.
-const KV_PAIRS: [&str; 2] = ["qjl/turboquant_mse:2", "turboquant_prod:3/turboquant_mse:2"];
+const KV_PAIRS: [&str; 4] = [
+    "qjl/turboquant_mse:2",
+    "turboquant_prod:3/turboquant_mse:2",
+    "rabitq/turboquant_mse:2",
+    "turboquant_rvq:2:2/turboquant_mse:2",
+];
 /// Encode rows beyond FORMATS.
-const ENCODE_EXTRA: [&str; 4] = ["turboquant_mse:4:eden", "qjl", "qjl:orth", "turboquant_prod:3"];
+const ENCODE_EXTRA: [&str; 6] =
+    ["turboquant_mse:4:eden", "qjl", "qjl:orth", "turboquant_prod:3", "rabitq", "turboquant_rvq:2:2"];
 const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,

@@ -1,7 +1,8 @@
 //! Fused encode on the GPU: norm → rotation → quantize → pack → side info, bit-identical to
 //! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0 and
 //! turboquant_mse codes use the thread-per-row kernel (`encode_pages_tpr`: one warp per
-//! page, one lane per row, all in registers); fp16, qjl, turboquant_prod and other page sizes use one warp
+//! page, one lane per row, all in registers); fp16, qjl, turboquant_prod, rabitq, turboquant_rvq
+//! and other page sizes use one warp
 //! per row (`encode_rows`).
 
 use std::sync::Arc;
@@ -22,9 +23,10 @@ pub enum InputKind {
 }
 
 /// The encode module's defines for `fmt` and `input` (`pf`: the cp.async prefetch, sm_80+).
-pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 18] {
+pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 19] {
     [
         ("MSE_BYTES", fmt.mse_bytes as i64),
+        ("BITS2", fmt.bits2.max(1) as i64),
         ("D", fmt.d as i64),
         ("T", fmt.t as i64),
         ("KIND", fmt.kind as i64),
@@ -73,7 +75,7 @@ impl GpuEncoder {
         let s = &dev.stream;
         let use_tpr = fmt.t == 32
             && match fmt.kind {
-                KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod => false,
+                KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod | KernelKind::Rabitq | KernelKind::Rvq => false,
                 KernelKind::Q8_0 | KernelKind::Q4_0 => true,
                 KernelKind::Codes => fmt.bins.is_some(),
             };

@@ -26,27 +26,30 @@ pub enum KernelKind {
     /// turboquant_prod: per row (b−1)-bit codes of the rotated unit vector, then the sign bits
     /// of S·(residual); ‖x‖ and the residual norm γ per token (KIND = KK = 5).
     Prod = 5,
+    /// rabitq: the sign bits of R·x, ‖R·x‖ and x0 = ⟨ō, y⟩ per token; decode reads 1-bit codes
+    /// {−1, +1} scaled by ‖x‖/(x0·√d) (KK = 3, `KRATIO`) against the 4-bit query (KIND = 6).
+    Rabitq = 6,
+    /// turboquant_rvq: stage-1 codes, then stage-2 codes of R₂·(residual/‖residual‖); n₁, n₂
+    /// per token. Decode reads it as turboquant_prod's two segments (KK = 5) with the second
+    /// query R₂·R₁·q and the stage-2 table (KIND = 7).
+    Rvq = 7,
 }
 
 impl KernelKind {
     /// The decode kernels' id (`KK`/`VK`): a sketch's signs are 1-bit codes there.
     pub fn decode_id(self) -> i64 {
         match self {
-            KernelKind::Sketch => KernelKind::Codes as i64,
+            KernelKind::Sketch | KernelKind::Rabitq => KernelKind::Codes as i64,
+            KernelKind::Rvq => KernelKind::Prod as i64,
             k => k as i64,
         }
-    }
-
-    /// Whether rows carry one f16 scale per token after the page's T rows.
-    pub fn has_token_scale(self) -> bool {
-        matches!(self, KernelKind::Codes | KernelKind::Sketch | KernelKind::Prod)
     }
 
     /// f16 side values per token after the rows (norms, residual norms).
     pub fn token_sides(self) -> usize {
         match self {
             KernelKind::Codes | KernelKind::Sketch => 1,
-            KernelKind::Prod => 2,
+            KernelKind::Prod | KernelKind::Rabitq | KernelKind::Rvq => 2,
             _ => 0,
         }
     }
@@ -63,12 +66,20 @@ pub struct GpuFormat {
     pub page_bytes: usize,
     /// Hadamard signs (±1) and scale when the format rotates.
     pub rotation: Option<(Vec<f32>, f32)>,
-    /// turboquant_prod: bytes of a row's code segment (the sign bits follow); 0 otherwise.
+    /// turboquant_prod and turboquant_rvq: bytes of a row's first code segment (the sign bits
+    /// or the stage-2 codes follow); 0 otherwise.
     pub mse_bytes: usize,
+    /// Bits and f16 table (padded to 16) of the second segment: turboquant_prod's signs (1,
+    /// {−1, +1}), turboquant_rvq's stage 2; 0 otherwise.
+    pub bits2: u32,
+    pub table2_f16: [u16; 16],
+    /// turboquant_rvq: the stage-2 rotation's Hadamard signs (same scale as the first).
+    pub rotation2: Option<Vec<f32>>,
     /// QJL and turboquant_prod: the sketch S transposed (d × m, element [e][i] = S[i][e]: the kernels read one
     /// input dimension's m entries in one coalesced load) and the estimator's scale √(π/2)/m.
     pub sketch: Option<(Vec<f32>, f32)>,
     pub eden: bool,
+    /// The codebook's thresholds and centroids (turboquant_rvq: stage 1's, then stage 2's).
     pub thresholds: Vec<f32>,
     pub centroids: Vec<f32>,
     /// Centroids as f16 bits, padded to 16 (decode table).
@@ -148,24 +159,43 @@ impl GpuFormat {
                 let table = ScaledCodebook::new(spec.bits - 1, d).table16();
                 (KernelKind::Prod, RowKind::Codes { bits: spec.bits - 1, table }, true)
             }
+            "turboquant_rvq" => {
+                // Stage 1's layout; stage 2's codes and the second side are added below.
+                let table = ScaledCodebook::new(spec.bits, d).table16();
+                (KernelKind::Rvq, RowKind::Codes { bits: spec.bits, table }, true)
+            }
+            "rabitq" => {
+                let mut table = [0f32; 16];
+                table[..2].copy_from_slice(&[-1.0, 1.0]);
+                (KernelKind::Rabitq, RowKind::Codes { bits: 1, table }, true)
+            }
             _ => return Err(unsupported("no CUDA kernel for this format yet")),
         };
         let layout = RowLayout::new(row_kind, d, t);
-        // turboquant_prod (sketch.rs TokenLayout): rows of codes + d sign bits, two f16 sides.
-        let (mse_bytes, row_bytes, page_bytes) = if kind == KernelKind::Prod {
-            let rb = layout.row_bytes + pack::packed_bytes(d, 1);
-            (layout.row_bytes, rb, (t * rb + 4 * t).div_ceil(4) * 4)
-        } else {
-            (0, layout.row_bytes, layout.page_bytes())
+        // Second segments (sketch.rs TokenLayout: rows of both segments, two f16 sides):
+        // turboquant_prod's d sign bits, turboquant_rvq's stage-2 codes.
+        let bits2 = match kind {
+            KernelKind::Prod => 1,
+            KernelKind::Rvq => spec.bits2,
+            _ => 0,
         };
-        let rotation = if rotate {
-            match Rotation::new(d, seed)? {
-                Rotation::Hadamard { signs, scale } => Some((signs, scale)),
-                Rotation::Dense { .. } => return Err(unsupported("dense rotations are CPU-only")),
+        let (mse_bytes, row_bytes, page_bytes) = match kind {
+            KernelKind::Prod | KernelKind::Rvq => {
+                let rb = layout.row_bytes + pack::packed_bytes(d, bits2);
+                (layout.row_bytes, rb, (t * rb + 4 * t).div_ceil(4) * 4)
             }
-        } else {
-            None
+            // rabitq: the 1-bit rows, then ‖R·x‖ and x0.
+            KernelKind::Rabitq => (0, layout.row_bytes, (t * layout.row_bytes + 4 * t).div_ceil(4) * 4),
+            _ => (0, layout.row_bytes, layout.page_bytes()),
         };
+        let hadamard = |seed| match Rotation::new(d, seed)? {
+            Rotation::Hadamard { signs, scale } => Ok((signs, scale)),
+            Rotation::Dense { .. } => Err(unsupported("dense rotations are CPU-only")),
+        };
+        let rotation = if rotate { Some(hadamard(seed)?) } else { None };
+        // turboquant_rvq's stage-2 rotation (the CPU's derived seed); its scale is 1/√d as the
+        // first's.
+        let rotation2 = if kind == KernelKind::Rvq { Some(hadamard(derive_seed(seed, &[0x52]))?.0) } else { None };
         let sketch = if matches!(kind, KernelKind::Sketch | KernelKind::Prod) {
             // The CPU's builds: qjl's Sketch::new(kind, m, d, seed) with m = d; prod's m = d
             // sketch of the residual under a derived seed.
@@ -191,13 +221,27 @@ impl GpuFormat {
                 let cb = ScaledCodebook::new(bits, d);
                 (cb.thresholds, cb.centroids)
             }
-            KernelKind::Sketch => (vec![0.0], vec![-1.0, 1.0]),
+            KernelKind::Rvq => {
+                let (c1, c2) = (ScaledCodebook::new(bits, d), ScaledCodebook::new(bits2, d));
+                ([c1.thresholds, c2.thresholds].concat(), [c1.centroids, c2.centroids].concat())
+            }
+            KernelKind::Sketch | KernelKind::Rabitq => (vec![0.0], vec![-1.0, 1.0]),
             _ => (vec![0.0], vec![0.0]),
         };
-        let mut table_f16 = [0u16; 16];
-        for (o, c) in table_f16.iter_mut().zip(&centroids) {
-            *o = f16::from_f32(*c).to_bits();
-        }
+        let f16_table = |c: &[f32]| {
+            let mut t = [0u16; 16];
+            for (o, c) in t.iter_mut().zip(c) {
+                *o = f16::from_f32(*c).to_bits();
+            }
+            t
+        };
+        let n_first = if kind == KernelKind::Rvq { 1 << bits } else { centroids.len() };
+        let table_f16 = f16_table(&centroids[..n_first]);
+        let table2_f16 = match kind {
+            KernelKind::Prod => f16_table(&[-1.0, 1.0]),
+            KernelKind::Rvq => f16_table(&centroids[1 << bits..]),
+            _ => [0; 16],
+        };
         let bins = if kind == KernelKind::Codes { bin_table(&thresholds, &centroids) } else { None };
         Ok(Self {
             spec: spec.clone(),
@@ -209,6 +253,9 @@ impl GpuFormat {
             page_bytes,
             rotation,
             mse_bytes,
+            bits2,
+            table2_f16,
+            rotation2,
             sketch,
             eden: spec.norm == NormMode::Eden && kind == KernelKind::Codes,
             thresholds,
@@ -236,12 +283,13 @@ impl GpuFormat {
     pub fn state_bytes(&self) -> usize {
         let rot = self.rotation.as_ref().map_or(0, |(s, _)| s.len() * 4);
         let sk = self.sketch.as_ref().map_or(0, |(s, _)| s.len() * 4);
-        let cb = if matches!(self.kind, KernelKind::Codes | KernelKind::Prod) {
+        let rot2 = self.rotation2.as_ref().map_or(0, |s| s.len() * 4);
+        let cb = if matches!(self.kind, KernelKind::Codes | KernelKind::Prod | KernelKind::Rvq) {
             (self.centroids.len() + self.thresholds.len()) * 4
         } else {
             0
         };
-        rot + sk + cb
+        rot + rot2 + sk + cb
     }
 
     pub fn bits_per_value(&self) -> f64 {
@@ -252,8 +300,11 @@ impl GpuFormat {
     /// floats): the rotation's signs (all ones when the format does not rotate) and scale, or
     /// the sketch Sᵀ and the estimator's scale.
     /// turboquant_prod: the signs, then Sᵀ, with the rotation's scale (the sketch's is a
-    /// constant of d the kernels compute).
+    /// constant of d the kernels compute). turboquant_rvq: both rotations' signs.
     pub fn transform(&self) -> (Vec<f32>, f32) {
+        if let (Some((r, sc)), Some(r2)) = (&self.rotation, &self.rotation2) {
+            return ([&r[..], &r2[..]].concat(), *sc);
+        }
         match (&self.rotation, &self.sketch) {
             (Some((r, sc)), Some((s, _))) => ([&r[..], &s[..]].concat(), *sc),
             (None, Some((s, sc))) | (Some((s, sc)), None) => (s.clone(), *sc),
@@ -262,12 +313,32 @@ impl GpuFormat {
     }
 
     /// Floats per head of [`Self::transform`]: d, d·d for qjl's sketch, d + d·d for
-    /// turboquant_prod (kernels: `TW`).
+    /// turboquant_prod, 2d for turboquant_rvq (kernels: `TW`).
     pub fn transform_words(&self) -> usize {
+        if self.rotation2.is_some() {
+            return 2 * self.d;
+        }
         match (&self.rotation, &self.sketch) {
             (Some(_), Some(_)) => self.d + self.d * self.d,
             (None, Some(_)) => self.d * self.d,
             _ => self.d,
         }
+    }
+
+    /// Whether decode needs the second prepared query (turboquant_prod, turboquant_rvq).
+    pub fn two_queries(&self) -> bool {
+        self.kind.decode_id() == KernelKind::Prod as i64
+    }
+
+    /// Whether the query is prepared by the rotation alone (what decode's fused preparation
+    /// does); sketches, two-query formats and rabitq's quantized query take prep_query.
+    pub fn plain_query_prep(&self) -> bool {
+        matches!(self.kind, KernelKind::F16 | KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Codes)
+    }
+
+    /// Whether the GPU decodes this format as values (turboquant_rvq's two-domain value
+    /// accumulation is CPU-only).
+    pub fn gpu_values(&self) -> bool {
+        self.kind != KernelKind::Rvq
     }
 }

@@ -18,6 +18,11 @@ fn gpu_layouts_match_cpu_page_sizes() {
         "turboquant_prod:2",
         "turboquant_prod:3:orth",
         "turboquant_prod:4",
+        "rabitq",
+        "turboquant_rvq:1:1",
+        "turboquant_rvq:2:2",
+        "turboquant_rvq:3:1",
+        "turboquant_rvq:4:4",
     ] {
         let spec = FormatSpec::parse(s).unwrap();
         for d in [64, 128] {
@@ -140,6 +145,12 @@ fn every_kernel_configuration_compiles() {
         "turboquant_prod:2",
         "turboquant_prod:3",
         "turboquant_prod:4:orth",
+        "rabitq",
+        "turboquant_rvq:2:2",
+        "turboquant_rvq:3:3",
+        "turboquant_rvq:1:1",
+        "turboquant_rvq:4:2",
+        "turboquant_rvq:4:4",
     ];
     let mut built: Vec<String> = Vec::new();
     for (arch, cc) in archs {
@@ -174,7 +185,8 @@ fn every_kernel_configuration_compiles() {
                 }
             }
             // Decode: every same-format pair and the mixed pairs the engine's methods use.
-            // (qjl and turboquant_prod are keys only: paired with value formats.)
+            // (qjl, turboquant_prod, rabitq and, on the GPU, turboquant_rvq are keys only:
+            // paired with value formats.)
             let mut pairs: Vec<(usize, usize)> = (0..11).map(|i| (i, i)).collect();
             pairs.extend([
                 (10, 7),
@@ -195,6 +207,16 @@ fn every_kernel_configuration_compiles() {
                 (14, 2),
                 (15, 0),
                 (14, 10),
+                (16, 6),
+                (16, 9),
+                (16, 0),
+                (17, 6),
+                (17, 7),
+                (17, 1),
+                (18, 6),
+                (19, 6),
+                (20, 6),
+                (21, 9),
             ]);
             for (ki, vi) in pairs {
                 for g in [1, 2, 3, 4, 8] {
@@ -208,26 +230,41 @@ fn every_kernel_configuration_compiles() {
     eprintln!("compiled {} module configurations:\n{}", built.len(), built.join("\n"));
 }
 
-/// The GPU reads a qjl page as 1-bit codes with the table {−1, +1} and the token's ‖k‖ as its
-/// scale, against the query c·S·q that prep_query forms from the uploaded Sᵀ; a
-/// turboquant_prod page as ‖x‖·(⟨R·q, ŷ⟩ + γ·⟨c·S·R·q, ±1⟩) over its two row segments and two
-/// sides. Those scores equal the CPU's on the same bytes (layout, sign convention,
-/// transposition, seeds and scales; no GPU needed).
+/// The GPU's reading of the sign and two-segment formats, on the CPU's bytes: a qjl page as
+/// 1-bit codes with the table {−1, +1} and the token's ‖k‖ as its scale, against the query
+/// c·S·q that prep_query forms from the uploaded Sᵀ; turboquant_prod as
+/// ‖x‖·(⟨R·q, ŷ⟩ + γ·⟨c·S·R·q, ±1⟩) over its two row segments and two sides; turboquant_rvq as
+/// n₁·(⟨R₁·q, ŷ₁⟩ + n₂·⟨R₂·R₁·q, ẑ⟩) with the uploaded second rotation and stage-2 table;
+/// rabitq as ±1 codes scaled by ‖x‖/(x0·√d) against the 4-bit quantized R·q (prep_query's).
+/// Those scores equal the CPU's on the same bytes (layout, sign convention, transposition,
+/// seeds, tables and scales; no GPU needed).
 #[test]
-fn sketch_pages_score_as_the_cpu_with_the_gpu_reading() {
+fn sign_and_two_segment_pages_score_as_the_cpu_with_the_gpu_reading() {
     use veloxquant::rng::SplitMix64;
     use veloxquant::rotate::Rotation;
-    for name in ["qjl", "qjl:orth", "turboquant_prod:2", "turboquant_prod:3:orth", "turboquant_prod:4"] {
+    use veloxquant_cuda::format::KernelKind;
+    let names = [
+        "qjl",
+        "qjl:orth",
+        "turboquant_prod:2",
+        "turboquant_prod:3:orth",
+        "turboquant_prod:4",
+        "rabitq",
+        "turboquant_rvq:1:1",
+        "turboquant_rvq:2:2",
+        "turboquant_rvq:3:3",
+        "turboquant_rvq:4:2",
+        "turboquant_rvq:2:4",
+    ];
+    for name in names {
         let spec = FormatSpec::parse(name).unwrap();
         for d in [64usize, 128] {
             let (t, seed) = (32, 17 + d as u64);
             let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
             let g = GpuFormat::new(&spec, d, t, seed).unwrap();
             assert_eq!(g.page_bytes, cpu.page_bytes(), "{name} d={d}");
-            let (transform, _) = g.transform();
+            let (transform, rot_scale) = g.transform();
             assert_eq!(transform.len(), g.transform_words());
-            let prod = g.rotation.is_some();
-            let st = &transform[if prod { d } else { 0 }..];
             let c = (std::f64::consts::PI / 2.0).sqrt() / d as f64;
             let mut rng = SplitMix64::new(seed);
             let x = rng.gaussian_vec(t * d);
@@ -236,41 +273,68 @@ fn sketch_pages_score_as_the_cpu_with_the_gpu_reading() {
             let mut q = rng.gaussian_vec(d);
             let mut want = vec![0f32; t];
             cpu.scores(&cpu.prepare_query(&q, 1), &page, &mut want);
-            if prod {
+            if g.rotation.is_some() {
                 Rotation::new(d, seed).unwrap().apply(&mut q);
             }
-            let p: Vec<f64> = (0..d).map(|i| (0..d).map(|e| st[e * d + i] as f64 * q[e] as f64).sum::<f64>()).collect();
+            // The second query: c·S·q (qjl, prod: Sᵀ after the signs), R₂·q (rvq).
+            let q2: Vec<f64> = match g.kind {
+                KernelKind::Sketch | KernelKind::Prod => {
+                    let st = &transform[if g.kind == KernelKind::Prod { d } else { 0 }..];
+                    (0..d).map(|i| c * (0..d).map(|e| st[e * d + i] as f64 * q[e] as f64).sum::<f64>()).collect()
+                }
+                KernelKind::Rvq => {
+                    let mut r = q.clone();
+                    Rotation::Hadamard { signs: transform[d..].to_vec(), scale: rot_scale }.apply(&mut r);
+                    r.iter().map(|&v| v as f64).collect()
+                }
+                _ => vec![0.0; d],
+            };
+            if g.kind == KernelKind::Rabitq {
+                // prep_query's 4-bit query: uniform over [min, max], nearest rounding.
+                let lo = q.iter().copied().fold(f32::INFINITY, f32::min);
+                let hi = q.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let delta = (hi - lo) / 15.0;
+                q.iter_mut().for_each(|v| *v = lo + delta * ((*v - lo) / delta).round().clamp(0.0, 15.0));
+            }
             let bit = |seg: &[u8], j: usize| {
                 (u32::from_le_bytes(seg[4 * (j / 32)..4 * (j / 32) + 4].try_into().unwrap()) >> (j % 32)) & 1
             };
+            let code =
+                |seg: &[u8], j: usize, b: usize| (0..b).map(|k| (bit(seg, j * b + k) as usize) << k).sum::<usize>();
             let side = |k: usize, i: usize| {
                 let at = t * g.row_bytes + 2 * (k * t + i);
                 half::f16::from_le_bytes([page[at], page[at + 1]]).to_f64()
             };
+            let table2: Vec<f64> = g.table2_f16.iter().map(|&h| half::f16::from_bits(h).to_f64()).collect();
             for (i, w) in want.iter().enumerate() {
                 let row = &page[i * g.row_bytes..(i + 1) * g.row_bytes];
-                let signs = &row[g.mse_bytes..];
-                let sketch: f64 = (0..d).map(|j| if bit(signs, j) == 1 { p[j] } else { -p[j] }).sum();
-                let got = if prod {
-                    let b = g.bits as usize;
-                    let mse: f64 = (0..d)
-                        .map(|j| {
-                            let code = (0..b).map(|k| (bit(row, j * b + k) as usize) << k).sum::<usize>();
-                            g.centroids[code] as f64 * q[j] as f64
-                        })
-                        .sum();
-                    side(0, i) * (mse + side(1, i) * c * sketch)
-                } else {
-                    assert_eq!((g.table_f16[0], g.table_f16[1]), (0xBC00, 0x3C00), "{{-1, +1}}");
-                    side(0, i) * c * sketch
+                let second = &row[g.mse_bytes..];
+                let b = g.bits as usize;
+                let dot1 = |cen: &[f32]| (0..d).map(|j| cen[code(row, j, b)] as f64 * q[j] as f64).sum::<f64>();
+                let dot2 = || (0..d).map(|j| table2[code(second, j, g.bits2 as usize)] * q2[j]).sum::<f64>();
+                let got = match g.kind {
+                    KernelKind::Prod | KernelKind::Rvq => side(0, i) * (dot1(&g.centroids) + side(1, i) * dot2()),
+                    KernelKind::Sketch => {
+                        assert_eq!((g.table_f16[0], g.table_f16[1]), (0xBC00, 0x3C00), "{{-1, +1}}");
+                        let sketch: f64 = (0..d).map(|j| if bit(second, j) == 1 { q2[j] } else { -q2[j] }).sum();
+                        side(0, i) * sketch
+                    }
+                    KernelKind::Rabitq => {
+                        let x0 = side(1, i);
+                        let f = if x0 > 0.0 { side(0, i) / x0 / (d as f64).sqrt() } else { 0.0 };
+                        f * dot1(&g.centroids)
+                    }
+                    k => panic!("{k:?}"),
                 };
-                let tol = 1e-4 * (1.0 + w.abs() as f64);
+                // The f16 stage-2 table (rvq) rounds its centroids by up to 2^-11.
+                let tol = 2e-3 * (1.0 + w.abs() as f64);
                 assert!((got - *w as f64).abs() <= tol, "{name} d={d} token {i}: {got} vs {w}");
             }
         }
     }
-    // A key-only format as the value stream is refused before anything is allocated.
-    for k in ["qjl", "turboquant_prod:3"] {
+    // A key-only format as the value stream is refused before anything is allocated, as are
+    // turboquant_rvq values (CPU-only).
+    for k in ["qjl", "turboquant_prod:3", "rabitq", "turboquant_rvq:2:2"] {
         let spec = FormatSpec::parse(k).unwrap();
         let mut cpu = veloxquant::CacheConfig::new(1, 2, 64, spec.clone(), spec);
         cpu.recent = 0;

@@ -30,6 +30,13 @@ fn all_specs() -> Vec<FormatSpec> {
                 Some(b) => format!("{}:{b}", desc.name),
                 None => desc.name.to_string(),
             };
+            // Every second bit width (turboquant_rvq's stage 2).
+            for b2 in desc.bits2 {
+                out.push(FormatSpec::parse(&format!("{base}:{b2}")).unwrap());
+            }
+            if !desc.bits2.is_empty() {
+                continue;
+            }
             out.push(FormatSpec::parse(&base).unwrap());
             if desc.rotatable {
                 out.push(FormatSpec::parse(&format!("{base}:rot")).unwrap());
@@ -307,6 +314,13 @@ fn decode_matches_cpu_reference() {
         ("turboquant_prod:3", "turboquant_mse:3"),
         ("turboquant_prod:2:orth", "q8_0"),
         ("turboquant_prod:4", "fp16"),
+        ("rabitq", "turboquant_mse:2"),
+        ("rabitq", "fp16"),
+        ("turboquant_rvq:2:2", "turboquant_mse:2"),
+        ("turboquant_rvq:3:1", "q8_0"),
+        ("turboquant_rvq:4:4", "turboquant_mse:4"),
+        ("turboquant_rvq:1:1", "turboquant_mse:3"),
+        ("turboquant_rvq:3:3", "turboquant_mse:3:eden"),
     ];
     let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097], &[3, 40]];
     let mut n = 0;
@@ -353,6 +367,8 @@ fn decode_long_ragged_rows_match_cpu_reference() {
         ("qjl:orth", "turboquant_mse:2"),
         ("turboquant_mse:1", "turboquant_mse:3"),
         ("turboquant_prod:3", "turboquant_mse:2"),
+        ("rabitq", "turboquant_mse:3"),
+        ("turboquant_rvq:2:2", "turboquant_mse:2"),
     ];
     let mut bad = Vec::new();
     let mut worst_all = 0f64;
@@ -388,6 +404,9 @@ fn decode_generic_path_matches_cpu_reference() {
         ("turboquant_mse:4:eden", "turboquant_mse:3"),
         ("turboquant_mse:3", "turboquant_mse:3"),
         ("qjl", "turboquant_mse:3"),
+        ("rabitq", "turboquant_mse:2"),
+        ("turboquant_rvq:2:2", "turboquant_mse:2"),
+        ("turboquant_prod:3", "turboquant_mse:4"),
     ] {
         for d in [64, 128] {
             for gqa in [1, 3, 8] {

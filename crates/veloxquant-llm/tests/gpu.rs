@@ -173,7 +173,19 @@ fn gpu_logits_match_cpu_prefill_and_batched_decode() {
         recent: 8,
         sink: 4,
     };
-    for method in [GpuMethod::fp16(), default_method(), qjl, prod] {
+    let rvq = GpuMethod {
+        k: FormatSpec::parse("turboquant_rvq:3:3").unwrap(),
+        v: FormatSpec::parse("turboquant_mse:4").unwrap(),
+        recent: 8,
+        sink: 4,
+    };
+    let rabitq = GpuMethod {
+        k: FormatSpec::parse("rabitq").unwrap(),
+        v: FormatSpec::parse("turboquant_mse:4").unwrap(),
+        recent: 16,
+        sink: 0,
+    };
+    for method in [GpuMethod::fp16(), default_method(), qjl, prod, rvq, rabitq] {
         let mut cfg = EngineConfig::new(method.clone(), 4, 1024);
         cfg.prefill_chunk = 64; // several chunks per prompt: each attends as decode would
         cfg.prefill_rows = 128;
@@ -345,6 +357,9 @@ fn gpu_prefill_attention_matches_cpu_store() {
         ("q8_0", "q4_0:rot", 5, 0),
         ("qjl:orth", "turboquant_mse:2", 8, 0),
         ("turboquant_prod:3", "turboquant_mse:3", 4, 4),
+        ("rabitq", "turboquant_mse:2", 8, 0),
+        ("turboquant_rvq:2:2", "turboquant_mse:4", 4, 4),
+        ("turboquant_rvq:4:2", "q8_0", 0, 0),
     ] {
         let mut cfg = CacheConfig::new(1, hkv, d, FormatSpec::parse(k).unwrap(), FormatSpec::parse(v).unwrap());
         cfg.recent = recent;

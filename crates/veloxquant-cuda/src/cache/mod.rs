@@ -106,6 +106,12 @@ impl GpuCacheConfig {
                 return Err(CudaError::UnsupportedFormat { format: spec.to_string(), why });
             }
         }
+        if !GpuFormat::new(&self.v, self.head_dim, self.page_tokens, 0)?.gpu_values() {
+            return Err(CudaError::UnsupportedFormat {
+                format: self.v.to_string(),
+                why: "turboquant_rvq values are CPU-only (their two-domain accumulation has no GPU kernel)",
+            });
+        }
         if self.sink + self.recent + self.page_tokens > MAX_EXACT_TOKENS {
             return bad("cache config: S + R + T exact tokens", MAX_EXACT_TOKENS, self.sink + self.recent + 32);
         }
@@ -292,6 +298,7 @@ pub fn kv_defines(cfg: &GpuCacheConfig, fmt: &GpuFormat, row_mode: bool) -> Vec<
         ("ROW_BYTES", fmt.row_bytes as i64),
         ("PAGE_BYTES", fmt.page_bytes as i64),
         ("MSE_BYTES", fmt.mse_bytes as i64),
+        ("BITS2", fmt.bits2.max(1) as i64),
         ("NKV", cfg.n_kv_heads as i64),
         ("NSINK", cfg.sink as i64),
         ("RING", cfg.ring_cap(row_mode) as i64),

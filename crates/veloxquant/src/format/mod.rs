@@ -6,6 +6,37 @@
 //! `accumulate`, `finish`) default to decode-then-compute and are overridden where a fast
 //! path exists. `tests/conformance.rs` runs every registered format through the same checks.
 
+/// The `Format` methods of a format whose tokens are coded independently (`sketch::TokenLayout`
+/// rows): `encode_page`, `row_granular`, `encode_row` and `clear_rows_from`, all from the
+/// type's `encode_row_unchecked(x, page, i)` and its `layout` field. The cache fills such pages
+/// a token at a time (row mode), as the GPU's cache does.
+macro_rules! token_rows_methods {
+    () => {
+        fn encode_page(&self, x: &[f32], page: &mut [u8]) -> $crate::error::Result<()> {
+            $crate::format::check_page_input(self, x, page)?;
+            page.fill(0);
+            for (i, row) in x.chunks_exact(self.head_dim()).enumerate() {
+                self.encode_row_unchecked(row, page, i);
+            }
+            Ok(())
+        }
+
+        fn row_granular(&self) -> bool {
+            true
+        }
+
+        fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> $crate::error::Result<()> {
+            $crate::format::check_row_input(self, x, page, row)?;
+            self.encode_row_unchecked(x, page, row);
+            Ok(())
+        }
+
+        fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+            self.layout.clear_rows_from(page, from);
+        }
+    };
+}
+
 pub mod fp16;
 pub mod kivi;
 pub mod q4_0;

@@ -20,8 +20,7 @@
 use std::sync::Arc;
 
 use super::sketch::{code_bytes, signed_sum, Sketch, TokenLayout};
-use super::{check_finite, check_len, check_row_input, Format, FormatDesc, FormatSpec, QueryState};
-use crate::error::Result;
+use super::{Format, FormatDesc, FormatSpec, QueryState};
 use crate::reduce::sum_sq_canonical;
 
 pub static DESC: FormatDesc = FormatDesc {
@@ -73,32 +72,7 @@ impl Format for Qjl {
         self.sketch.rows.len() * 4
     }
 
-    fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {
-        let (d, t) = (self.d, self.layout.t);
-        check_len("encode_page input", d * t, x.len())?;
-        check_len("encode_page output", self.page_bytes(), page.len())?;
-        check_finite("encode_page input", x, d)?;
-        page.fill(0);
-        for (i, k) in x.chunks_exact(d).enumerate() {
-            self.encode_row_unchecked(k, page, i);
-        }
-        Ok(())
-    }
-
-    /// Tokens are sketched independently: the cache fills pages a token at a time (row mode).
-    fn row_granular(&self) -> bool {
-        true
-    }
-
-    fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
-        check_row_input(self, x, page, row)?;
-        self.encode_row_unchecked(x, page, row);
-        Ok(())
-    }
-
-    fn clear_rows_from(&self, page: &mut [u8], from: usize) {
-        self.layout.clear_rows_from(page, from);
-    }
+    token_rows_methods!();
 
     fn decode_page(&self, page: &[u8], out: &mut [f32]) {
         let c = self.sketch.scale();

@@ -27,8 +27,7 @@
 use std::sync::Arc;
 
 use super::sketch::{code_bytes, TokenLayout};
-use super::{check_finite, check_len, Format, FormatDesc, FormatSpec, QueryState};
-use crate::error::Result;
+use super::{Format, FormatDesc, FormatSpec, QueryState};
 use crate::reduce::sum_sq_canonical;
 use crate::rotate::Rotation;
 
@@ -94,6 +93,25 @@ impl Rabitq {
         (r, qq)
     }
 
+    /// Row i of `page` from the token x (checked by the caller).
+    fn encode_row_unchecked(&self, x: &[f32], page: &mut [u8], i: usize) {
+        let d = self.d;
+        let mut y = x.to_vec();
+        self.rot.apply(&mut y);
+        let norm = sum_sq_canonical(&y).sqrt();
+        let row = self.layout.row_mut(page, i);
+        let mut l1 = 0f64;
+        for (j, v) in y.iter().enumerate() {
+            if *v >= 0.0 {
+                row[j / 8] |= 1 << (j % 8);
+            }
+            l1 += v.abs() as f64;
+        }
+        let x0 = if norm > 0.0 { (l1 / (norm as f64 * (d as f64).sqrt())) as f32 } else { 0.0 };
+        self.layout.set_side(page, 0, i, norm);
+        self.layout.set_side(page, 1, i, x0);
+    }
+
     fn row_words<'a>(&self, page: &'a [u8], t: usize) -> impl Iterator<Item = u32> + 'a {
         let row = self.layout.row(page, t);
         row.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
@@ -117,31 +135,7 @@ impl Format for Rabitq {
         self.rot.state_bytes()
     }
 
-    fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {
-        let (d, t) = (self.d, self.layout.t);
-        check_len("encode_page input", d * t, x.len())?;
-        check_len("encode_page output", self.page_bytes(), page.len())?;
-        check_finite("encode_page input", x, d)?;
-        page.fill(0);
-        let mut y = vec![0f32; d];
-        for i in 0..t {
-            y.copy_from_slice(&x[i * d..(i + 1) * d]);
-            self.rot.apply(&mut y);
-            let norm = sum_sq_canonical(&y).sqrt();
-            let row = self.layout.row_mut(page, i);
-            let mut l1 = 0f64;
-            for (j, v) in y.iter().enumerate() {
-                if *v >= 0.0 {
-                    row[j / 8] |= 1 << (j % 8);
-                }
-                l1 += v.abs() as f64;
-            }
-            let x0 = if norm > 0.0 { (l1 / (norm as f64 * (d as f64).sqrt())) as f32 } else { 0.0 };
-            self.layout.set_side(page, 0, i, norm);
-            self.layout.set_side(page, 1, i, x0);
-        }
-        Ok(())
-    }
+    token_rows_methods!();
 
     fn decode_page(&self, page: &[u8], out: &mut [f32]) {
         let inv_sqrt_d = 1.0 / (self.d as f32).sqrt();

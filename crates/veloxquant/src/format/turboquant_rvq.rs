@@ -24,9 +24,8 @@
 use std::sync::Arc;
 
 use super::sketch::{code_bytes, TokenLayout};
-use super::{check_finite, check_len, Format, FormatDesc, FormatSpec, QueryState};
+use super::{Format, FormatDesc, FormatSpec, QueryState};
 use crate::codebook::ScaledCodebook;
-use crate::error::Result;
 use crate::pack;
 use crate::reduce::sum_sq_canonical;
 use crate::rng::derive_seed;
@@ -99,6 +98,30 @@ fn normalize(v: &mut [f32]) -> f32 {
     n
 }
 
+impl Rvq {
+    /// Row i of `page` from the token x (checked by the caller).
+    fn encode_row_unchecked(&self, x: &[f32], page: &mut [u8], i: usize) {
+        let mut y = x.to_vec();
+        self.r1.apply(&mut y);
+        let n1 = normalize(&mut y);
+        let row = self.layout.row_mut(page, i);
+        let (c1, c2) = row.split_at_mut(self.s1.bytes);
+        let codes = self.s1.encode(&y, c1);
+        if n1 > 0.0 {
+            for (v, &c) in y.iter_mut().zip(&codes) {
+                *v -= self.s1.table[c as usize];
+            }
+        } else {
+            y.fill(0.0);
+        }
+        let n2 = normalize(&mut y);
+        self.r2.apply(&mut y);
+        self.s2.encode(&y, c2);
+        self.layout.set_side(page, 0, i, n1);
+        self.layout.set_side(page, 1, i, n2);
+    }
+}
+
 impl Format for Rvq {
     fn spec(&self) -> &FormatSpec {
         &self.spec
@@ -119,35 +142,7 @@ impl Format for Rvq {
         2 * self.d
     }
 
-    fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()> {
-        let (d, t) = (self.d, self.layout.t);
-        check_len("encode_page input", d * t, x.len())?;
-        check_len("encode_page output", self.page_bytes(), page.len())?;
-        check_finite("encode_page input", x, d)?;
-        page.fill(0);
-        let mut y = vec![0f32; d];
-        for i in 0..t {
-            y.copy_from_slice(&x[i * d..(i + 1) * d]);
-            self.r1.apply(&mut y);
-            let n1 = normalize(&mut y);
-            let row = self.layout.row_mut(page, i);
-            let (c1, c2) = row.split_at_mut(self.s1.bytes);
-            let codes = self.s1.encode(&y, c1);
-            if n1 > 0.0 {
-                for (v, &c) in y.iter_mut().zip(&codes) {
-                    *v -= self.s1.table[c as usize];
-                }
-            } else {
-                y.fill(0.0);
-            }
-            let n2 = normalize(&mut y);
-            self.r2.apply(&mut y);
-            self.s2.encode(&y, c2);
-            self.layout.set_side(page, 0, i, n1);
-            self.layout.set_side(page, 1, i, n2);
-        }
-        Ok(())
-    }
+    token_rows_methods!();
 
     fn decode_page(&self, page: &[u8], out: &mut [f32]) {
         for (i, o) in out.chunks_exact_mut(self.d).enumerate() {
