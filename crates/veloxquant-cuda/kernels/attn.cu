@@ -19,49 +19,16 @@
 #define KTW D
 #endif
 
-// In-place Walsh-Hadamard transform of the block's D values (thread tid holds element tid):
-// butterflies (a + o, a − o) of span < 32 by shuffles, wider ones through s.
-__device__ __forceinline__ float fwht_block(float x, float* s, int tid) {
-#pragma unroll
-    for (int h = 1; h < 32 && h < D; h <<= 1) {
-        const float o = __shfl_xor_sync(FULL_MASK, x, h);
-        x = (tid & h) ? (o - x) : (x + o);
-    }
-    for (int h = 32; h < D; h <<= 1) {
-        s[tid] = x;
-        __syncthreads();
-        const float o = s[tid ^ h];
-        __syncthreads();
-        x = (tid & h) ? (o - x) : (x + o);
-    }
-    return x;
-}
-
 extern "C" __global__ void prep_query(const float* __restrict__ q, float* __restrict__ qprep,
                                       const float* __restrict__ ksigns, float krot_scale) {
     __shared__ float s[D];
     const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, n_q = gridDim.x;
     const size_t at = ((size_t)b * n_q + hq) * D + tid;
 #if KRABITQ
-    // rabitq.rs quantize_query on r = R·q (unscaled): lo, hi over the head, Δ = (hi − lo)/15,
-    // u = round((r − lo)/Δ) clamped to [0, 15], r̄ = lo + Δ·u (no contraction: the CPU's
-    // rounding); the scale log2(e)/√d after.
-    __shared__ float mm[2][D / 32];
+    // rabitq: the 4-bit query of R·q (unscaled), then the scale log2(e)/√d.
     float r = q[at] * ksigns[(size_t)(hq / G) * KTW + tid];
-    r = fwht_block(r, s, tid) * krot_scale;
-    float lo = r, hi = r;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-        lo = fminf(lo, __shfl_xor_sync(FULL_MASK, lo, off));
-        hi = fmaxf(hi, __shfl_xor_sync(FULL_MASK, hi, off));
-    }
-    if ((tid & 31) == 0) { mm[0][tid >> 5] = lo; mm[1][tid >> 5] = hi; }
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < D / 32; w++) { lo = fminf(lo, mm[0][w]); hi = fmaxf(hi, mm[1][w]); }
-    const float delta = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
-    const float u = delta > 0.0f ? fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(r, lo), delta)), 0.0f), 15.0f) : 0.0f;
-    qprep[at] = __fmul_rn(__fadd_rn(lo, __fmul_rn(delta, u)), LOG2E / sqrtf((float)D));
+    r = rabitq_query_block(fwht_block(r, s, tid) * krot_scale, tid);
+    qprep[at] = __fmul_rn(r, LOG2E / sqrtf((float)D));
     return;
 #endif
     float x = q[at] * (LOG2E / sqrtf((float)D));

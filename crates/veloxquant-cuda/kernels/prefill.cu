@@ -7,7 +7,8 @@
 // normalizes: P (f16, the band zeroed) for the value GEMM, the band's weights apart; band_v
 // adds the band's exact values and writes the attention output as f16 in the model's layout.
 // Grid: (n_q · G rows of one KV group, NKV), row = t · G + i (token t, group head i).
-// Defines: D, G, NKV, T, NSINK, R (recent window), ROWMODE.
+// Defines: D, G, NKV, T, NSINK, R (recent window), ROWMODE, KQUANT (rabitq keys: the codes
+// are scored against the 4-bit query of rabitq_query, the sinks and the band against q).
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // Tokens held as codes once n tokens are in, starting from coded0 (compressed.rs).
@@ -47,9 +48,25 @@ struct BandArgs {
     float scale;   // 1/√D
 };
 
-extern "C" __global__ void band_softmax(BandArgs a, const float* __restrict__ s, u16* __restrict__ p,
+// rabitq keys: each query row as the format scores it, q̄ = Rᵀ·quant₄(R·q) (rabitq.rs
+// scoring_query_ref), for the GEMM against the decoded codes. Grid: (rows, NKV); block: D
+// threads; q16 rows in the grouped layout (stride q_gstride per KV head), out rows packed.
+extern "C" __global__ void rabitq_query(const u16* __restrict__ q16, long q_gstride, const float* __restrict__ ksigns,
+                                        float krot_scale, u16* __restrict__ out, int rows) {
+    __shared__ float sh[D];
+    const int row = blockIdx.x, g = blockIdx.y, tid = threadIdx.x;
+    const float sg = ksigns[(size_t)g * D + tid];
+    float r = fwht_block(h2f(q16[g * q_gstride + (size_t)row * D + tid]) * sg, sh, tid) * krot_scale;
+    r = rabitq_query_block(r, tid);
+    __syncthreads();  // fwht_block's last reads of sh
+    r = fwht_block(r, sh, tid) * (sg * krot_scale);
+    out[((size_t)g * rows + row) * D + tid] = f2h(r);
+}
+
+extern "C" __global__ void band_softmax(BandArgs a, float* __restrict__ s, u16* __restrict__ p,
                                         float* __restrict__ wband, const u16* __restrict__ q16, long q_gstride,
-                                        const u16* __restrict__ kwin, long win_ld) {
+                                        const u16* __restrict__ kwin, long win_ld, const u16* __restrict__ kd,
+                                        long kd_ld) {
     extern __shared__ float bs[];  // band scores (band_cap)
     __shared__ float red[32];
     const int row = blockIdx.x, g = blockIdx.y, t = row / G;
@@ -57,7 +74,7 @@ extern "C" __global__ void band_softmax(BandArgs a, const float* __restrict__ s,
     const int lo = NSINK + coded_after(pos + 1, a.coded0);
     const int nb = pos + 1 - lo;
     const size_t ro = (size_t)g * a.n_q * G + row;
-    const float* srow = s + ro * a.ld_s;
+    float* srow = s + ro * a.ld_s;
     u16* prow = p + ro * a.ld_s;
     const u16* q = q16 + g * q_gstride + (size_t)row * D;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
@@ -69,6 +86,17 @@ extern "C" __global__ void band_softmax(BandArgs a, const float* __restrict__ s,
         for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL_MASK, acc, o);
         if (lane == 0) bs[b] = acc * a.scale;
     }
+#if KQUANT
+    // The sinks' scores in S used the 4-bit query: again with q, as the CPU scores them.
+    for (int j = warp; j < min(NSINK, min(lo, pos + 1)); j += nw) {
+        const u16* k = kd + ((size_t)g * kd_ld + j) * D;
+        float acc = 0.0f;
+        for (int d = lane; d < D; d += 32) acc += h2f(q[d]) * h2f(k[d]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(FULL_MASK, acc, o);
+        if (lane == 0) srow[j] = acc * a.scale;
+    }
+#endif
     __syncthreads();
     // Keys [0, lim) from S (codes, and the sinks); the band [lo, pos] exact; none after pos
     // (a query among the sinks has lo > pos: no band, and only keys up to itself).

@@ -337,29 +337,44 @@ impl PlanCore {
         let (kf, vf) = (&cache.k.fmt, &cache.v.fmt);
         let cc = dev.compute_capability;
         let t = dev.tuning;
-        let pipe = Pipe::new(kf, vf, cc, opts.generic, &t);
         let var = Variants::new(&t);
         let b = batch;
         let max_pages = max_pages.clamp(1, cfg.max_pages_per_seq);
         let pdl = hopper(cc) && t.decode_pdl;
-        // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
-        let post = if pipe.fast { pipe.warps * 8 * d * 4 } else { 0 };
-        let defs = decode_defines(kf, vf, g, &pipe, &var, pdl);
-        let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-        let f_decode = dev.function(Family::Decode, &dref, "decode_pages")?;
-        let static_bytes = f_decode.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
-        let smem = pipe.smem(kf, vf, static_bytes, post).ok_or(CudaError::UnsupportedFormat {
-            format: format!("decode with {} warps", pipe.warps),
-            why: "the lookup table, rings and merge space exceed shared memory",
-        })?;
-        if smem > 0 {
-            f_decode
-                .set_attribute(
+        // The FAST path at the tuned warp count, else with fewer warps (large pages, e.g.
+        // turboquant_rvq 4:4 keys, fill the shared memory with their rings), else the generic
+        // path: the first whose shared memory the device grants.
+        let first = Pipe::new(kf, vf, cc, opts.generic, &t);
+        let mut candidates = vec![first];
+        if first.fast {
+            candidates.extend([8, 4].iter().filter(|&&w| w < first.warps).map(|&w| Pipe { warps: w, ..first }));
+            candidates.push(Pipe::new(kf, vf, cc, true, &t));
+        }
+        let mut chosen = None;
+        for pipe in candidates {
+            // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
+            let post = if pipe.fast { pipe.warps * 8 * d * 4 } else { 0 };
+            let defs = decode_defines(kf, vf, g, &pipe, &var, pdl);
+            let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+            let f = dev.function(Family::Decode, &dref, "decode_pages")?;
+            let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
+            let Some(smem) = pipe.smem(kf, vf, static_bytes, post) else { continue };
+            if smem > 0
+                && f.set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                     smem as i32,
                 )
-                .map_err(drv("set_attribute"))?;
+                .is_err()
+            {
+                continue;
+            }
+            chosen = Some((pipe, f, smem));
+            break;
         }
+        let (pipe, f_decode, smem) = chosen.ok_or(CudaError::UnsupportedFormat {
+            format: format!("decode {}/{}", kf.spec, vf.spec),
+            why: "no decode variant's shared memory fits this device",
+        })?;
         let adefs = attn_defines(kf, vf, g, pdl);
         let adefs: Vec<(&str, i64)> = adefs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_prep = dev.function(Family::Attn, &adefs, "prep_query")?;

@@ -32,6 +32,7 @@ pub enum Family {
 }
 
 const ENCODE_ROW: &str = include_str!("../kernels/encode_row.cuh");
+const QUERY: &str = include_str!("../kernels/query.cuh");
 
 impl Family {
     pub const ALL: [Family; 6] =
@@ -42,10 +43,10 @@ impl Family {
         match self {
             Family::Encode => [ENCODE_ROW, include_str!("../kernels/encode.cu")],
             Family::Decode => ["", include_str!("../kernels/decode.cu")],
-            Family::Attn => ["", include_str!("../kernels/attn.cu")],
+            Family::Attn => [QUERY, include_str!("../kernels/attn.cu")],
             Family::Kv => [ENCODE_ROW, include_str!("../kernels/kv.cu")],
             Family::Model => ["", include_str!("../kernels/model.cu")],
-            Family::Prefill => ["", include_str!("../kernels/prefill.cu")],
+            Family::Prefill => [QUERY, include_str!("../kernels/prefill.cu")],
         }
     }
     pub fn name(self) -> &'static str {

@@ -52,12 +52,14 @@ pub struct PrefillAttn {
     p: CudaSlice<u16>,
     o: CudaSlice<f32>,
     wband: CudaSlice<f32>,
+    /// rabitq keys: the chunk's 4-bit queries and the kernel forming them.
+    qbar: Option<(CudaSlice<u16>, CudaFunction)>,
     f_softmax: CudaFunction,
     f_band_v: CudaFunction,
 }
 
 /// The defines of the prefill module for a cache shape and GQA group `g`.
-pub fn prefill_defines(cfg: &crate::GpuCacheConfig, g: usize, row_mode: bool) -> [(&'static str, i64); 7] {
+pub fn prefill_defines(cfg: &crate::GpuCacheConfig, g: usize, row_mode: bool) -> [(&'static str, i64); 8] {
     [
         ("D", cfg.head_dim as i64),
         ("G", g as i64),
@@ -66,6 +68,7 @@ pub fn prefill_defines(cfg: &crate::GpuCacheConfig, g: usize, row_mode: bool) ->
         ("NSINK", cfg.sink as i64),
         ("R", cfg.recent as i64),
         ("ROWMODE", row_mode as i64),
+        ("KQUANT", (cfg.k.name == "rabitq") as i64),
     ]
 }
 
@@ -81,7 +84,13 @@ impl PrefillAttn {
         let band_cap = cache.exact_slots();
         let rows = max_chunk * n_q_heads; // n_q · G per KV head, all heads
         let ld = ld_for(max_ctx);
-        2 * hk * win_ld * d * 2 + 2 * hk * max_ctx * d * 2 + rows * ld * (4 + 2) + rows * d * 4 + rows * band_cap * 4
+        let qbar = if cache.cfg.k.name == "rabitq" { rows * d * 2 } else { 0 };
+        2 * hk * win_ld * d * 2
+            + 2 * hk * max_ctx * d * 2
+            + rows * ld * (4 + 2)
+            + rows * d * 4
+            + rows * band_cap * 4
+            + qbar
     }
 
     pub fn new(cache: &GpuKvCache, n_q_heads: usize, max_chunk: usize, max_ctx: usize) -> Result<Self> {
@@ -120,6 +129,12 @@ impl PrefillAttn {
             p: alloc16(rows * ld)?,
             o: alloc32(rows * d)?,
             wband: alloc32(rows * band_cap)?,
+            // rabitq keys: the chunk's 4-bit queries (rabitq_query).
+            qbar: if cfg.k.name == "rabitq" {
+                Some((alloc16(rows * d)?, dev.function(Family::Prefill, &defines, "rabitq_query")?))
+            } else {
+                None
+            },
             f_softmax: dev.function(Family::Prefill, &defines, "band_softmax")?,
             f_band_v: dev.function(Family::Prefill, &defines, "band_v")?,
             dev,
@@ -175,7 +190,28 @@ impl PrefillAttn {
 
         let rows = n_q * g;
         let ld_s = ld_for(n_end);
-        let q0 = Mat::f16(q16, d, st).rows_from(r0 * g);
+        let q_g = q16.slice(r0 * g * d..);
+        let (qgs, wld) = ((n_rows * g * d) as i64, self.win_ld as i64);
+        if let Some((qbar, f)) = &mut self.qbar {
+            let signs = cache.k.layer_signs(layer, hk);
+            let rows_i = rows as i32;
+            let cfg_q = LaunchConfig {
+                grid_dim: (rows as u32, hk as u32, 1),
+                block_dim: (d as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut l = st.launch_builder(f);
+            l.arg(&q_g).arg(&qgs).arg(&signs).arg(&cache.k.rot_scale).arg(qbar).arg(&rows_i);
+            // SAFETY: matches rabitq_query (kernels/prefill.cu): q_g holds hk groups of
+            // n_rows·G rows from row r0·G (rows = n_q·G of them read), the signs hk·d floats,
+            // qbar hk·rows·d ≤ hk·max_chunk·G·d values.
+            unsafe { l.launch(cfg_q) }.map_err(drv("rabitq_query"))?;
+        }
+        let q0 = match &self.qbar {
+            Some((qbar, _)) => Mat::f16(qbar, d, st),
+            None => Mat::f16(q16, d, st).rows_from(r0 * g),
+        };
+        let q_stride = if self.qbar.is_some() { rows * d } else { n_rows * g * d };
         let kd = Mat::f16(&self.kd, d, st);
         let sm = Mat::f32(&self.s, ld_s, st);
         blas.gemm_batched(
@@ -183,7 +219,7 @@ impl PrefillAttn {
             n_end,
             d,
             q0,
-            n_rows * g * d,
+            q_stride,
             kd,
             self.max_ctx * d,
             sm,
@@ -208,10 +244,18 @@ impl PrefillAttn {
             block_dim: (128, 1, 1),
             shared_mem_bytes: (self.band_cap * 4) as u32,
         };
-        let q_g = q16.slice(r0 * g * d..);
-        let (qgs, wld) = ((n_rows * g * d) as i64, self.win_ld as i64);
+        let kd_ld = self.max_ctx as i64;
         let mut l = st.launch_builder(&self.f_softmax);
-        l.arg(&a).arg(&self.s).arg(&mut self.p).arg(&mut self.wband).arg(&q_g).arg(&qgs).arg(&self.kwin).arg(&wld);
+        l.arg(&a)
+            .arg(&mut self.s)
+            .arg(&mut self.p)
+            .arg(&mut self.wband)
+            .arg(&q_g)
+            .arg(&qgs)
+            .arg(&self.kwin)
+            .arg(&wld)
+            .arg(&self.kd)
+            .arg(&kd_ld);
         // SAFETY: matches band_softmax (kernels/prefill.cu): S and P hold hk·rows·ld_s values
         // (rows ≤ max_chunk·G, ld_s ≤ ld_for(max_ctx)), the band ≤ band_cap entries per row lies
         // inside the window [win_lo, n_end) written just above.
