@@ -1,11 +1,12 @@
 //! Products with x quantized to 8 bits per 32-value block (ggml's q8 activations, as
 //! llama.cpp decodes): per block, an exact integer dot product of the weight codes with
 //! x's codes, scaled once by d·dx, plus the weight offset times dx·Σqx. Integer dots need
-//! no per-value conversion to f32: 32 multiply-adds are one `vpdpbusd` (VNNI) or a
-//! `vpmaddubsw` + `vpmaddwd` pair (AVX2).
+//! no per-value conversion to f32: 32 multiply-adds are a `vpmaddubsw` + `vpmaddwd` pair
+//! (AVX2); with AVX-512 VNNI, 64 are one `vpdpbusd` (`super::vnni`, over
+//! `super::interleaved`'s layout).
 //!
 //! [`QuantX`] is x's quantization (shared by the reference and the kernels); the scalar
-//! [`rows_ref`] defines the products; [`rows`] is the AVX2 kernel (VNNI where present).
+//! [`rows_ref`] defines the products; [`rows`] and [`rows_repacked`] are the AVX2 kernels.
 
 use super::{PackedFormat, BLOCK};
 use half::f16;
@@ -23,9 +24,27 @@ pub struct QuantX {
     pub sum: Vec<f32>,
 }
 
+/// Round half to even by adding and subtracting 1.5·2²³ (|v·inv| ≤ 127; no libm call).
+pub(super) const ROUND_SHIFT: f32 = 12_582_912.0;
+
 impl QuantX {
-    /// `x`'s length must be a multiple of 32 (every row of x is whole blocks).
+    /// `x`'s length must be a multiple of 32 (every row of x is whole blocks). The same
+    /// bits as [`new_ref`](Self::new_ref), 16 values at a time where AVX-512 is detected.
     pub fn new(x: &[f32]) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if super::vnni::has_vnni() {
+            let blocks = x.len() / BLOCK;
+            let (mut q, mut scale, mut sum) = (vec![0i8; blocks * BLOCK], vec![0f32; blocks], vec![0f32; blocks]);
+            // SAFETY: `has_vnni()` detected AVX512F/BW (`quantize` checks the lengths).
+            unsafe { super::vnni::quantize(x, &mut q, &mut scale, &mut sum) };
+            return Self { q, scale, sum };
+        }
+        Self::new_ref(x)
+    }
+
+    /// The quantization, one value at a time (defines it; NaN values get code 0 and are
+    /// left out of the block's max|x|).
+    pub fn new_ref(x: &[f32]) -> Self {
         let blocks = x.len() / BLOCK;
         let (mut q, mut scale, mut sum) = (vec![0i8; blocks * BLOCK], vec![0f32; blocks], vec![0f32; blocks]);
         for (b, (xb, qb)) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)).enumerate() {
@@ -34,9 +53,7 @@ impl QuantX {
             let inv = if dx > 0.0 { 1.0 / dx } else { 0.0 };
             let mut s = 0i32;
             for (o, &v) in qb.iter_mut().zip(xb) {
-                // Round half to even by the 1.5·2²³ shift (|v·inv| ≤ 127; no libm call).
-                const SHIFT: f32 = 12_582_912.0;
-                *o = ((v * inv + SHIFT) - SHIFT).clamp(-127.0, 127.0) as i8;
+                *o = ((v * inv + ROUND_SHIFT) - ROUND_SHIFT).clamp(-127.0, 127.0) as i8;
                 s += *o as i32;
             }
             scale[b] = dx;
@@ -154,7 +171,7 @@ impl Repacked {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(super) use simd::{has_vnni, rows, rows_repacked};
+pub(super) use simd::{rows, rows_repacked};
 
 #[cfg(target_arch = "x86_64")]
 mod simd {
@@ -173,7 +190,7 @@ mod simd {
     /// on x (q4: codes are 0..=15, x unchanged; q8_0: |w|, and x takes w's sign, so the
     /// unsigned × signed product is w · x). Safety: `qs` points at the code bytes.
     // The helpers and the body carry no target features of their own: they are inlined
-    // into `rows_avx2` / `rows_vnni`, whose features they are compiled with.
+    // into `rows_avx2` / `rp_avx2`, whose features they are compiled with.
     #[inline(always)]
     unsafe fn weight_bytes<const F: u8>(qs: *const u8) -> __m256i {
         if F == Q8_0 {
@@ -193,11 +210,6 @@ mod simd {
         _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
     }
 
-    #[inline(always)]
-    unsafe fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
-    }
-
     #[derive(Clone, Copy)]
     struct Task {
         w: *const u8,
@@ -213,7 +225,7 @@ mod simd {
     /// accumulation chains (one row and one x would wait on one FMA's latency per block).
     /// Safety: as [`rows_body`], and `r0 + R ≤ t.n_rows`.
     #[inline(always)]
-    unsafe fn rows_group<const F: u8, const N: usize, const R: usize, const VNNI: bool>(t: Task, r0: usize) {
+    unsafe fn rows_group<const F: u8, const N: usize, const R: usize>(t: Task, r0: usize) {
         let bb = match F {
             Q4_0 => 18,
             Q4_1 => 20,
@@ -242,7 +254,7 @@ mod simd {
                     if F == Q8_0 {
                         xq = _mm256_sign_epi8(xq, wq);
                     }
-                    let dot = if VNNI { dot_vnni(wu, xq) } else { dot_avx2(wu, xq) };
+                    let dot = dot_avx2(wu, xq);
                     let s = _mm256_set1_ps(d * *t.scale.add(xb));
                     acc_k[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc_k[j]);
                     if F != Q8_0 {
@@ -258,11 +270,11 @@ mod simd {
         }
     }
 
-    /// The kernel for one format and row count; `VNNI` picks the dot product.
+    /// The kernel for one format and row count.
     /// Safety: `t` describes readable rows of W and x and writable outputs; the CPU has
-    /// AVX2, FMA, F16C, and with `VNNI` AVX512-VNNI and AVX512VL.
+    /// AVX2, FMA and F16C.
     #[inline(always)]
-    unsafe fn rows_body<const F: u8, const N: usize, const VNNI: bool>(t: Task) {
+    unsafe fn rows_body<const F: u8, const N: usize>(t: Task) {
         // R · N ≥ 4 chains where the rows allow it.
         const fn group(n: usize) -> usize {
             if n == 1 {
@@ -276,29 +288,24 @@ mod simd {
         let mut r = 0;
         if group(N) == 4 {
             while r + 4 <= t.n_rows {
-                rows_group::<F, N, 4, VNNI>(t, r);
+                rows_group::<F, N, 4>(t, r);
                 r += 4;
             }
         } else if group(N) == 2 {
             while r + 2 <= t.n_rows {
-                rows_group::<F, N, 2, VNNI>(t, r);
+                rows_group::<F, N, 2>(t, r);
                 r += 2;
             }
         }
         while r < t.n_rows {
-            rows_group::<F, N, 1, VNNI>(t, r);
+            rows_group::<F, N, 1>(t, r);
             r += 1;
         }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn rows_avx2<const F: u8, const N: usize>(t: Task) {
-        rows_body::<F, N, false>(t)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    unsafe fn rows_vnni<const F: u8, const N: usize>(t: Task) {
-        rows_body::<F, N, true>(t)
+        rows_body::<F, N>(t)
     }
 
     /// Per row and row of x, the block scales d·dx (into `s`) and the offset Σ m·dx·Σq.
@@ -369,7 +376,7 @@ mod simd {
     /// written to `out[(r − first)·N + j]`. Safety: the rows exist in `rp`, x holds N rows
     /// of `rp.nb` blocks, `out` holds `(row + R − first) · N` values.
     #[inline(always)]
-    unsafe fn rows_repacked_group<const F: u8, const N: usize, const R: usize, const A: usize, const VNNI: bool>(
+    unsafe fn rows_repacked_group<const F: u8, const N: usize, const R: usize, const A: usize>(
         rp: &Repacked,
         x: &QuantX,
         row: usize,
@@ -404,7 +411,7 @@ mod simd {
                             xq = _mm256_sign_epi8(xq, wu);
                             wu = _mm256_sign_epi8(wu, wu);
                         }
-                        let dot = if VNNI { dot_vnni(wu, xq) } else { dot_avx2(wu, xq) };
+                        let dot = dot_avx2(wu, xq);
                         let sc = _mm256_set1_ps(s[k][j][b + h].assume_init());
                         let a = h % A;
                         acc[k][j][a] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[k][j][a]);
@@ -422,7 +429,7 @@ mod simd {
     }
 
     #[inline(always)]
-    unsafe fn rows_repacked_body<const F: u8, const N: usize, const VNNI: bool>(
+    unsafe fn rows_repacked_body<const F: u8, const N: usize>(
         rp: &Repacked,
         x: &QuantX,
         rows: std::ops::Range<usize>,
@@ -432,93 +439,16 @@ mod simd {
         let mut r = rows.start;
         if N == 1 {
             while r + 2 <= rows.end {
-                rows_repacked_group::<F, N, 2, 2, VNNI>(rp, x, r, rows.start, out);
+                rows_repacked_group::<F, N, 2, 2>(rp, x, r, rows.start, out);
                 r += 2;
             }
         }
         while r < rows.end {
             if N <= 4 {
-                rows_repacked_group::<F, N, 1, 2, VNNI>(rp, x, r, rows.start, out);
+                rows_repacked_group::<F, N, 1, 2>(rp, x, r, rows.start, out);
             } else {
-                rows_repacked_group::<F, N, 1, 1, VNNI>(rp, x, r, rows.start, out);
+                rows_repacked_group::<F, N, 1, 1>(rp, x, r, rows.start, out);
             }
-            r += 1;
-        }
-    }
-
-    /// Rows `row..row + R` over the repacked layout with 512-bit VNNI: two blocks per
-    /// `vpdpbusd` (lanes 0–7 the first block, 8–15 the second: their codes and x's are
-    /// contiguous), scaled by [d·dx of the first ×8 | of the second ×8]. Safety: as
-    /// [`rows_repacked_group`], and the CPU has AVX512F/BW/VNNI.
-    #[inline(always)]
-    unsafe fn rows_repacked_group512<const F: u8, const N: usize, const R: usize>(
-        rp: &Repacked,
-        x: &QuantX,
-        row: usize,
-        first: usize,
-        out: *mut f32,
-    ) {
-        let nb = rp.nb;
-        let code_bytes = rp.row_code_bytes();
-        let (s, off) = group_scales::<F, N, R>(rp, x, row);
-        let mut acc = [[_mm512_setzero_ps(); N]; R];
-        let mask = _mm256_set1_epi8(0x0F);
-        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        let qx = x.q.as_ptr();
-        for b in (0..nb).step_by(2) {
-            for k in 0..R {
-                let c = rp.codes.as_ptr().add((row + k) * code_bytes);
-                let w = if F == Q8_0 {
-                    _mm512_loadu_si512(c.add(b * BLOCK).cast())
-                } else {
-                    let v = _mm256_loadu_si256(c.add(b * BLOCK / 2).cast());
-                    let (lo, hi) = (_mm256_and_si256(v, mask), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
-                    _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1)
-                };
-                // q8_0: |w| times x with w's sign (no 512-bit vpsignb).
-                let (wu, neg) = if F == Q8_0 { (_mm512_abs_epi8(w), _mm512_movepi8_mask(w)) } else { (w, 0) };
-                for j in 0..N {
-                    let mut xq = _mm512_loadu_si512(qx.add((j * nb + b) * BLOCK).cast());
-                    if F == Q8_0 {
-                        xq = _mm512_mask_sub_epi8(xq, neg, _mm512_setzero_si512(), xq);
-                    }
-                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wu, xq);
-                    // s[b], s[b + 1] in one 8-byte load, spread to the two halves.
-                    let pair = _mm_load_sd(s[k][j].as_ptr().add(b).cast::<f64>());
-                    let sc = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castpd_ps(pair)));
-                    acc[k][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sc, acc[k][j]);
-                }
-            }
-        }
-        for k in 0..R {
-            for j in 0..N {
-                *out.add((row + k - first) * N + j) = _mm512_reduce_add_ps(acc[k][j]) + off[k][j];
-            }
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn rows_repacked_body512<const F: u8, const N: usize>(
-        rp: &Repacked,
-        x: &QuantX,
-        rows: std::ops::Range<usize>,
-        out: *mut f32,
-    ) {
-        // At least four accumulation chains: four rows at once for one row of x, two for two.
-        let mut r = rows.start;
-        if N == 1 {
-            while r + 4 <= rows.end {
-                rows_repacked_group512::<F, N, 4>(rp, x, r, rows.start, out);
-                r += 4;
-            }
-        } else if N == 2 {
-            while r + 2 <= rows.end {
-                rows_repacked_group512::<F, N, 2>(rp, x, r, rows.start, out);
-                r += 2;
-            }
-        }
-        while r < rows.end {
-            rows_repacked_group512::<F, N, 1>(rp, x, r, rows.start, out);
             r += 1;
         }
     }
@@ -530,22 +460,11 @@ mod simd {
         rows: std::ops::Range<usize>,
         out: *mut f32,
     ) {
-        rows_repacked_body::<F, N, false>(rp, x, rows, out)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn rp_vnni<const F: u8, const N: usize>(
-        rp: &Repacked,
-        x: &QuantX,
-        rows: std::ops::Range<usize>,
-        out: *mut f32,
-    ) {
-        rows_repacked_body512::<F, N>(rp, x, rows, out)
+        rows_repacked_body::<F, N>(rp, x, rows, out)
     }
 
     /// [`rows`] over a [`Repacked`] matrix: weight rows `rows` into `out [row][n]`.
-    /// Safety: the CPU has AVX2, FMA and F16C, and with `vnni` AVX512-VNNI and AVX512VL.
-    #[allow(clippy::too_many_arguments)]
+    /// Safety: the CPU has AVX2, FMA and F16C.
     pub unsafe fn rows_repacked(
         format: PackedFormat,
         rp: &Repacked,
@@ -553,7 +472,6 @@ mod simd {
         x: &QuantX,
         n: usize,
         out: &mut [f32],
-        vnni: bool,
     ) {
         let total = rp.d.len() / rp.nb;
         assert!((1..=MAX_N).contains(&n) && rows.end <= total && out.len() == rows.len() * n);
@@ -584,40 +502,16 @@ mod simd {
                 }
             };
         }
-        match (format, vnni) {
-            (PackedFormat::Q4_0, true) => by_n!(rp_vnni, Q4_0),
-            (PackedFormat::Q4_1, true) => by_n!(rp_vnni, Q4_1),
-            (PackedFormat::Q8_0, true) => by_n!(rp_vnni, Q8_0),
-            (PackedFormat::Q4_0, false) => by_n!(rp_avx2, Q4_0),
-            (PackedFormat::Q4_1, false) => by_n!(rp_avx2, Q4_1),
-            (PackedFormat::Q8_0, false) => by_n!(rp_avx2, Q8_0),
+        match format {
+            PackedFormat::Q4_0 => by_n!(rp_avx2, Q4_0),
+            PackedFormat::Q4_1 => by_n!(rp_avx2, Q4_1),
+            PackedFormat::Q8_0 => by_n!(rp_avx2, Q8_0),
         }
     }
 
-    /// Whether the CPU has AVX512F/BW/VL and VNNI (the 512-bit repacked kernel and the
-    /// 256-bit `vpdpbusd`; detected once).
-    pub fn has_vnni() -> bool {
-        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *VNNI.get_or_init(|| {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vl")
-                && is_x86_feature_detected!("avx512vnni")
-        })
-    }
-
-    /// `out[r·n + j] = W_r · x̂_j` for the rows in `w` (n ≤ 16 rows of quantized x), with
-    /// the VNNI dot when `vnni`. Safety: the CPU has AVX2, FMA and F16C, and with `vnni`
-    /// AVX512-VNNI and AVX512VL.
-    pub unsafe fn rows(
-        format: PackedFormat,
-        w: &[u8],
-        n_blocks: usize,
-        x: &QuantX,
-        n: usize,
-        out: &mut [f32],
-        vnni: bool,
-    ) {
+    /// `out[r·n + j] = W_r · x̂_j` for the rows in `w` (n ≤ 16 rows of quantized x).
+    /// Safety: the CPU has AVX2, FMA and F16C.
+    pub unsafe fn rows(format: PackedFormat, w: &[u8], n_blocks: usize, x: &QuantX, n: usize, out: &mut [f32]) {
         let n_rows = out.len() / n.max(1);
         assert!((1..=MAX_N).contains(&n) && out.len() == n_rows * n);
         assert!(w.len() == n_rows * n_blocks * format.block_bytes());
@@ -655,13 +549,10 @@ mod simd {
                 }
             };
         }
-        match (format, vnni) {
-            (PackedFormat::Q4_0, true) => by_n!(rows_vnni, Q4_0),
-            (PackedFormat::Q4_1, true) => by_n!(rows_vnni, Q4_1),
-            (PackedFormat::Q8_0, true) => by_n!(rows_vnni, Q8_0),
-            (PackedFormat::Q4_0, false) => by_n!(rows_avx2, Q4_0),
-            (PackedFormat::Q4_1, false) => by_n!(rows_avx2, Q4_1),
-            (PackedFormat::Q8_0, false) => by_n!(rows_avx2, Q8_0),
+        match format {
+            PackedFormat::Q4_0 => by_n!(rows_avx2, Q4_0),
+            PackedFormat::Q4_1 => by_n!(rows_avx2, Q4_1),
+            PackedFormat::Q8_0 => by_n!(rows_avx2, Q8_0),
         }
     }
 }

@@ -25,7 +25,11 @@
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 mod int8;
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // its kernel is x86-only
+mod interleaved;
 mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 pub use int8::QuantX;
 
@@ -45,6 +49,13 @@ pub const MAX_N_Q8: usize = 16;
 /// small enough that the 576-row projections split into 9 tasks over 2 cores. Not tuned:
 /// 16, 64 and 256 gave the same decode-step time within noise (13–17 ms, loaded 2 cores).
 const ROWS_PER_TASK: usize = 64;
+/// Rayon tasks per thread for the VNNI kernel (contiguous runs of whole tiles). A worker
+/// that slept between two products wakes tens of µs late on this 2-core VM (a `join` of
+/// two 40 µs halves after 20 µs of serial work took 97 µs), so the caller should be able to
+/// take most of the work and the late one steal what is left: 8 measured 525–544 tokens/s
+/// at B = 16 (tg32, SmolLM2-135M) against 492–517 for 2; 1–16 gave the same kernel time
+/// in isolation within noise.
+const TILE_TASKS_PER_THREAD: usize = 8;
 
 /// The GGUF block formats [`PackedMatrix`] holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,8 +104,10 @@ pub struct PackedMatrix {
     data: Vec<u8>,
     /// [`product`](Self::product) quantizes x to 8 bits ([`matvec_q8`](Self::matvec_q8)).
     q8_x: bool,
-    /// The SIMD int8 kernel's layout, made on first use (None: odd blocks per row).
+    /// The AVX2 int8 kernel's layout, made on first use (None: odd blocks per row).
     repacked: std::sync::OnceLock<Option<int8::Repacked>>,
+    /// The VNNI int8 kernel's layout, made on first use.
+    interleaved: std::sync::OnceLock<interleaved::Interleaved>,
 }
 
 /// Which kernel runs: the fast one where the CPU has it, or the scalar reference.
@@ -128,8 +141,8 @@ pub enum Int8Kernel {
     Scalar,
     /// AVX2 + FMA + F16C: the dot as `vpmaddubsw` + `vpmaddwd`.
     Avx2,
-    /// AVX512F/BW/VL + VNNI: two blocks per 512-bit `vpdpbusd` (one 256-bit for rows of
-    /// an odd block count).
+    /// AVX512F/BW/VL + VNNI: 16 weight rows per 512-bit `vpdpbusd`, x broadcast
+    /// ([`interleaved`]'s layout; any shape).
     Vnni,
 }
 
@@ -138,7 +151,7 @@ impl Int8Kernel {
     pub fn best() -> Self {
         #[cfg(target_arch = "x86_64")]
         if Kernel::best() == Kernel::Avx2 {
-            return if int8::has_vnni() { Int8Kernel::Vnni } else { Int8Kernel::Avx2 };
+            return if vnni::has_vnni() { Int8Kernel::Vnni } else { Int8Kernel::Avx2 };
         }
         Int8Kernel::Scalar
     }
@@ -183,7 +196,15 @@ impl PackedMatrix {
         if cols == 0 || !cols.is_multiple_of(BLOCK) || data.len() != expected {
             return Err(LlmError::ShapeMismatch { op: "PackedMatrix::from_bytes", expected, got: data.len() });
         }
-        Ok(Self { format, rows, cols, data, q8_x: false, repacked: Default::default() })
+        Ok(Self {
+            format,
+            rows,
+            cols,
+            data,
+            q8_x: false,
+            repacked: Default::default(),
+            interleaved: Default::default(),
+        })
     }
 
     /// Stacks matrices of one format and width along the rows (the fused QKV and gate/up
@@ -195,16 +216,32 @@ impl PackedMatrix {
         }
         let data = parts.iter().flat_map(|p| p.data.iter().copied()).collect();
         let rows = parts.iter().map(|p| p.rows).sum();
-        let m = Self { format: first.format, rows, cols: first.cols, data, q8_x: false, repacked: Default::default() };
+        let m = Self {
+            format: first.format,
+            rows,
+            cols: first.cols,
+            data,
+            q8_x: false,
+            repacked: Default::default(),
+            interleaved: Default::default(),
+        };
         Some(m.with_q8_activations(first.q8_x))
     }
 
-    /// Whether [`product`](Self::product) quantizes x to 8 bits (the SIMD kernel's layout
-    /// is made now, so resident bytes are known from the start).
+    /// Whether [`product`](Self::product) quantizes x to 8 bits (the best int8 kernel's
+    /// layout is made now, so resident bytes are known from the start).
     pub fn with_q8_activations(mut self, on: bool) -> Self {
         self.q8_x = on;
         if on {
-            self.repack();
+            match Int8Kernel::best() {
+                Int8Kernel::Vnni => {
+                    self.interleave();
+                }
+                Int8Kernel::Avx2 => {
+                    self.repack();
+                }
+                Int8Kernel::Scalar => {}
+            }
         }
         self
     }
@@ -214,9 +251,15 @@ impl PackedMatrix {
         self.repacked.get_or_init(|| int8::Repacked::new(self.format, &self.data, self.rows, nb)).as_ref()
     }
 
-    /// Bytes held: the blocks, and the int8 kernel's relaid copy once made.
+    fn interleave(&self) -> &interleaved::Interleaved {
+        let nb = self.cols / BLOCK;
+        self.interleaved.get_or_init(|| interleaved::Interleaved::new(self.format, &self.data, self.rows, nb))
+    }
+
+    /// Bytes held: the blocks, and the int8 kernels' relaid copies once made.
     pub fn resident_bytes(&self) -> usize {
-        self.data.len() + self.repacked.get().and_then(Option::as_ref).map_or(0, int8::Repacked::bytes)
+        let repacked = self.repacked.get().and_then(Option::as_ref).map_or(0, int8::Repacked::bytes);
+        self.data.len() + repacked + self.interleaved.get().map_or(0, interleaved::Interleaved::bytes)
     }
 
     /// Most rows of x one pass of [`product`](Self::product) takes.
@@ -311,24 +354,33 @@ impl PackedMatrix {
             let m = xs.len() / self.cols;
             let qx = QuantX::new(xs);
             #[cfg(target_arch = "x86_64")]
-            if kernel != Int8Kernel::Scalar {
+            if kernel == Int8Kernel::Vnni {
+                let (il, x_off) = (self.interleave(), interleaved::x_offsets(self.format, &qx));
+                self.by_row_tiles(m, ys, |rows, out| {
+                    // SAFETY: `available()` lists Vnni only where `has_vnni()` detected
+                    // AVX512F/BW/VL, VNNI and F16C (`rows` checks the extents).
+                    unsafe { vnni::rows(il, rows, &qx, &x_off, out) }
+                });
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if kernel == Int8Kernel::Avx2 {
                 if let Some(rp) = self.repack() {
                     self.by_tasks(m, ys, |r0, w, out| {
                         let rows = r0..r0 + w.len() / self.row_bytes();
                         // SAFETY: as below; `rows_repacked` checks the rows, blocks and
                         // outputs against the repacked matrix and x.
-                        unsafe { int8::rows_repacked(self.format, rp, rows, &qx, m, out, kernel == Int8Kernel::Vnni) };
+                        unsafe { int8::rows_repacked(self.format, rp, rows, &qx, m, out) };
                     });
                     continue;
                 }
             }
             self.by_tasks(m, ys, |_, w, out| {
                 #[cfg(target_arch = "x86_64")]
-                if kernel != Int8Kernel::Scalar {
+                if kernel == Int8Kernel::Avx2 {
                     // SAFETY: `available()` lists Avx2 only where AVX2, FMA and F16C were
-                    // detected, and Vnni only where AVX512-VNNI and AVX512VL were too
-                    // (`rows` checks the extents).
-                    unsafe { int8::rows(self.format, w, n_blocks, &qx, m, out, kernel == Int8Kernel::Vnni) };
+                    // detected (`rows` checks the extents).
+                    unsafe { int8::rows(self.format, w, n_blocks, &qx, m, out) };
                     return;
                 }
                 int8::rows_ref(self.format, w, n_blocks, &qx, m, out)
@@ -358,6 +410,26 @@ impl PackedMatrix {
                 _ => scalar::rows_ref(p),
             }
         });
+    }
+
+    /// Runs `task(rows, outs)` over [`TILE_TASKS_PER_THREAD`] rayon tasks per thread of
+    /// contiguous whole tiles (sizes within one tile of each other), each writing its rows
+    /// of every row of `y [n][rows]` in place (`outs[j]` = row j's part).
+    fn by_row_tiles(&self, n: usize, y: &mut [f32], task: impl Fn(std::ops::Range<usize>, &mut [&mut [f32]]) + Sync) {
+        use interleaved::TILE;
+        let n_tiles = self.rows.div_ceil(TILE);
+        let n_tasks = n_tiles.min(TILE_TASKS_PER_THREAD * rayon::current_num_threads()).max(1);
+        let bounds: Vec<usize> = (0..=n_tasks).map(|i| (i * n_tiles / n_tasks * TILE).min(self.rows)).collect();
+        let mut parts: Vec<Vec<&mut [f32]>> = (0..n_tasks).map(|_| Vec::with_capacity(n)).collect();
+        for yj in y.chunks_mut(self.rows) {
+            let mut rest = yj;
+            for (part, w) in parts.iter_mut().zip(bounds.windows(2)) {
+                let (mine, tail) = rest.split_at_mut(w[1] - w[0]);
+                part.push(mine);
+                rest = tail;
+            }
+        }
+        parts.into_par_iter().zip(bounds.par_windows(2)).for_each(|(mut outs, w)| task(w[0]..w[1], &mut outs));
     }
 
     /// Runs `task(first row, w rows, out [row][n])` over rayon tasks of whole weight rows,

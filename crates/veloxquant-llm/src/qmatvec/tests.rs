@@ -198,3 +198,64 @@ fn int8_quantization_rounds_to_the_nearest_code_of_its_block_scale() {
     }
     assert!(m.matvec_q8(&x[..5], 1).is_err());
 }
+
+/// The batched VNNI kernel (16 interleaved weight rows per register, x in passes of 8)
+/// against the scalar reference and the exact product, for every batch size 1..=17 (one
+/// pass, a pass and a remainder, two passes, two calls of the 16-row limit), row counts
+/// that end mid-tile and mid-task, odd block counts and rows wider than the AVX2 kernel's
+/// limit; and each row of x's result is the same bits at every batch size.
+#[test]
+fn vnni_batched_kernel_matches_reference_for_every_batch_size() {
+    if !Int8Kernel::available().contains(&Int8Kernel::Vnni) {
+        eprintln!("SKIP vnni batched kernel: this CPU lacks AVX512F/BW/VL + VNNI");
+        return;
+    }
+    let shapes = [(1, 32), (15, 96), (17, 64), (63, 160), (129, 576), (200, 2112)];
+    for (fi, format) in PackedFormat::ALL.into_iter().enumerate() {
+        for (si, &(rows, cols)) in shapes.iter().enumerate() {
+            let m = random_matrix(format, rows, cols, 3000 + (fi * 100 + si) as u64).with_q8_activations(true);
+            let w = m.dequantize_ref();
+            let mut x = SplitMix64::new(90 + si as u64).gaussian_vec(17 * cols);
+            x[BLOCK..2 * BLOCK].fill(0.0); // an all-zero block of x row 0 (cols ≥ 64)
+            x[2 * cols + 5] = 40.0; // one large value: the rest of its block gets small codes
+            let alone: Vec<Vec<f32>> =
+                (0..17).map(|j| m.matvec_q8_with(Int8Kernel::Vnni, &x[j * cols..(j + 1) * cols], 1).unwrap()).collect();
+            for n in 1..=17 {
+                let xs = &x[..n * cols];
+                let y = m.matvec_q8_with(Int8Kernel::Vnni, xs, n).unwrap();
+                let y_ref = m.matvec_q8_with(Int8Kernel::Scalar, xs, n).unwrap();
+                let (exact, scale) = exact_product(&w, rows, cols, &QuantX::new(xs).dequantize(), n);
+                for (i, (&got, &want)) in y.iter().zip(&y_ref).enumerate() {
+                    let what = format!("{format:?} {rows}×{cols} n={n} output {i}");
+                    assert!((got - want).abs() as f64 <= REL_TOL_Q8 * scale[i] + 1e-30, "{what}: {got} vs ref {want}");
+                    assert!(
+                        (got as f64 - exact[i]).abs() <= REL_TOL_Q8 * scale[i] + 1e-30,
+                        "{what}: {got} vs {}",
+                        exact[i]
+                    );
+                    assert_eq!(got.to_bits(), alone[i / rows][i % rows].to_bits(), "{what}: differs from n = 1");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_quantization_is_the_reference_bit_for_bit() {
+    let mut x = SplitMix64::new(11).gaussian_vec(64 * BLOCK);
+    x[BLOCK..2 * BLOCK].fill(0.0);
+    // Ties: max|x| = 127 gives inv = 1, so k + 0.5 rounds to even.
+    for (i, v) in x[2 * BLOCK..3 * BLOCK].iter_mut().enumerate() {
+        *v = if i == 0 { 127.0 } else { i as f32 - 15.5 };
+    }
+    x[3 * BLOCK + 7] = f32::NAN;
+    x[4 * BLOCK + 1] = f32::INFINITY;
+    x[5 * BLOCK + 2] = 1e30;
+    x[6 * BLOCK..7 * BLOCK].iter_mut().for_each(|v| *v *= 1e-30);
+    let (fast, reference) = (QuantX::new(&x), QuantX::new_ref(&x));
+    assert_eq!(fast.q, reference.q);
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&fast.scale), bits(&reference.scale));
+    assert_eq!(bits(&fast.sum), bits(&reference.sum));
+    assert_eq!(reference.q[3 * BLOCK + 7], 0);
+}
