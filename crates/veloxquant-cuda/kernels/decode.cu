@@ -6,7 +6,8 @@
 // softmax in base 2, and accumulates values as O^T += V^T · P^T in the value format's domain
 // (rotated for turboquant_mse). Warps merge in shared memory; blocks write one partial each,
 // merged by combine() in attn.cu.
-// Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes; KK 5 two
+// Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 8 kivi with KG/VG
+// its group size: keys grouped per channel over tokens, values per token over channels; KK 5 two
 // segments per key row: turboquant_prod's codes then sign bits, turboquant_rvq's stage-1 then
 // stage-2 codes, K_MSE_BYTES the first's bytes, K2B the second's bits, K2SAME when the second
 // segment has the first's bits and table), KB/VB (code bits), KRATIO (rabitq: the key scale
@@ -322,6 +323,46 @@ __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* 
 #endif
 }
 
+#ifndef KG
+#define KG 32
+#endif
+#ifndef VG
+#define VG 32
+#endif
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+#if KK == 8
+// kivi keys (kivi.rs): row `row` of page kp as k_row's quarter for thread t, k = s·u + z with
+// (s, z) of each channel's token group; adjacent channels' f16 pairs are one word each.
+__device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u16* tab, u32* out) {
+    codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)(kp + row * K_ROW_BYTES), t * QD, tab, out);
+    const u32* s2 = (const u32*)(kp + T * K_ROW_BYTES) + ((row / KG) * D + t * QD) / 2;
+    const u32* z2 = s2 + (T * D / KG) / 2;
+#pragma unroll
+    for (int i = 0; i < QD / 2; i++) out[i] = hfma2(out[i], s2[i], z2[i]);
+}
+#define K_ROW(kp, row, t, tab, out) k_row_kivi(kp, row, t, tab, out)
+#else
+#define K_ROW(kp, row, t, tab, out) k_row((kp) + (row) * K_ROW_BYTES, t, tab, out)
+#endif
+#if VK == 8
+// kivi values: row `row` of page vp as v_row's dims for thread row-group g (within one group of
+// VG ≥ VC channels), v = s·u + z.
+__device__ __forceinline__ void v_row_kivi(const u8* vp, int row, int g, const u16* tab, u32* out) {
+    codes_to_h2<VB, VC, V_ROW_BYTES / 4>((const u32*)(vp + row * V_ROW_BYTES), g * VC, tab, out);
+    const u16* sz = (const u16*)(vp + T * V_ROW_BYTES);
+    const int p = row * (D / VG) + (g * VC) / VG;
+    const u32 s2 = (u32)sz[p] * 0x10001u, z2 = (u32)sz[T * D / VG + p] * 0x10001u;
+#pragma unroll
+    for (int m = 0; m < VC / 2; m++) out[m] = hfma2(out[m], s2, z2);
+}
+#define V_ROW(vp, row, g, tab, out) v_row_kivi(vp, row, g, tab, out)
+#else
+#define V_ROW(vp, row, g, tab, out) v_row((vp) + (row) * V_ROW_BYTES, g, tab, out)
+#endif
 
 template <int NB>
 __device__ __forceinline__ void ldraw(const u8* p, u32* w) {
@@ -882,8 +923,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             u32 ka[KS * 2], kb[KS * 2];
-            k_row(kp + (16 * mt + g) * K_ROW_BYTES, t, ktab, ka);
-            k_row(kp + (16 * mt + g + 8) * K_ROW_BYTES, t, ktab, kb);
+            K_ROW(kp, 16 * mt + g, t, ktab, ka);
+            K_ROW(kp, 16 * mt + g + 8, t, ktab, kb);
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
 #if KK == 3
@@ -1048,10 +1089,10 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
             const u32 b0 = pack_h2(wA, wB), b1 = pack_h2(wC, wD);
             u32 xa[VC / 2], xb[VC / 2], xc[VC / 2], xd[VC / 2];
-            v_row(vp + tA * V_ROW_BYTES, g, vtab, xa);
-            v_row(vp + (tA + 1) * V_ROW_BYTES, g, vtab, xb);
-            v_row(vp + (tA + 8) * V_ROW_BYTES, g, vtab, xc);
-            v_row(vp + (tA + 9) * V_ROW_BYTES, g, vtab, xd);
+            V_ROW(vp, tA, g, vtab, xa);
+            V_ROW(vp, tA + 1, g, vtab, xb);
+            V_ROW(vp, tA + 8, g, vtab, xc);
+            V_ROW(vp, tA + 9, g, vtab, xd);
 #pragma unroll
             for (int mt = 0; mt < KS; mt++) {
                 mma16816(acc[mt], prmt(xa[mt], xb[mt], 0x5410), prmt(xa[mt], xb[mt], 0x7632),

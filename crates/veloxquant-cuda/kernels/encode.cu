@@ -6,7 +6,7 @@
 //   encode_pages_tpr2 is off).
 // - encode_pages_tpr2: two lanes per row (turboquant_mse codes).
 // Defines: D, T, KIND (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 4 qjl signs, 5 turboquant_prod, 6 rabitq, 7
-// turboquant_rvq: 4-7 encode_rows only), BITS, BITS2, ROT, EDEN, IN_KIND
+// turboquant_rvq, 8 kivi: 4-8 encode_rows only), BITS, BITS2, GRP, PERCH, ROT, EDEN, IN_KIND
 // (0 f32, 1 f16, 2 bf16), ROW_BYTES, PAGE_BYTES; for the page kernels WARPS/MINB (tpr),
 // WARPS2/MINB2 (tpr2), PF (cp.async prefetch), LOCKSTEP, QK/QS (cell table).
 extern "C" __global__ void __launch_bounds__(256) encode_rows(
@@ -17,6 +17,17 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
     int lane = threadIdx.x & 31;
     if (row_id >= n_rows) return;
     int job = row_id / T, t = row_id % T;
+#if KIND == 8
+    // kivi: the warp of the page's first row encodes the page.
+    if (t == 0) {
+        auto load = [&](int i, float* v) {
+#pragma unroll
+            for (int k = 0; k < EPL; k++) v[k] = load_in(x, (size_t)(row_id + i) * D + lane + 32 * k);
+        };
+        kivi_page_warp(load, pool + (size_t)page_idx[job] * PAGE_BYTES, lane);
+    }
+    return;
+#endif
     float v[EPL];
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = load_in(x, (size_t)row_id * D + lane + 32 * k);

@@ -6,7 +6,8 @@
 // the rotation's signs, then Sᵀ; rows of (BITS)-bit codes then MSE_BYTES on the sign bits.
 // KIND 6 (rabitq): the sign bits of R·x, ‖R·x‖ and x0. KIND 7 (turboquant_rvq): both
 // rotations' signs (TW = 2D); stage-1 (BITS) codes, then stage-2 (BITS2) codes at MSE_BYTES;
-// thresholds and centroids are stage 1's then stage 2's.
+// thresholds and centroids are stage 1's then stage 2's. KIND 8 (kivi): a page at a time
+// (kivi_page_warp), GRP the group size, PERCH keys' per-channel groups.
 #define EPL (D / 32)
 #define NTHR ((1 << BITS) - 1)
 #ifndef BITS2
@@ -105,7 +106,7 @@ __device__ __forceinline__ void sketch_signs_warp(const float* v, u8* row, const
 }
 #endif
 
-#if KIND == 3 || KIND == 5 || KIND == 7
+#if KIND == 3 || KIND == 5 || KIND == 7 || KIND == 8
 // The warp's codes (lane l: codes l, l+32, …) packed into `row`: chunk k (codes 32k..32k+31)
 // is exactly words k*NB .. k*NB+NB-1.
 template <int NB>
@@ -255,6 +256,74 @@ __device__ __forceinline__ float codes_row_warp(const float* v, u8* row, const f
 }
 #endif
 
+#if KIND == 8
+// kivi (kivi.rs encode_page): the f16 scale s = (max − min)/(2^b − 1) and zero z = min of
+// group p, stored when `store`; returned as the f32 values of the stored f16s, which the
+// codes are computed against: u = clamp(round((x − z)/s), 0, 2^b − 1) (0 when s = 0).
+#define KIVI_LEVELS ((float)((1 << BITS) - 1))
+#define KIVI_NP (T * D / GRP)
+__device__ __forceinline__ float2 kivi_group(u8* page, int p, float lo, float hi, bool store) {
+    const u16 s16 = f2h(__fdiv_rn(hi - lo, KIVI_LEVELS)), z16 = f2h(lo);
+    if (store) {
+        u16* sz = (u16*)(page + T * ROW_BYTES);
+        sz[p] = s16;
+        sz[KIVI_NP + p] = z16;
+    }
+    return make_float2(h2f(s16), h2f(z16));
+}
+__device__ __forceinline__ u32 kivi_code(float x, float2 sz) {
+    const float u = sz.x > 0.0f ? roundf(__fdiv_rn(x - sz.y, sz.x)) : 0.0f;
+    return (u32)fminf(fmaxf(u, 0.0f), KIVI_LEVELS);
+}
+
+// A whole page by one warp: load(i, v) puts token i's elements in v (lane l: l, l+32, …).
+// Keys: per channel (a lane's own), min/max over each group of GRP tokens, then the codes
+// (the tokens loaded twice, not held: 32·EPL registers). Values: per token, min/max over
+// groups of GRP channels (GRP consecutive lanes of one k) by shuffles.
+template <class Load>
+__device__ __forceinline__ void kivi_page_warp(Load load, u8* page, int lane) {
+    float v[EPL];
+    u32 code[EPL];
+#if PERCH
+    for (int g0 = 0; g0 < T; g0 += GRP) {
+        float lo[EPL], hi[EPL];
+#pragma unroll
+        for (int k = 0; k < EPL; k++) { lo[k] = __int_as_float(0x7f800000); hi[k] = -lo[k]; }
+        for (int i = g0; i < g0 + GRP; i++) {
+            load(i, v);
+#pragma unroll
+            for (int k = 0; k < EPL; k++) { lo[k] = fminf(lo[k], v[k]); hi[k] = fmaxf(hi[k], v[k]); }
+        }
+        float2 sz[EPL];
+#pragma unroll
+        for (int k = 0; k < EPL; k++) sz[k] = kivi_group(page, (g0 / GRP) * D + lane + 32 * k, lo[k], hi[k], true);
+        for (int i = g0; i < g0 + GRP; i++) {
+            load(i, v);
+#pragma unroll
+            for (int k = 0; k < EPL; k++) code[k] = kivi_code(v[k], sz[k]);
+            pack_codes_warp<BITS>(code, page + i * ROW_BYTES, lane);
+        }
+    }
+#else
+    for (int i = 0; i < T; i++) {
+        load(i, v);
+#pragma unroll
+        for (int k = 0; k < EPL; k++) {
+            float lo = v[k], hi = v[k];
+#pragma unroll
+            for (int off = GRP / 2; off > 0; off >>= 1) {
+                lo = fminf(lo, __shfl_xor_sync(FULL_MASK, lo, off));
+                hi = fmaxf(hi, __shfl_xor_sync(FULL_MASK, hi, off));
+            }
+            const int ch = lane + 32 * k;
+            code[k] = kivi_code(v[k], kivi_group(page, i * (D / GRP) + ch / GRP, lo, hi, ch % GRP == 0));
+        }
+        pack_codes_warp<BITS>(code, page + i * ROW_BYTES, lane);
+    }
+#endif
+}
+#endif
+
 // One row held by a warp (lane l: elements l, l+32, …, unrotated input) encoded as row t of
 // `page` (rotation signs sg, when the format rotates): the body shared by encode_rows and the
 // cache's row appends (kv.cu).
@@ -308,6 +377,8 @@ __device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const
         if (lane < 16) blk[2 + lane] = (u8)((q & 0xF) | ((hi & 0xF) << 4));
         if (lane == 0) *(u16*)blk = f2h(d);  // blocks start at even offsets
     }
+#elif KIND == 8
+    // kivi: whole pages only (kivi_page_warp); never called.
 #else
 #if KIND >= 5
 #if KIND == 5
@@ -380,6 +451,17 @@ __device__ __forceinline__ void decode_row_warp(const u8* page, int t, const flo
         const u8 b = blk[2 + (lane & 15)];
         const int q = lane < 16 ? (b & 0xF) : (b >> 4);
         v[k] = h2f(*(const u16*)blk) * (float)(q - 8);
+    }
+#elif KIND == 8
+    // kivi (kivi.rs decode_page): s·u + z of the element's group.
+    const u32* w = (const u32*)row;
+    const u16* sz = (const u16*)(page + T * ROW_BYTES);
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const int ch = lane + 32 * k, bit = ch * BITS;
+        const u32 c = (w[bit >> 5] >> (bit & 31)) & ((1u << BITS) - 1u);
+        const int p = PERCH ? (t / GRP) * D + ch : t * (D / GRP) + ch / GRP;
+        v[k] = h2f(sz[p]) * (float)c + h2f(sz[KIVI_NP + p]);
     }
 #else
     const u32* w = (const u32*)row;

@@ -45,11 +45,19 @@ __device__ __forceinline__ void encode_token(const AppendRow& r, int j, int h, c
                                              const float* __restrict__ signs, float rot_scale,
                                              const float* __restrict__ thr, const float* __restrict__ cen,
                                              int lane) {
-    float v[EPL];
-    load_exact_or_new(r, j, h, src, src_stride, exact, lane, v);
     const int c = j - NSINK;
     const int phys = page_table[(size_t)(r.slot * NKV + h) * max_pages + c / T];
+#if KIND == 8
+    // kivi (page mode: whole pages leave the window): the page's first token encodes it.
+    if (c % T == 0) {
+        auto load = [&](int i, float* v) { load_exact_or_new(r, j + i, h, src, src_stride, exact, lane, v); };
+        kivi_page_warp(load, pool + (size_t)phys * PAGE_BYTES, lane);
+    }
+#else
+    float v[EPL];
+    load_exact_or_new(r, j, h, src, src_stride, exact, lane, v);
     encode_row_warp(v, pool + (size_t)phys * PAGE_BYTES, c % T, signs + (size_t)h * TW, rot_scale, thr, cen, lane);
+#endif
 }
 
 // Token j (new, i = j − pos0) written to its exact slot, if it stays exact.

@@ -156,6 +156,8 @@ fn decode_defines(
         defs.push(("K2SAME".into(), second_like_first(kf) as i64));
     }
     defs.push(("KRATIO".into(), (kf.kind == KernelKind::Rabitq) as i64));
+    defs.push(("KG".into(), kf.group.max(1) as i64));
+    defs.push(("VG".into(), vf.group.max(1) as i64));
     if !pipe.fast && fast_path(kf, vf) {
         defs.push(("NOFAST".into(), 1)); // a pre-Hopper device: the generic path
     }

@@ -30,15 +30,17 @@ const SHAPES: [(usize, usize, usize, usize); 5] =
     [(1, 32, 8, 32768), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 8192), (1, 32, 32, 32768)];
 const FORMATS: [&str; 6] = ["fp16", "q8_0", "q4_0", "turboquant_mse:4", "turboquant_mse:3", "turboquant_mse:2"];
 /// Decode rows beyond FORMATS: `K/V` pairs for key-only formats.
-const KV_PAIRS: [&str; 4] = [
+const KV_PAIRS: [&str; 6] = [
     "qjl/turboquant_mse:2",
     "turboquant_prod:3/turboquant_mse:2",
     "rabitq/turboquant_mse:2",
     "turboquant_rvq:2:2/turboquant_mse:2",
+    "kivi:2",
+    "kivi:4",
 ];
 /// Encode rows beyond FORMATS.
-const ENCODE_EXTRA: [&str; 6] =
-    ["turboquant_mse:4:eden", "qjl", "qjl:orth", "turboquant_prod:3", "rabitq", "turboquant_rvq:2:2"];
+const ENCODE_EXTRA: [&str; 7] =
+    ["turboquant_mse:4:eden", "qjl", "qjl:orth", "turboquant_prod:3", "rabitq", "turboquant_rvq:2:2", "kivi:2"];
 const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
@@ -342,7 +344,8 @@ fn decode_rows(
             let mut cpu = veloxquant::CacheConfig::new(1, hkv, D, kspec.clone(), vspec.clone());
             cpu.encode_rows = true;
             let cfg = GpuCacheConfig::from_cpu(&cpu, b, sl, b * sl);
-            let (kf, vf) = (GpuFormat::new(&kspec, D, 32, 1)?, GpuFormat::new(&vspec, D, 32, 1)?);
+            let kf = GpuFormat::for_stream(&kspec, D, 32, 1, veloxquant::format::Stream::Keys)?;
+            let vf = GpuFormat::for_stream(&vspec, D, 32, 1, veloxquant::format::Stream::Values)?;
             let bytes_one = b * hkv * (sl / 32) * (kf.page_bytes + vf.page_bytes);
             // Enough caches that a rotation reads ≥ 256 MiB (5× the H200's 50 MB L2, so no
             // step finds the last one's bytes there); at most 16 (the smallest cache here,

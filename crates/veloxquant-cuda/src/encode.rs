@@ -2,8 +2,8 @@
 //! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0 and
 //! turboquant_mse codes use the thread-per-row kernel (`encode_pages_tpr`: one warp per
 //! page, one lane per row, all in registers); fp16, qjl, turboquant_prod, rabitq, turboquant_rvq
-//! and other page sizes use one warp
-//! per row (`encode_rows`).
+//! and other page sizes use one warp per row (`encode_rows`), kivi one warp per page (the
+//! warp of the page's first row).
 
 use std::sync::Arc;
 
@@ -23,8 +23,10 @@ pub enum InputKind {
 }
 
 /// The encode module's defines for `fmt` and `input` (`pf`: the cp.async prefetch, sm_80+).
-pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 19] {
+pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 21] {
     [
+        ("GRP", fmt.group.max(1) as i64),
+        ("PERCH", fmt.per_channel as i64),
         ("MSE_BYTES", fmt.mse_bytes as i64),
         ("BITS2", fmt.bits2.max(1) as i64),
         ("D", fmt.d as i64),
@@ -75,7 +77,12 @@ impl GpuEncoder {
         let s = &dev.stream;
         let use_tpr = fmt.t == 32
             && match fmt.kind {
-                KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod | KernelKind::Rabitq | KernelKind::Rvq => false,
+                KernelKind::F16
+                | KernelKind::Sketch
+                | KernelKind::Prod
+                | KernelKind::Rabitq
+                | KernelKind::Rvq
+                | KernelKind::Kivi => false,
                 KernelKind::Q8_0 | KernelKind::Q4_0 => true,
                 KernelKind::Codes => fmt.bins.is_some(),
             };

@@ -5,6 +5,7 @@ use half::f16;
 use veloxquant::codebook::ScaledCodebook;
 use veloxquant::format::rows::{RowKind, RowLayout};
 use veloxquant::format::sketch::Sketch;
+use veloxquant::format::Stream;
 use veloxquant::pack;
 use veloxquant::rng::derive_seed;
 use veloxquant::rotate::Rotation;
@@ -33,6 +34,10 @@ pub enum KernelKind {
     /// per token. Decode reads it as turboquant_prod's two segments (KK = 5) with the second
     /// query R₂·R₁·q and the stage-2 table (KIND = 7).
     Rvq = 7,
+    /// kivi: per-row codes u of min/max groups, then the groups' f16 scales s and zeros z
+    /// (keys: per channel over GRP tokens; values: per token over GRP channels); x̂ = s·u + z.
+    /// A whole page is encoded at once (KIND = KK = VK = 8), so the cache runs in page mode.
+    Kivi = 8,
 }
 
 impl KernelKind {
@@ -82,8 +87,11 @@ pub struct GpuFormat {
     /// The codebook's thresholds and centroids (turboquant_rvq: stage 1's, then stage 2's).
     pub thresholds: Vec<f32>,
     pub centroids: Vec<f32>,
-    /// Centroids as f16 bits, padded to 16 (decode table).
+    /// Centroids as f16 bits, padded to 16 (decode table); kivi: the integers 0..16.
     pub table_f16: [u16; 16],
+    /// kivi: the group size and whether groups run along tokens per channel (keys).
+    pub group: usize,
+    pub per_channel: bool,
     /// Lloyd-Max cell lookup for the thread-per-row encoder (codes only; `None` when some bin
     /// of width 1/`BIN_QS` would hold two thresholds): see [`bin_table`].
     pub bins: Option<Vec<u32>>,
@@ -131,8 +139,14 @@ pub fn bin_lookup(table: &[u32], y: f32) -> (u32, f32) {
 }
 
 impl GpuFormat {
-    /// The same format the CPU builds for `spec` at head size `d`, page `t`, rotation `seed`.
+    /// The same format the CPU builds for `spec` at head size `d`, page `t`, rotation `seed`,
+    /// as a key stream (the only stream whose layout differs is kivi's: see [`Self::for_stream`]).
     pub fn new(spec: &FormatSpec, d: usize, t: usize, seed: u64) -> Result<Self> {
+        Self::for_stream(spec, d, t, seed, Stream::Keys)
+    }
+
+    /// As [`Self::new`], for the key or the value stream.
+    pub fn for_stream(spec: &FormatSpec, d: usize, t: usize, seed: u64, stream: Stream) -> Result<Self> {
         let unsupported = |why| CudaError::UnsupportedFormat { format: spec.to_string(), why };
         if !(d == 64 || d == 128) {
             return Err(unsupported("head size must be 64 or 128 on the GPU"));
@@ -169,6 +183,20 @@ impl GpuFormat {
                 table[..2].copy_from_slice(&[-1.0, 1.0]);
                 (KernelKind::Rabitq, RowKind::Codes { bits: 1, table }, true)
             }
+            "kivi" => {
+                let g = spec.group as usize;
+                // The CPU's constraints (kivi.rs), and groups within one warp's 32 lanes.
+                let fits = match stream {
+                    Stream::Keys => t.is_multiple_of(g),
+                    Stream::Values => d.is_multiple_of(g),
+                };
+                if !fits || g > 32 || g < d / 8 {
+                    return Err(unsupported("kivi on the GPU needs G in 16..=32 dividing T (keys) or d (values)"));
+                }
+                let mut table = [0f32; 16];
+                table.iter_mut().enumerate().for_each(|(i, c)| *c = i as f32);
+                (KernelKind::Kivi, RowKind::Codes { bits: spec.bits, table }, false)
+            }
             _ => return Err(unsupported("no CUDA kernel for this format yet")),
         };
         let layout = RowLayout::new(row_kind, d, t);
@@ -186,6 +214,10 @@ impl GpuFormat {
             }
             // rabitq: the 1-bit rows, then ‖R·x‖ and x0.
             KernelKind::Rabitq => (0, layout.row_bytes, (t * layout.row_bytes + 4 * t).div_ceil(4) * 4),
+            // kivi: the code rows, then T·d/G scales and as many zeros (f16).
+            KernelKind::Kivi => {
+                (0, layout.row_bytes, (t * layout.row_bytes + 4 * t * d / spec.group as usize).div_ceil(4) * 4)
+            }
             _ => (0, layout.row_bytes, layout.page_bytes()),
         };
         let hadamard = |seed| match Rotation::new(d, seed)? {
@@ -243,6 +275,12 @@ impl GpuFormat {
             _ => [0; 16],
         };
         let bins = if kind == KernelKind::Codes { bin_table(&thresholds, &centroids) } else { None };
+        let table_f16 = match &layout.kind {
+            RowKind::Codes { table, .. } if kind == KernelKind::Kivi => f16_table(table),
+            _ => table_f16,
+        };
+        let (group, per_channel) =
+            if kind == KernelKind::Kivi { (spec.group as usize, stream == Stream::Keys) } else { (0, false) };
         Ok(Self {
             spec: spec.clone(),
             kind,
@@ -262,7 +300,14 @@ impl GpuFormat {
             centroids,
             table_f16,
             bins,
+            group,
+            per_channel,
         })
+    }
+
+    /// Whether the cache may encode this format a row at a time (kivi needs whole pages).
+    pub fn row_granular(&self) -> bool {
+        self.kind != KernelKind::Kivi
     }
 
     /// Zero rows `from..` of a page (and their per-token scales): an open page as the CPU
@@ -333,7 +378,10 @@ impl GpuFormat {
     /// Whether the query is prepared by the rotation alone (what decode's fused preparation
     /// does); sketches, two-query formats and rabitq's quantized query take prep_query.
     pub fn plain_query_prep(&self) -> bool {
-        matches!(self.kind, KernelKind::F16 | KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Codes)
+        matches!(
+            self.kind,
+            KernelKind::F16 | KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Codes | KernelKind::Kivi
+        )
     }
 
     /// Whether the GPU decodes this format as values (turboquant_rvq's two-domain value

@@ -33,6 +33,18 @@ fn gpu_layouts_match_cpu_page_sizes() {
             assert!((g.bits_per_value() - cpu.bits_per_value()).abs() < 1e-12);
         }
     }
+    // kivi: one layout per stream.
+    for s in ["kivi:2", "kivi:4", "kivi:2:g16", "kivi:4:g16"] {
+        let spec = FormatSpec::parse(s).unwrap();
+        for d in [64, 128] {
+            for stream in [Stream::Keys, Stream::Values] {
+                let cpu = spec.build(&FormatCtx::new(d, 32, stream, 9)).unwrap();
+                let g = GpuFormat::for_stream(&spec, d, 32, 9, stream).unwrap();
+                assert_eq!(g.page_bytes, cpu.page_bytes(), "{s} d={d} {stream:?}");
+                assert!(!g.row_granular() && g.per_channel == (stream == Stream::Keys));
+            }
+        }
+    }
     assert!(GpuFormat::new(&FormatSpec::parse("fp16").unwrap(), 96, 32, 1).is_err());
 }
 
@@ -225,6 +237,36 @@ fn every_kernel_configuration_compiles() {
                     }
                 }
             }
+            // kivi: a layout per stream (keys grouped per channel, values per token), page mode.
+            for s in ["kivi:2", "kivi:4", "kivi:2:g16", "kivi:4:g16"] {
+                let spec = FormatSpec::parse(s).unwrap();
+                let kv = [Stream::Keys, Stream::Values].map(|st| GpuFormat::for_stream(&spec, d, 32, 3, st).unwrap());
+                for f in &kv {
+                    for input in [InputKind::F32, InputKind::F16] {
+                        compile(
+                            Family::Encode,
+                            owned(&encode_defines(f, input, 1, &veloxquant_cuda::Tuning::default())),
+                        );
+                    }
+                    for (sink, recent) in [(0, 0), (4, 8)] {
+                        let mut cpu = CacheConfig::new(1, 2, d, spec.clone(), spec.clone());
+                        (cpu.sink, cpu.recent) = (sink, recent);
+                        let cfg = GpuCacheConfig::from_cpu(&cpu, 2, 1024, 2048);
+                        compile(Family::Kv, owned(&kv_defines(&cfg, f, false)));
+                        for g in [1, 3, 4] {
+                            compile(Family::Prefill, owned(&prefill_defines(&cfg, g, false)));
+                        }
+                    }
+                }
+                // With itself, and with the codes formats the default methods use on the other side.
+                for (kf, vf) in [(&kv[0], &kv[1]), (&kv[0], &fmts[7]), (&fmts[10], &kv[1])] {
+                    for g in [1, 2, 3, 4, 8] {
+                        for (fam, defs) in veloxquant_cuda::attn::decode_modules(kf, vf, g, cc) {
+                            compile(fam, defs);
+                        }
+                    }
+                }
+            }
         }
     }
     eprintln!("compiled {} module configurations:\n{}", built.len(), built.join("\n"));
@@ -344,4 +386,83 @@ fn sign_and_two_segment_pages_score_as_the_cpu_with_the_gpu_reading() {
     }
     let two = FormatSpec::parse("qjl:2x").unwrap();
     assert!(matches!(GpuFormat::new(&two, 128, 32, 1), Err(veloxquant_cuda::CudaError::UnsupportedFormat { .. })));
+}
+
+/// The GPU's reading of kivi pages (decode.cu `k_row_kivi`, `v_row_kivi`), on the CPU's bytes:
+/// thread t of a key row takes dims t·d/4 … in f16 pairs, each k = fma(u, s, z) in f16 with
+/// (s, z) at word ((row / G)·d + t·d/4)/2 of the scale and zero arrays; thread g of a value row
+/// takes dims g·d/8 … with the one (s, z) of parameter row·d/G + g·(d/8)/G. Scores and
+/// weighted value sums from that reading equal the CPU's within f16 rounding.
+#[test]
+fn kivi_pages_read_as_the_cpu_with_the_gpu_indexing() {
+    use half::f16;
+    use veloxquant::rng::SplitMix64;
+    for name in ["kivi:2", "kivi:4", "kivi:2:g16", "kivi:4:g16"] {
+        let spec = FormatSpec::parse(name).unwrap();
+        for d in [64usize, 128] {
+            let t = 32;
+            let mut rng = SplitMix64::new(d as u64 + 5);
+            let x: Vec<f32> =
+                (0..t * d).map(|i| rng.next_gaussian() as f32 * if i % d < 3 { 5.0 } else { 1.0 }).collect();
+            for stream in [Stream::Keys, Stream::Values] {
+                let cpu = spec.build(&FormatCtx::new(d, t, stream, 1)).unwrap();
+                let g = GpuFormat::for_stream(&spec, d, t, 1, stream).unwrap();
+                let mut page = vec![0u8; cpu.page_bytes()];
+                cpu.encode_page(&x, &mut page).unwrap();
+                let (rb, b, grp) = (g.row_bytes, g.bits as usize, g.group);
+                let half_at = |i: usize| f16::from_le_bytes([page[t * rb + 2 * i], page[t * rb + 2 * i + 1]]).to_f64();
+                let n_params = t * d / grp;
+                let code = |row: usize, j: usize| {
+                    let w = u32::from_le_bytes(page[row * rb + 4 * (j * b / 32)..][..4].try_into().unwrap());
+                    ((w >> (j * b % 32)) & ((1 << b) - 1)) as usize
+                };
+                let tab = |c: usize| f16::from_bits(g.table_f16[c]).to_f64();
+                let fma16 = |u: f64, s: f64, z: f64| f16::from_f64(u * s + z).to_f64();
+                // The dequantized page as the GPU threads read it.
+                let mut k = vec![0f64; t * d];
+                for row in 0..t {
+                    if stream == Stream::Keys {
+                        let qd = d / 4;
+                        for th in 0..4 {
+                            let s2 = (row / grp) * d + th * qd; // first half of the thread's words
+                            for j in 0..qd {
+                                let dim = th * qd + j;
+                                let e = tab(code(row, dim));
+                                k[row * d + dim] = fma16(e, half_at(s2 + j), half_at(n_params + s2 + j));
+                            }
+                        }
+                    } else {
+                        let vc = d / 8;
+                        for th in 0..8 {
+                            let p = row * (d / grp) + th * vc / grp;
+                            for j in 0..vc {
+                                let dim = th * vc + j;
+                                k[row * d + dim] = fma16(tab(code(row, dim)), half_at(p), half_at(n_params + p));
+                            }
+                        }
+                    }
+                }
+                // Tolerance: the f16 rounding of each dequantized element (≤ 2^-11 relative).
+                let q = rng.gaussian_vec(d);
+                if stream == Stream::Keys {
+                    let mut want = vec![0f32; t];
+                    cpu.scores(&cpu.prepare_query(&q, 1), &page, &mut want);
+                    for (i, w) in want.iter().enumerate() {
+                        let got: f64 = (0..d).map(|j| q[j] as f64 * k[i * d + j]).sum();
+                        let tol = 1e-3 * (0..d).map(|j| (q[j] as f64 * k[i * d + j]).abs()).sum::<f64>() + 1e-6;
+                        assert!((got - *w as f64).abs() <= tol, "{name} d={d} keys token {i}: {got} vs {w}");
+                    }
+                } else {
+                    let w: Vec<f32> = (0..t).map(|_| rng.next_f64() as f32).collect();
+                    let mut want = vec![0f32; d];
+                    cpu.accumulate(&w, 1, &page, &mut want);
+                    for (j, a) in want.iter().enumerate() {
+                        let got: f64 = (0..t).map(|i| w[i] as f64 * k[i * d + j]).sum();
+                        let tol = 1e-3 * (0..t).map(|i| (w[i] as f64 * k[i * d + j]).abs()).sum::<f64>() + 1e-6;
+                        assert!((got - *a as f64).abs() <= tol, "{name} d={d} values dim {j}: {got} vs {a}");
+                    }
+                }
+            }
+        }
+    }
 }

@@ -47,9 +47,22 @@ fn all_specs() -> Vec<FormatSpec> {
             if desc.has_sketch {
                 out.push(FormatSpec::parse(&format!("{base}:orth")).unwrap());
             }
+            for g in desc.groups.iter().filter(|&&g| g != desc.default_group) {
+                out.push(FormatSpec::parse(&format!("{base}:g{g}")).unwrap());
+            }
         }
     }
     out
+}
+
+/// Both streams where their layouts differ (kivi: keys grouped per channel, values per
+/// token); `one` for every other format.
+fn streams(spec: &FormatSpec, one: Stream) -> Vec<Stream> {
+    if spec.name == "kivi" {
+        vec![Stream::Keys, Stream::Values]
+    } else {
+        vec![one]
+    }
 }
 
 /// Rows that stress rounding: Gaussian with outlier channels, zeros, ties, tiny and huge.
@@ -87,14 +100,15 @@ fn encode_f16_input_bit_identical_to_cpu() {
     let mut checked = 0;
     let mut failures = Vec::new();
     for spec in all_specs() {
-        for d in [64usize, 128] {
+        let one = if spec.desc().for_values { Stream::Values } else { Stream::Keys };
+        for (d, stream) in [64usize, 128].into_iter().flat_map(|d| streams(&spec, one).into_iter().map(move |s| (d, s)))
+        {
             let seed = 0x4321 + d as u64;
-            let gf = match GpuFormat::new(&spec, d, t, seed) {
+            let gf = match GpuFormat::for_stream(&spec, d, t, seed, stream) {
                 Ok(f) => f,
                 Err(veloxquant_cuda::CudaError::UnsupportedFormat { .. }) => continue,
                 Err(e) => panic!("{spec} d={d}: {e}"),
             };
-            let stream = if spec.desc().for_values { Stream::Values } else { Stream::Keys };
             let cpu = spec.build(&FormatCtx::new(d, t, stream, seed)).unwrap();
             let enc = GpuEncoder::new(&dev, &gf, InputKind::F16).unwrap();
             let mut rng = SplitMix64::new(seed ^ 99);
@@ -110,8 +124,8 @@ fn encode_f16_input_bit_identical_to_cpu() {
                 got[p * pb..(p + 1) * pb] != want[..]
             });
             if let Some(p) = bad {
-                eprintln!("MISMATCH (f16 input) {spec} d={d} page {p} [{}]", enc.kernel());
-                failures.push(format!("{spec} d={d}"));
+                eprintln!("MISMATCH (f16 input) {spec} d={d} {stream:?} page {p} [{}]", enc.kernel());
+                failures.push(format!("{spec} d={d} {stream:?}"));
                 continue;
             }
             checked += 1;
@@ -128,9 +142,11 @@ fn encode_bit_identical_to_cpu() {
     let mut checked = 0;
     let mut failures = Vec::new();
     for spec in all_specs() {
-        for d in [64usize, 128] {
+        let one = Stream::Keys;
+        for (d, stream) in [64usize, 128].into_iter().flat_map(|d| streams(&spec, one).into_iter().map(move |s| (d, s)))
+        {
             let seed = 0x1234 + d as u64;
-            let gf = match GpuFormat::new(&spec, d, t, seed) {
+            let gf = match GpuFormat::for_stream(&spec, d, t, seed, stream) {
                 Ok(f) => f,
                 Err(veloxquant_cuda::CudaError::UnsupportedFormat { why, .. }) => {
                     eprintln!("skip {spec} d={d}: {why}");
@@ -138,7 +154,7 @@ fn encode_bit_identical_to_cpu() {
                 }
                 Err(e) => panic!("{spec} d={d}: {e}"),
             };
-            let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
+            let cpu = spec.build(&FormatCtx::new(d, t, stream, seed)).unwrap();
             assert_eq!(gf.page_bytes, cpu.page_bytes(), "{spec} d={d} page bytes");
             let enc = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap();
             let mut rng = SplitMix64::new(seed ^ 77);
@@ -154,7 +170,7 @@ fn encode_bit_identical_to_cpu() {
                     let r0 = i / gf.row_bytes.max(1) * gf.row_bytes;
                     let r1 = (r0 + gf.row_bytes).min(pb);
                     bad = Some(format!(
-                        "{spec} d={d} page {p}: byte {i} (row {}) gpu {:#04x} cpu {:#04x}\n gpu row {:02x?}\n cpu row {:02x?}",
+                        "{spec} d={d} {stream:?} page {p}: byte {i} (row {}) gpu {:#04x} cpu {:#04x}\n gpu row {:02x?}\n cpu row {:02x?}",
                         i / gf.row_bytes.max(1), got[p * pb + i], want[i],
                         &got[p * pb + r0..p * pb + r1], &want[r0..r1]
                     ));
@@ -163,7 +179,7 @@ fn encode_bit_identical_to_cpu() {
             }
             if let Some(b) = bad {
                 eprintln!("MISMATCH {b}");
-                failures.push(format!("{spec} d={d}"));
+                failures.push(format!("{spec} d={d} {stream:?}"));
                 continue;
             }
             checked += 1;
@@ -321,6 +337,12 @@ fn decode_matches_cpu_reference() {
         ("turboquant_rvq:4:4", "turboquant_mse:4"),
         ("turboquant_rvq:1:1", "turboquant_mse:3"),
         ("turboquant_rvq:3:3", "turboquant_mse:3:eden"),
+        ("kivi:2", "kivi:2"),
+        ("kivi:4:g16", "kivi:4"),
+        ("kivi:2:g16", "turboquant_mse:3"),
+        ("turboquant_mse:4:eden", "kivi:2:g16"),
+        ("kivi:4", "fp16"),
+        ("q8_0", "kivi:2"),
     ];
     let lens: &[&'static [usize]] = &[&[17, 97, 200], &[1], &[33, 4097], &[3, 40]];
     let mut n = 0;
@@ -369,6 +391,7 @@ fn decode_long_ragged_rows_match_cpu_reference() {
         ("turboquant_prod:3", "turboquant_mse:2"),
         ("rabitq", "turboquant_mse:3"),
         ("turboquant_rvq:2:2", "turboquant_mse:2"),
+        ("kivi:2", "kivi:2:g16"),
     ];
     let mut bad = Vec::new();
     let mut worst_all = 0f64;

@@ -20,6 +20,7 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use veloxquant::format::Stream as StreamKind;
 use veloxquant::rng::derive_seed;
 use veloxquant::{CacheConfig, FormatSpec};
 
@@ -81,6 +82,12 @@ impl GpuCacheConfig {
         }
     }
 
+    /// Whether the cache encodes a token at a time: `encode_rows` and both formats allow it
+    /// (the CPU's rule: kivi encodes whole pages).
+    pub fn row_mode(&self) -> bool {
+        self.encode_rows && [&self.k, &self.v].iter().all(|s| s.name != "kivi")
+    }
+
     /// Ring slots of the exact window.
     pub fn ring_cap(&self, row_mode: bool) -> usize {
         self.recent + if row_mode { 1 } else { self.page_tokens }
@@ -106,7 +113,7 @@ impl GpuCacheConfig {
                 return Err(CudaError::UnsupportedFormat { format: spec.to_string(), why });
             }
         }
-        if !GpuFormat::new(&self.v, self.head_dim, self.page_tokens, 0)?.gpu_values() {
+        if !GpuFormat::for_stream(&self.v, self.head_dim, self.page_tokens, 0, StreamKind::Values)?.gpu_values() {
             return Err(CudaError::UnsupportedFormat {
                 format: self.v.to_string(),
                 why: "turboquant_rvq values are CPU-only (their two-domain accumulation has no GPU kernel)",
@@ -128,9 +135,9 @@ impl GpuCacheConfig {
     pub fn device_bytes(&self) -> Result<usize> {
         self.check()?;
         let d = self.head_dim;
-        let kf = GpuFormat::new(&self.k, d, self.page_tokens, 0)?;
-        let vf = GpuFormat::new(&self.v, d, self.page_tokens, 0)?;
-        let row_mode = self.encode_rows;
+        let kf = GpuFormat::for_stream(&self.k, d, self.page_tokens, 0, StreamKind::Keys)?;
+        let vf = GpuFormat::for_stream(&self.v, d, self.page_tokens, 0, StreamKind::Values)?;
+        let row_mode = self.row_mode();
         let xs = self.sink + self.ring_cap(row_mode);
         let pages = self.pool_groups * self.n_kv_heads;
         let per_layer = pages * (kf.page_bytes + vf.page_bytes) + 2 * self.max_seqs * self.n_kv_heads * xs * d * 2;
@@ -240,16 +247,17 @@ fn make_stream(
     dev: &Arc<GpuDevice>,
     cfg: &GpuCacheConfig,
     spec: &FormatSpec,
-    sid: u64,
+    stream: StreamKind,
     row_mode: bool,
 ) -> Result<Stream> {
+    let sid = stream as u64;
     let (d, t) = (cfg.head_dim, cfg.page_tokens);
     let mut signs = Vec::new();
     let mut fmt0 = None;
     let mut rot_scale = 1.0;
     for l in 0..cfg.n_layers {
         for h in 0..cfg.n_kv_heads {
-            let f = GpuFormat::new(spec, d, t, derive_seed(cfg.seed, &[l as u64, h as u64, sid]))?;
+            let f = GpuFormat::for_stream(spec, d, t, derive_seed(cfg.seed, &[l as u64, h as u64, sid]), stream)?;
             let (s, sc) = f.transform();
             signs.extend(s);
             rot_scale = sc;
@@ -299,6 +307,8 @@ pub fn kv_defines(cfg: &GpuCacheConfig, fmt: &GpuFormat, row_mode: bool) -> Vec<
         ("PAGE_BYTES", fmt.page_bytes as i64),
         ("MSE_BYTES", fmt.mse_bytes as i64),
         ("BITS2", fmt.bits2.max(1) as i64),
+        ("GRP", fmt.group.max(1) as i64),
+        ("PERCH", fmt.per_channel as i64),
         ("NKV", cfg.n_kv_heads as i64),
         ("NSINK", cfg.sink as i64),
         ("RING", cfg.ring_cap(row_mode) as i64),
@@ -314,9 +324,9 @@ pub struct AppendSrc<'a> {
 impl GpuKvCache {
     pub fn new(dev: &Arc<GpuDevice>, cfg: GpuCacheConfig) -> Result<Self> {
         cfg.device_bytes()?;
-        let row_mode = cfg.encode_rows; // every GPU format is row-granular
-        let k = make_stream(dev, &cfg, &cfg.k, 0, row_mode)?;
-        let v = make_stream(dev, &cfg, &cfg.v, 1, row_mode)?;
+        let row_mode = cfg.row_mode();
+        let k = make_stream(dev, &cfg, &cfg.k, StreamKind::Keys, row_mode)?;
+        let v = make_stream(dev, &cfg, &cfg.v, StreamKind::Values, row_mode)?;
         let n_table = cfg.max_seqs * cfg.n_kv_heads * cfg.max_pages_per_seq;
         let s = &dev.stream;
         let max_deltas = 1 + 2 * Self::max_deltas_per_step(&cfg);
