@@ -41,7 +41,7 @@
 #ifndef KRATIO
 #define KRATIO 0
 #endif
-#if !NOFAST && (KK == 3 || KK == 5) && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME) && (KK != 5 || K2SAME || K2B == 1)
+#if !NOFAST && D <= 128 && (KK == 3 || KK == 5) && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME) && (KK != 5 || K2SAME || K2B == 1)
 #define FAST 1
 #else
 #define FAST 0
@@ -111,7 +111,7 @@
 // vs 7b29de4): q4_0 and 3-bit codes run best held to 4 blocks/SM (<= 128 registers, no
 // spills), fp16 with an explicit 1-block bound; q8_0 and the FAST 2/4-bit paths keep the
 // compiler's default bound.
-#if KK >= 2 && VK >= 2 && !FAST
+#if KK >= 2 && VK >= 2 && !FAST && D <= 128
 #define MINB 4
 #elif KK == 0 && VK == 0
 #define MINB 1
@@ -230,8 +230,10 @@ __device__ __forceinline__ int kdim(int t, int ks, int j) {
 #elif FAST && KB == 2 && !K2L
     return t * QD + 16 * (ks >> 2) + (ks & 3) + 4 * j;
 #elif KK == 2
-    int blk = (t * QD) / 32, off = (t * QD) % 32;
-    return blk * 32 + (j < 2 ? off / 2 + 2 * ks + j : 16 + off / 2 + 2 * ks + j - 2);
+    // q4_0: k-step ks takes byte bb of the thread's run of 16-byte nibble blocks, low nibbles
+    // (dims byte, byte + 1 of the block) in slots 0-1, high (+ 16) in slots 2-3.
+    const int bb = t * QD / 2 + 2 * ks;
+    return (bb / 16) * 32 + bb % 16 + (j & 1) + (j >= 2 ? 16 : 0);
 #else
     return t * QD + 4 * ks + j;
 #endif
@@ -251,22 +253,21 @@ __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* 
 #elif KK == 5
     codes_to_h2<KB, QD, K_MSE_BYTES / 4>((const u32*)kr, t * QD, tab, out);
 #elif KK == 1
-    int blk = (t * QD) / 32, off = (t * QD) % 32;
-    const u8* base = kr + 34 * blk;
-    u32 s2 = *(const u16*)base;
-    s2 |= s2 << 16;
-    const u16* qv = (const u16*)(base + 2 + off);
+    // The thread's QD dims span QD/32 blocks (d = 256: two) or part of one.
 #pragma unroll
-    for (int i = 0; i < QD / 2; i++) out[i] = i8x2_h2(qv[i], s2);
+    for (int i = 0; i < QD / 2; i++) {
+        const int dim = t * QD + 2 * i;
+        const u8* base = kr + 34 * (dim / 32);
+        const u32 s2 = (u32)*(const u16*)base * 0x10001u;
+        out[i] = i8x2_h2(*(const u16*)(base + 2 + dim % 32), s2);
+    }
 #else
-    int blk = (t * QD) / 32, off = (t * QD) % 32;
-    const u8* base = kr + 18 * blk;
-    u32 s2 = *(const u16*)base;
-    s2 |= s2 << 16;
-    const u16* qv = (const u16*)(base + 2 + off / 2);
 #pragma unroll
     for (int ks = 0; ks < KS; ks++) {
-        u32 t2 = prmt(qv[ks], 0u, 0x4140u);  // byte0 -> half 0, byte1 -> half 1
+        const int bb = t * QD / 2 + 2 * ks;  // as kdim
+        const u8* base = kr + 18 * (bb / 16);
+        const u32 s2 = (u32)*(const u16*)base * 0x10001u;
+        u32 t2 = prmt(*(const u16*)(base + 2 + bb % 16), 0u, 0x4140u);  // byte0 -> half 0, byte1 -> half 1
         out[2 * ks] = u4x2_h2(t2, s2);
         out[2 * ks + 1] = u4x2_h2(t2 >> 4, s2);
     }
@@ -304,7 +305,7 @@ __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* 
 #elif VK == 3
     codes_to_h2<VB, VC, V_ROW_BYTES / 4>((const u32*)vr, g * VC, tab, out);
 #elif VK == 1
-    int blk = (g * VC) / 32, off = (g * VC) % 32;
+    int blk = (g * VC) / 32, off = (g * VC) % 32;  // VC ≤ 32: within one block
     const u8* base = vr + 34 * blk;
     u32 s2 = *(const u16*)base;
     s2 |= s2 << 16;
@@ -312,14 +313,15 @@ __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* 
 #pragma unroll
     for (int m = 0; m < VC / 2; m++) out[m] = i8x2_h2(qv[m], s2);
 #else
-    int blk = (g * VC) / 32, off = (g * VC) % 32;
-    const u8* base = vr + 18 * blk;
+    const u8* base = vr + 18 * ((g * VC) / 32);  // VC ≤ 32: within one block
     u32 s2 = *(const u16*)base;
     s2 |= s2 << 16;
-    int nsh = (off / 16) * 4;
-    const u16* qv = (const u16*)(base + 2 + (off % 16));
 #pragma unroll
-    for (int m = 0; m < VC / 2; m++) out[m] = u4x2_h2(prmt(qv[m], 0u, 0x4140u) >> nsh, s2);
+    for (int m = 0; m < VC / 2; m++) {
+        // Dims o, o + 1 of the block: byte o % 16, low nibbles below 16, high from 16.
+        const int o = (g * VC) % 32 + 2 * m;
+        out[m] = u4x2_h2(prmt(*(const u16*)(base + 2 + o % 16), 0u, 0x4140u) >> ((o / 16) * 4), s2);
+    }
 #endif
 }
 

@@ -38,7 +38,8 @@ fn splits_for_waves(rows: usize, target: usize, max_splits: usize) -> usize {
 /// Whether the decode kernel's FAST path (2–4-bit codes dequantized in registers) applies;
 /// must agree with decode.cu's `FAST`.
 fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
-    matches!(kf.kind.decode_id(), 3 | 5)
+    kf.d <= 128
+        && matches!(kf.kind.decode_id(), 3 | 5)
         && vf.kind == KernelKind::Codes
         && (matches!(kf.bits, 2..=4) || (kf.bits == 1 && symmetric_1bit(kf)))
         && (!kf.two_queries() || second_like_first(kf) || (kf.bits2 == 1 && symmetric_1bit_table(&kf.table2_f16)))

@@ -75,7 +75,9 @@ impl GpuEncoder {
         let defines = encode_defines(fmt, input, pf, &t);
         let func = dev.function(Family::Encode, &defines, "encode_rows")?;
         let s = &dev.stream;
+        // The register-resident kernels hold a row per lane (or two lanes): d ≤ 128.
         let use_tpr = fmt.t == 32
+            && fmt.d <= 128
             && match fmt.kind {
                 KernelKind::F16
                 | KernelKind::Sketch

@@ -148,8 +148,8 @@ impl GpuFormat {
     /// As [`Self::new`], for the key or the value stream.
     pub fn for_stream(spec: &FormatSpec, d: usize, t: usize, seed: u64, stream: Stream) -> Result<Self> {
         let unsupported = |why| CudaError::UnsupportedFormat { format: spec.to_string(), why };
-        if !(d == 64 || d == 128) {
-            return Err(unsupported("head size must be 64 or 128 on the GPU"));
+        if !matches!(d, 64 | 128 | 256) {
+            return Err(unsupported("head size must be 64, 128 or 256 on the GPU"));
         }
         let (kind, row_kind, rotate) = match spec.name {
             "fp16" => (KernelKind::F16, RowKind::F16, false),
@@ -185,13 +185,16 @@ impl GpuFormat {
             }
             "kivi" => {
                 let g = spec.group as usize;
-                // The CPU's constraints (kivi.rs), and groups within one warp's 32 lanes.
+                // The CPU's constraints (kivi.rs), groups within one warp's 32 lanes, and value
+                // groups no narrower than a decode thread's d/8 dims (one scale per row there).
                 let fits = match stream {
                     Stream::Keys => t.is_multiple_of(g),
-                    Stream::Values => d.is_multiple_of(g),
+                    Stream::Values => d.is_multiple_of(g) && g >= d / 8,
                 };
-                if !fits || g > 32 || g < d / 8 {
-                    return Err(unsupported("kivi on the GPU needs G in 16..=32 dividing T (keys) or d (values)"));
+                if !fits || g > 32 {
+                    return Err(unsupported(
+                        "kivi on the GPU needs G ≤ 32 dividing T (keys), or d with G ≥ d/8 (values)",
+                    ));
                 }
                 let mut table = [0f32; 16];
                 table.iter_mut().enumerate().for_each(|(i, c)| *c = i as f32);

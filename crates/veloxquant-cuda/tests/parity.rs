@@ -101,7 +101,8 @@ fn encode_f16_input_bit_identical_to_cpu() {
     let mut failures = Vec::new();
     for spec in all_specs() {
         let one = if spec.desc().for_values { Stream::Values } else { Stream::Keys };
-        for (d, stream) in [64usize, 128].into_iter().flat_map(|d| streams(&spec, one).into_iter().map(move |s| (d, s)))
+        for (d, stream) in
+            [64usize, 128, 256].into_iter().flat_map(|d| streams(&spec, one).into_iter().map(move |s| (d, s)))
         {
             let seed = 0x4321 + d as u64;
             let gf = match GpuFormat::for_stream(&spec, d, t, seed, stream) {
@@ -143,7 +144,8 @@ fn encode_bit_identical_to_cpu() {
     let mut failures = Vec::new();
     for spec in all_specs() {
         let one = Stream::Keys;
-        for (d, stream) in [64usize, 128].into_iter().flat_map(|d| streams(&spec, one).into_iter().map(move |s| (d, s)))
+        for (d, stream) in
+            [64usize, 128, 256].into_iter().flat_map(|d| streams(&spec, one).into_iter().map(move |s| (d, s)))
         {
             let seed = 0x1234 + d as u64;
             let gf = match GpuFormat::for_stream(&spec, d, t, seed, stream) {
@@ -371,6 +373,43 @@ fn decode_matches_cpu_reference() {
         }
     }
     eprintln!("decode parity: {n} cases (pages and windows bit-identical to the CPU), worst rel err {worst_all:.2e}, failures {}", bad.len());
+    assert!(bad.is_empty(), "decode failures: {bad:#?}");
+}
+
+/// d = 256 (the generic path: the FAST path's register layouts stop at 128) for every kind
+/// of key and value reading, G ∈ {1, 2, 8}, the window and sinks, ragged lengths.
+#[test]
+fn decode_d256_matches_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let mut worst = 0f64;
+    let mut bad = Vec::new();
+    for (pi, (k, v)) in [
+        ("fp16", "fp16"),
+        ("q8_0", "q4_0"),
+        ("q4_0:rot", "q8_0:rot"),
+        ("turboquant_mse:4", "turboquant_mse:4"),
+        ("turboquant_mse:3:eden", "turboquant_mse:2"),
+        ("turboquant_mse:1", "turboquant_mse:3"),
+        ("qjl", "turboquant_mse:2"),
+        ("turboquant_prod:3", "turboquant_mse:3"),
+        ("rabitq", "q8_0"),
+        ("turboquant_rvq:2:2", "turboquant_mse:2"),
+        ("kivi:2:g16", "kivi:4"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for gqa in [1, 2, 8] {
+            let c = Case { k, v, d: 256, gqa, recent: 8, sink: 4, page_mode: false, lens: &[300, 33, 1] };
+            let e = run_case(&dev, &c, (pi * 10 + gqa) as u64);
+            #[allow(clippy::neg_cmp_op_on_partial_ord)]
+            if !(e <= 2e-3) {
+                bad.push(format!("{k}/{v} g={gqa}: {e:.2e}"));
+            }
+            worst = worst.max(e);
+        }
+    }
+    eprintln!("decode parity, d = 256: worst rel err {worst:.2e}, failures {}", bad.len());
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
