@@ -60,12 +60,15 @@ fn every_level_matches_scalar() {
                     }
                     if let (Some(o), RowScale::F16) = (l.scales_at, l.scale) {
                         for i in 0..t {
-                            p[o + 2 * i..o + 2 * i + 2].copy_from_slice(&half::f16::from_f32(1.5).to_le_bytes());
+                            // A different scale per token: a kernel applying token i's to
+                            // another token's score fails.
+                            let sc = half::f16::from_f32(0.5 + 0.25 * i as f32);
+                            p[o + 2 * i..o + 2 * i + 2].copy_from_slice(&sc.to_le_bytes());
                         }
                     }
                     p
                 };
-                for g in [1, 3, 4, 9] {
+                for g in [1, 2, 3, 4, 6, 8, 9] {
                     let q = rng.gaussian_vec(g * d);
                     let w: Vec<f32> = (0..g * t).map(|_| rng.next_f64() as f32).collect();
                     let mut want_s = vec![0f32; g * t];

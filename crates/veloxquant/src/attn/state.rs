@@ -36,13 +36,11 @@ impl Partial {
         for h in 0..self.g {
             let row = &s[h * stride..h * stride + n];
             w[h * stride + n..(h + 1) * stride].fill(0.0);
-            let m_new = row.iter().fold(self.m[h], |a, &b| a.max(b));
+            let m_new = crate::cpu::max_of(row, self.m[h]);
             let alpha = if self.m[h] == f32::NEG_INFINITY { 0.0 } else { (self.m[h] - m_new).exp() };
-            // A vectorizable exp (rel. error < 3e-7): libm's expf here was the bulk of a
+            // A vectorized exp (rel. error < 3e-7): libm's expf here was the bulk of a
             // decode step, one call per (query head, key).
-            let wr = &mut w[h * stride..h * stride + n];
-            wr.iter_mut().zip(row).for_each(|(wi, &si)| *wi = crate::cpu::exp_approx(si - m_new));
-            let sum: f32 = wr.iter().sum();
+            let sum = crate::cpu::exp_sum(row, m_new, &mut w[h * stride..h * stride + n]);
             self.l[h] = self.l[h] * alpha + sum;
             self.m[h] = m_new;
             if alpha != 1.0 {

@@ -51,11 +51,34 @@ const MAX_G: usize = 8;
 /// `ws[h·T + t] = w[h·T + t] · scale_t` for the first `g` heads of `w`: the value
 /// accumulators then multiply each token's row by one broadcast weight.
 #[cfg(target_arch = "x86_64")]
-fn scale_weights(l: &RowLayout, page: &[u8], w: &[f32], g: usize, ws: &mut [f32]) {
-    for t in 0..l.t {
-        let s = l.row_scale(page, t);
-        for h in 0..g {
-            ws[h * l.t + t] = w[h * l.t + t] * s;
+fn scale_weights(l: &RowLayout, scales: &[f32], w: &[f32], g: usize, ws: &mut [f32]) {
+    for h in 0..g {
+        let (wh, wsh) = (&w[h * l.t..(h + 1) * l.t], &mut ws[h * l.t..(h + 1) * l.t]);
+        wsh.iter_mut().zip(wh).zip(scales).for_each(|((o, &wi), &s)| *o = wi * s);
+    }
+}
+
+/// Page scratch of `n` floats: on the stack up to `N` (the default 32-token page), else on
+/// the heap. The kernels run once per page, where an allocation was a visible share.
+#[cfg(target_arch = "x86_64")]
+enum Scratch<const N: usize> {
+    Stack([f32; N]),
+    Heap(Vec<f32>),
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<const N: usize> Scratch<N> {
+    fn new(n: usize) -> Self {
+        if n <= N {
+            Scratch::Stack([0.0; N])
+        } else {
+            Scratch::Heap(vec![0.0; n])
+        }
+    }
+    fn get(&mut self) -> &mut [f32] {
+        match self {
+            Scratch::Stack(a) => a,
+            Scratch::Heap(v) => v,
         }
     }
 }
@@ -164,6 +187,37 @@ pub fn axpy(acc: &mut [f32], w: f32, x: &[f32]) {
     acc.iter_mut().zip(x).for_each(|(a, b)| *a += w * b);
 }
 
+/// The softmax weights of one head's scores after their max: `w[i] = e^(s[i] − m)` (as
+/// [`exp_approx`], within its error), returning Σ w. 16 at a time with AVX-512: the scalar
+/// loop was a tenth of a decode step (a page's 32 scores per head, sequential sums).
+pub fn exp_sum(s: &[f32], m: f32, w: &mut [f32]) -> f32 {
+    assert!(w.len() >= s.len());
+    #[cfg(target_arch = "x86_64")]
+    if simd_level() == SimdLevel::Avx512 {
+        // SAFETY: the level was detected at run time; w holds s.len() floats (asserted).
+        return unsafe { x86_512::exp_sum(s, m, w) };
+    }
+    let mut sum = 0.0;
+    for (wi, &si) in w.iter_mut().zip(s) {
+        *wi = exp_approx(si - m);
+        sum += *wi;
+    }
+    sum
+}
+
+/// max(init, s[..]) (exact in any order; NaN-free scores).
+pub fn max_of(s: &[f32], init: f32) -> f32 {
+    let mut m = [init; 8];
+    let c = s.chunks_exact(8);
+    let rest = c.remainder().iter().fold(init, |a, &b| a.max(b));
+    for x in c {
+        for i in 0..8 {
+            m[i] = m[i].max(x[i]);
+        }
+    }
+    m.iter().fold(rest, |a, &b| a.max(b))
+}
+
 /// e^x for x ≤ 0 (softmax after max subtraction), relative error < 2e-7: range reduction
 /// x = k·ln2 + r, |r| ≤ ln2/2, then a degree-6 Taylor polynomial; branch-free so it
 /// vectorizes. Underflows to 0 below -87.
@@ -196,5 +250,27 @@ mod tests {
             }
         }
         assert!(worst < 3e-7, "relative error {worst}");
+    }
+
+    /// The softmax helpers (AVX-512 where present) against f64: every tail length of the
+    /// 16-lane loop, scores spread over [m − 100, m], the max exact.
+    #[test]
+    fn exp_sum_and_max_match_f64() {
+        let mut rng = crate::rng::SplitMix64::new(4);
+        for n in 1..=40 {
+            let s: Vec<f32> = (0..n).map(|_| -(rng.next_f64() as f32) * 100.0 + 3.0).collect();
+            let m = super::max_of(&s, f32::NEG_INFINITY);
+            assert_eq!(m, s.iter().copied().fold(f32::NEG_INFINITY, f32::max), "n={n}");
+            assert_eq!(super::max_of(&s, 1e9), 1e9);
+            let mut w = vec![f32::NAN; n + 3];
+            let sum = super::exp_sum(&s, m, &mut w);
+            let want: Vec<f64> = s.iter().map(|&x| ((x - m) as f64).exp()).collect();
+            for (i, (&g, &e)) in w.iter().zip(&want).enumerate() {
+                assert!((g as f64 - e).abs() <= 3e-7 * e + 1e-37, "n={n} i={i}: {g} vs {e}");
+            }
+            assert!(w[n..].iter().all(|v| v.is_nan()), "n={n}: wrote past the scores");
+            let total: f64 = want.iter().sum();
+            assert!((sum as f64 - total).abs() <= 1e-6 * total, "n={n}: {sum} vs {total}");
+        }
     }
 }

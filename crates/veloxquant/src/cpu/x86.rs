@@ -4,7 +4,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{scale_weights, CODES, F16, MAX_G, Q4, Q8, SPLIT};
+use super::{scale_weights, Scratch, CODES, F16, MAX_G, Q4, Q8, SPLIT};
 use crate::format::rows::{RowKind, RowLayout, Q4_BLOCK_BYTES, Q8_BLOCK_BYTES};
 
 pub(super) struct Tabs {
@@ -128,6 +128,9 @@ pub(super) unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
 ) {
     let (tb, tb2) = tabs(l);
     let [(_, c0, n0), (off1, c1, n1)] = segments(l);
+    let mut scales = Scratch::<32>::new(l.t);
+    let scales = scales.get();
+    l.row_scales(page, scales);
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
         let qp = q.as_ptr().add(h0 * l.d);
@@ -140,7 +143,7 @@ pub(super) unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
             } else {
                 dot_segment::<K, B>(row, qp, l.d, (c0, n0), g, &tb, &mut acc);
             }
-            let s = l.row_scale(page, t);
+            let s = scales[t];
             for (h, a) in acc.iter().enumerate().take(g) {
                 out[(h0 + h) * l.t + t] = hsum(*a) * s;
             }
@@ -188,16 +191,20 @@ pub(super) unsafe fn accumulate_k<const K: u8, const B: u32, const BL: u32>(
 ) {
     let (tb, tb2) = tabs(l);
     let [s0, s1] = segments(l);
-    let mut ws = vec![0f32; MAX_G * l.t];
+    let mut ws = Scratch::<{ MAX_G * 32 }>::new(MAX_G * l.t);
+    let ws = ws.get();
+    let mut scales = Scratch::<32>::new(l.t);
+    let scales = scales.get();
+    l.row_scales(page, scales);
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
-        scale_weights(l, page, &w[h0 * l.t..], g, &mut ws);
+        scale_weights(l, scales, &w[h0 * l.t..], g, ws);
         let ap = acc.as_mut_ptr().add(h0 * l.d);
         if K == SPLIT {
-            axpy_segment::<CODES, B>(l, page, s0, (g, &ws), &tb, ap);
-            axpy_segment::<CODES, BL>(l, page, s1, (g, &ws), &tb2, ap);
+            axpy_segment::<CODES, B>(l, page, s0, (g, ws), &tb, ap);
+            axpy_segment::<CODES, BL>(l, page, s1, (g, ws), &tb2, ap);
         } else {
-            axpy_segment::<K, B>(l, page, s0, (g, &ws), &tb, ap);
+            axpy_segment::<K, B>(l, page, s0, (g, ws), &tb, ap);
         }
     }
 }

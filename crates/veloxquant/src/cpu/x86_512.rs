@@ -5,8 +5,8 @@
 
 use std::arch::x86_64::*;
 
-use super::{scale_weights, CODES, F16, MAX_G, Q4, Q8, SPLIT};
-use crate::format::rows::{RowKind, RowLayout, Q4_BLOCK_BYTES, Q8_BLOCK_BYTES};
+use super::{scale_weights, Scratch, CODES, F16, MAX_G, Q4, Q8, SPLIT};
+use crate::format::rows::{RowKind, RowLayout, RowScale, Q4_BLOCK_BYTES, Q8_BLOCK_BYTES};
 
 struct Tabs {
     table: __m512,
@@ -31,6 +31,23 @@ unsafe fn tabs(l: &RowLayout) -> Tabs {
 #[inline]
 unsafe fn f16_at(p: *const u8) -> f32 {
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(p.cast::<u16>().read_unaligned() as i32)))
+}
+
+/// The page's per-token scales into `out[..T]`: f16 norms 16 at a time by `vcvtph2ps`
+/// (`RowLayout::row_scales` converts one at a time through a run-time dispatch).
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
+unsafe fn page_scales(l: &RowLayout, page: &[u8], out: &mut [f32]) {
+    match (l.scales_at, l.scale) {
+        (Some(o), RowScale::F16) if l.t.is_multiple_of(16) && out.len() >= l.t && page.len() >= o + 2 * l.t => {
+            for i in (0..l.t).step_by(16) {
+                // SAFETY: bytes o + 2i .. o + 2i + 32 lie within the page (checked above) and
+                // out[i..i + 16] within out.
+                let h = _mm256_loadu_si256(page.as_ptr().add(o + 2 * i).cast());
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+            }
+        }
+        _ => l.row_scales(page, out),
+    }
 }
 
 /// Values 16k..16k+16 of the row at `row`, without the per-token scale.
@@ -63,8 +80,44 @@ unsafe fn load16<const K: u8, const B: u32>(row: *const u8, k: usize, t: &Tabs) 
     }
 }
 
-/// Two tokens per step (each q chunk loaded once feeds both); per-token accumulators are
-/// folded to 8 lanes and parked, then reduced 8 tokens at a time by a transpose-add.
+/// TOK tokens per step (each q chunk loaded once feeds them all); per-token accumulators are
+/// folded to 8 lanes and parked, then reduced 8 tokens at a time by a transpose-add. The
+/// head count G is a constant so the TOK·G accumulators stay in registers (a run-time count
+/// left them in memory: a load and a store per FMA).
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn scores_g<const K: u8, const B: u32, const G: usize, const TOK: usize>(
+    l: &RowLayout,
+    qp: *const f32,
+    page: &[u8],
+    pp: *mut f32,
+    tb: &Tabs,
+) {
+    let nk = l.d / 16;
+    let mut t = 0;
+    while t < l.t {
+        let nt = (l.t - t).min(TOK);
+        // Past the page's end the last row repeats (its results are not parked).
+        let rows: [*const u8; TOK] = std::array::from_fn(|i| page.as_ptr().add((t + i.min(nt - 1)) * l.row_bytes));
+        let mut a = [[_mm512_setzero_ps(); G]; TOK];
+        for k in 0..nk {
+            let v: [__m512; TOK] = std::array::from_fn(|i| load16::<K, B>(rows[i], k, tb));
+            for h in 0..G {
+                let qv = _mm512_loadu_ps(qp.add(h * l.d + 16 * k));
+                for (ai, vi) in a.iter_mut().zip(&v) {
+                    ai[h] = _mm512_fmadd_ps(qv, *vi, ai[h]);
+                }
+            }
+        }
+        for h in 0..G {
+            for (i, ai) in a.iter().enumerate().take(nt) {
+                _mm256_storeu_ps(pp.add((h * l.t + t + i) * 8), fold8(ai[h]));
+            }
+        }
+        t += TOK;
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
 unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
     l: &RowLayout,
@@ -78,35 +131,25 @@ unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
         return super::x86::scores_k::<K, B, BL>(l, q, n_q, page, out);
     }
     let tb = tabs(l);
-    let nk = l.d / 16;
-    let mut park = vec![0f32; MAX_G * l.t * 8];
+    let mut park = Scratch::<{ MAX_G * 32 * 8 }>::new(MAX_G * l.t * 8);
+    let park = park.get();
+    let mut scales = Scratch::<32>::new(l.t);
+    let scales = scales.get();
+    page_scales(l, page, scales);
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
         let qp = q.as_ptr().add(h0 * l.d);
         let pp = park.as_mut_ptr();
-        let mut t = 0;
-        while t < l.t {
-            let pair = t + 1 < l.t;
-            let r0 = page.as_ptr().add(t * l.row_bytes);
-            let r1 = if pair { r0.add(l.row_bytes) } else { r0 };
-            let mut a0 = [_mm512_setzero_ps(); MAX_G];
-            let mut a1 = [_mm512_setzero_ps(); MAX_G];
-            for k in 0..nk {
-                let v0 = load16::<K, B>(r0, k, &tb);
-                let v1 = load16::<K, B>(r1, k, &tb);
-                for h in 0..g {
-                    let qv = _mm512_loadu_ps(qp.add(h * l.d + 16 * k));
-                    a0[h] = _mm512_fmadd_ps(qv, v0, a0[h]);
-                    a1[h] = _mm512_fmadd_ps(qv, v1, a1[h]);
-                }
-            }
-            for h in 0..g {
-                _mm256_storeu_ps(pp.add((h * l.t + t) * 8), fold8(a0[h]));
-                if pair {
-                    _mm256_storeu_ps(pp.add((h * l.t + t + 1) * 8), fold8(a1[h]));
-                }
-            }
-            t += 2;
+        // Four tokens per step up to 4 heads (16 accumulators), two beyond.
+        match g {
+            1 => scores_g::<K, B, 1, 4>(l, qp, page, pp, &tb),
+            2 => scores_g::<K, B, 2, 4>(l, qp, page, pp, &tb),
+            3 => scores_g::<K, B, 3, 4>(l, qp, page, pp, &tb),
+            4 => scores_g::<K, B, 4, 4>(l, qp, page, pp, &tb),
+            5 => scores_g::<K, B, 5, 2>(l, qp, page, pp, &tb),
+            6 => scores_g::<K, B, 6, 2>(l, qp, page, pp, &tb),
+            7 => scores_g::<K, B, 7, 2>(l, qp, page, pp, &tb),
+            _ => scores_g::<K, B, 8, 2>(l, qp, page, pp, &tb),
         }
         for h in 0..g {
             let o = &mut out[(h0 + h) * l.t..(h0 + h + 1) * l.t];
@@ -119,9 +162,7 @@ unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
             for (t, ot) in o.iter_mut().enumerate().skip(t) {
                 *ot = park[(h * l.t + t) * 8..(h * l.t + t + 1) * 8].iter().sum();
             }
-            for (t, ot) in o.iter_mut().enumerate() {
-                *ot *= l.row_scale(page, t);
-            }
+            o.iter_mut().zip(scales.iter()).for_each(|(ot, &s)| *ot *= s);
         }
     }
 }
@@ -146,6 +187,31 @@ unsafe fn transpose_sum8(p: *const f32) -> __m256 {
     _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31))
 }
 
+/// Chunk-outer: each 16-wide slice of the G accumulators (G constant: in registers) stays
+/// across all T tokens of the page; weights (× the token's scale) are broadcast from memory.
+#[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn accumulate_g<const K: u8, const B: u32, const G: usize>(
+    l: &RowLayout,
+    ws: &[f32],
+    page: &[u8],
+    ap: *mut f32,
+    tb: &Tabs,
+) {
+    for k in 0..l.d / 16 {
+        let mut a: [__m512; G] = std::array::from_fn(|h| _mm512_loadu_ps(ap.add(h * l.d + 16 * k)));
+        for t in 0..l.t {
+            let v = load16::<K, B>(page.as_ptr().add(t * l.row_bytes), k, tb);
+            for (h, x) in a.iter_mut().enumerate() {
+                *x = _mm512_fmadd_ps(_mm512_set1_ps(*ws.get_unchecked(h * l.t + t)), v, *x);
+            }
+        }
+        for (h, x) in a.iter().enumerate() {
+            _mm512_storeu_ps(ap.add(h * l.d + 16 * k), *x);
+        }
+    }
+}
+
 #[target_feature(enable = "avx512f,avx512vbmi,avx2,fma,f16c")]
 unsafe fn accumulate_k<const K: u8, const B: u32, const BL: u32>(
     l: &RowLayout,
@@ -158,26 +224,24 @@ unsafe fn accumulate_k<const K: u8, const B: u32, const BL: u32>(
         return super::x86::accumulate_k::<K, B, BL>(l, w, n_q, page, acc);
     }
     let tb = tabs(l);
-    let nk = l.d / 16;
-    let mut ws = vec![0f32; MAX_G * l.t];
+    let mut ws = Scratch::<{ MAX_G * 32 }>::new(MAX_G * l.t);
+    let ws = ws.get();
+    let mut scales = Scratch::<32>::new(l.t);
+    let scales = scales.get();
+    page_scales(l, page, scales);
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
-        scale_weights(l, page, &w[h0 * l.t..], g, &mut ws);
+        scale_weights(l, scales, &w[h0 * l.t..], g, ws);
         let ap = acc.as_mut_ptr().add(h0 * l.d);
-        for k in 0..nk {
-            let mut a = [_mm512_setzero_ps(); MAX_G];
-            for (h, x) in a.iter_mut().enumerate().take(g) {
-                *x = _mm512_loadu_ps(ap.add(h * l.d + 16 * k));
-            }
-            for t in 0..l.t {
-                let v = load16::<K, B>(page.as_ptr().add(t * l.row_bytes), k, &tb);
-                for (h, x) in a.iter_mut().enumerate().take(g) {
-                    *x = _mm512_fmadd_ps(_mm512_set1_ps(*ws.get_unchecked(h * l.t + t)), v, *x);
-                }
-            }
-            for (h, x) in a.iter().enumerate().take(g) {
-                _mm512_storeu_ps(ap.add(h * l.d + 16 * k), *x);
-            }
+        match g {
+            1 => accumulate_g::<K, B, 1>(l, ws, page, ap, &tb),
+            2 => accumulate_g::<K, B, 2>(l, ws, page, ap, &tb),
+            3 => accumulate_g::<K, B, 3>(l, ws, page, ap, &tb),
+            4 => accumulate_g::<K, B, 4>(l, ws, page, ap, &tb),
+            5 => accumulate_g::<K, B, 5>(l, ws, page, ap, &tb),
+            6 => accumulate_g::<K, B, 6>(l, ws, page, ap, &tb),
+            7 => accumulate_g::<K, B, 7>(l, ws, page, ap, &tb),
+            _ => accumulate_g::<K, B, 8>(l, ws, page, ap, &tb),
         }
     }
 }
@@ -192,4 +256,35 @@ pub unsafe fn scores(l: &RowLayout, q: &[f32], n_q: usize, page: &[u8], out: &mu
 /// SAFETY (caller): as for [`scores`].
 pub unsafe fn accumulate(l: &RowLayout, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
     dispatch_row_kind!(l, accumulate_k, w, n_q, page, acc)
+}
+
+/// [`super::exp_sum`] 16 lanes at a time: exp_approx's range reduction and polynomial (with
+/// fused multiply-adds), the tail masked. SAFETY (caller): AVX-512F; `w.len() ≥ s.len()`.
+#[target_feature(enable = "avx512f,avx2,fma")]
+pub unsafe fn exp_sum(s: &[f32], m: f32, w: &mut [f32]) -> f32 {
+    let n = s.len();
+    let (mv, lo) = (_mm512_set1_ps(m), _mm512_set1_ps(-87.0));
+    let (log2e, round) = (_mm512_set1_ps(std::f32::consts::LOG2_E), _mm512_set1_ps(12_582_912.0));
+    let (ln2_hi, ln2_lo) = (_mm512_set1_ps(0.693_145_75), _mm512_set1_ps(1.428_606_8e-6));
+    let c = [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0].map(|v: f32| _mm512_set1_ps(v));
+    let mut sum = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let k16 = (n - i).min(16);
+        let mask: __mmask16 = if k16 == 16 { 0xFFFF } else { (1u16 << k16) - 1 };
+        // SAFETY: lanes < k16 lie within s and w (masked loads and stores touch no others).
+        let x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s.as_ptr().add(i)), mv), lo);
+        let k = _mm512_sub_ps(_mm512_fmadd_ps(x, log2e, round), round);
+        let r = _mm512_fnmadd_ps(k, ln2_lo, _mm512_fnmadd_ps(k, ln2_hi, x));
+        let mut p = c[0];
+        for &ci in &c[1..] {
+            p = _mm512_fmadd_ps(p, r, ci);
+        }
+        let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)));
+        let v = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+        _mm512_mask_storeu_ps(w.as_mut_ptr().add(i), mask, v);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, v));
+        i += 16;
+    }
+    _mm512_reduce_add_ps(sum)
 }

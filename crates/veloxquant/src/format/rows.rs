@@ -156,6 +156,23 @@ impl RowLayout {
         }
     }
 
+    /// Every token's [`row_scale`](Self::row_scale) into `out[..T]` (one pass over the page's
+    /// scales, for kernels that apply them per token and head).
+    pub fn row_scales(&self, page: &[u8], out: &mut [f32]) {
+        let out = &mut out[..self.t];
+        match (self.scales_at, self.scale) {
+            (Some(o), RowScale::F16) => {
+                for (s, b) in out.iter_mut().zip(page[o..o + 2 * self.t].chunks_exact(2)) {
+                    *s = f16::from_le_bytes([b[0], b[1]]).to_f32();
+                }
+            }
+            (Some(o), RowScale::LogU8 { base }) => {
+                out.iter_mut().zip(&page[o..o + self.t]).for_each(|(s, &c)| *s = RowScale::log_decode(base, c));
+            }
+            (None, _) => out.fill(1.0),
+        }
+    }
+
     pub fn set_row_scale(&self, page: &mut [u8], t: usize, s: f32) {
         match (self.scales_at, self.scale) {
             (Some(o), RowScale::F16) => page[o + 2 * t..o + 2 * t + 2].copy_from_slice(&f16::from_f32(s).to_le_bytes()),
