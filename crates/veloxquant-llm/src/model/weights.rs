@@ -76,6 +76,24 @@ impl<W> Parts<W> {
         }
     }
 
+    /// `mul(w)` as one row-major `[n][Σ width_i]` buffer, each weight's columns in order.
+    fn forward_joined(&self, n: usize, mul: impl Fn(&W) -> Result<Vec<f32>>) -> Result<Vec<f32>> {
+        match self {
+            Parts::Fused { w, .. } => mul(w),
+            Parts::Separate(ws) => {
+                let ys = ws.iter().map(mul).collect::<Result<Vec<_>>>()?;
+                let mut out = Vec::with_capacity(ys.iter().map(Vec::len).sum());
+                for r in 0..n {
+                    for y in &ys {
+                        let wd = y.len() / n.max(1);
+                        out.extend_from_slice(&y[r * wd..(r + 1) * wd]);
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
     fn first(&self) -> Option<&W> {
         match self {
             Parts::Fused { w, .. } => Some(w),
@@ -149,6 +167,18 @@ impl Proj {
             _ => {
                 let x = Tensor::from_vec(x, (n, self.in_features), &Device::Cpu)?;
                 self.dense.forward(n, |w| Ok(w.forward(&x)?.flatten_all()?.to_vec1()?))
+            }
+        }
+    }
+
+    /// [`forward`](Self::forward) with the weights' outputs side by side: `[n][Σ width_i]`
+    /// (no split when the weights are one fused matrix).
+    pub(crate) fn forward_joined(&self, x: Vec<f32>, n: usize) -> Result<Vec<f32>> {
+        match &self.packed {
+            Some(p) if n <= p.max_rows() => p.forward_joined(n, |w| w.product(&x, n)),
+            _ => {
+                let x = Tensor::from_vec(x, (n, self.in_features), &Device::Cpu)?;
+                self.dense.forward_joined(n, |w| Ok(w.forward(&x)?.flatten_all()?.to_vec1()?))
             }
         }
     }
