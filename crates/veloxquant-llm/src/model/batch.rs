@@ -69,8 +69,21 @@ impl Llama {
             pos0s.push(pos0);
             offsets.push(all.len());
         }
+        crate::pool::polling(|| self.run_batch(items, &all, &offsets, &pos0s))
+    }
+
+    /// The checked batch's layers and logits: `all` its tokens, `offsets` each item's first
+    /// row, `pos0s` each item's first position.
+    fn run_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        all: &[u32],
+        offsets: &[usize],
+        pos0s: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        let c = &self.config;
         let n_rows = all.len();
-        let ids = Tensor::new(all.as_slice(), &Device::Cpu)?;
+        let ids = Tensor::new(all, &Device::Cpu)?;
         let mut x: Vec<f32> = self.embed.index_select(&ids, 0)?.flatten_all()?.to_vec1()?;
         let hd = c.head_dim;
         let (qw, kw) = (c.n_heads * hd, c.n_kv_heads * hd);
@@ -82,13 +95,13 @@ impl Llama {
                 self.rope(&mut q[w[0] * qw..w[1] * qw], pos0s[i], c.n_heads);
                 self.rope(&mut k[w[0] * kw..w[1] * kw], pos0s[i], c.n_kv_heads);
             }
-            let att = self.attend_batch(items, li, &offsets, (&q, &k, &v))?;
+            let att = self.attend_batch(items, li, offsets, (&q, &k, &v))?;
             add_assign(&mut x, &layer.wo.forward1(att, n_rows)?);
 
             let gu = layer.gate_up.forward_joined(rms_norm(&x, &layer.ffn_norm, c.rms_eps), n_rows)?;
             add_assign(&mut x, &layer.w_down.forward1(swiglu(&gu, c.ffn_hidden), n_rows)?);
         }
-        self.batch_logits(items, &offsets, &x)
+        self.batch_logits(items, offsets, &x)
     }
 
     /// Append each item's K/V to its store and attend, all items in one parallel pass (a
