@@ -139,28 +139,22 @@ impl Llama {
         Ok(out)
     }
 
-    /// The final norm and the output projection over the rows that want logits, in one GEMM.
+    /// The final norm and the output projection over the rows that want logits, in one
+    /// product written straight into each item's logits.
     fn batch_logits(&self, items: &[BatchItem<'_>], offsets: &[usize], x: &[f32]) -> Result<Vec<Vec<f32>>> {
         let (h, nv) = (self.config.hidden, self.config.n_vocab);
         let mut rows = Vec::new();
-        let mut counts = Vec::with_capacity(items.len());
+        let mut out = Vec::with_capacity(items.len());
         for (i, it) in items.iter().enumerate() {
             let (from, to) = (offsets[i] + it.logits_from, offsets[i + 1]);
             rows.extend_from_slice(&x[from * h..to * h]);
-            counts.push(to - from);
+            out.push(vec![0f32; (to - from) * nv]);
         }
-        let n_out: usize = counts.iter().sum();
-        let logits = if n_out == 0 {
-            Vec::new()
-        } else {
-            self.output.forward1(rms_norm(&rows, &self.output_norm, self.config.rms_eps), n_out)?
-        };
-        let mut out = Vec::with_capacity(items.len());
-        let mut at = 0;
-        for n in counts {
-            out.push(logits[at * nv..(at + n) * nv].to_vec());
-            at += n;
+        if rows.is_empty() {
+            return Ok(out);
         }
+        let mut ys: Vec<&mut [f32]> = out.iter_mut().flat_map(|o| o.chunks_mut(nv)).collect();
+        self.output.forward1_into(rms_norm(&rows, &self.output_norm, self.config.rms_eps), &mut ys)?;
         Ok(out)
     }
 }

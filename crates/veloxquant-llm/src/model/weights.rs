@@ -188,6 +188,32 @@ impl Proj {
         Ok(self.forward(x, n)?.into_iter().next().unwrap_or_default())
     }
 
+    /// [`forward1`](Self::forward1) with row j of the product written to `ys[j]`: the packed
+    /// kernel writes there itself, the dense product through a copy.
+    pub(crate) fn forward1_into(&self, x: Vec<f32>, ys: &mut [&mut [f32]]) -> Result<()> {
+        let n = ys.len();
+        if let Some(Parts::Separate(ws)) = &self.packed {
+            if let [w] = ws.as_slice() {
+                if n <= w.max_rows_per_pass() {
+                    return w.product_into(&x, ys);
+                }
+            }
+        }
+        let y = self.forward1(x, n)?;
+        let width = y.len() / n.max(1);
+        if let Some(dst) = ys.iter().find(|d| d.len() != width) {
+            return Err(crate::error::LlmError::ShapeMismatch {
+                op: "Proj::forward1_into",
+                expected: width,
+                got: dst.len(),
+            });
+        }
+        for (dst, src) in ys.iter_mut().zip(y.chunks_exact(width.max(1))) {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
+    }
+
     /// (resident bytes, bytes one decode step reads).
     pub(crate) fn bytes(&self) -> (usize, usize) {
         let dense = self.dense.bytes(dense_bytes);
