@@ -8,6 +8,10 @@ pub(crate) use veloxquant::cpu::exp_approx;
 /// and to give rayon several tasks per head.
 const Q_BLOCK: usize = 128;
 
+/// Attention over fewer (query, key) dot products than this runs on the calling thread:
+/// a decode step over a short context is a few µs, less than the pool's task overhead.
+const PAR_MIN_DOTS: usize = 1 << 11;
+
 /// A second key/value source for [`causal_attention_mixed`]: for the query at absolute
 /// position p, keys in `range(p)` are read from these arrays instead (same indexing).
 pub struct CodedSource<'a> {
@@ -83,55 +87,57 @@ pub fn causal_attention_mixed(
     let scale = 1.0 / (head_dim as f32).sqrt();
     let n_blocks = n_q.div_ceil(Q_BLOCK);
     let tasks: Vec<(usize, usize)> = (0..n_heads).flat_map(|h| (0..n_blocks).map(move |b| (h, b))).collect();
-    let parts: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(h, b)| {
-            let r0 = b * Q_BLOCK;
-            let rows = Q_BLOCK.min(n_q - r0);
-            let first_pos = len - n_q + r0; // absolute position of row 0 of this block
-            let n_keys = first_pos + rows;
-            let g = h / group;
-            let q_blk = &q[(h * n_q + r0) * head_dim..(h * n_q + r0 + rows) * head_dim];
-            let mut scores = vec![0f32; rows * n_keys];
-            // scores = scale * Q K^T
-            gemm_rowmajor(rows, n_keys, head_dim, &mut scores, q_blk, head_dim, 1, keys[g], 1, head_dim, scale);
-            let mut coded_p = coded.map(|c| {
-                let mut sc = vec![0f32; rows * n_keys];
-                let (qc, alpha) = match c.query {
-                    Some(qq) => (&qq[(h * n_q + r0) * head_dim..(h * n_q + r0 + rows) * head_dim], 1.0),
-                    None => (q_blk, scale),
-                };
-                gemm_rowmajor(rows, n_keys, head_dim, &mut sc, qc, head_dim, 1, c.keys[g], 1, head_dim, alpha);
-                for (i, (row, crow)) in scores.chunks_exact_mut(n_keys).zip(sc.chunks_exact(n_keys)).enumerate() {
-                    let r = (c.range)(first_pos + i);
-                    row[r.clone()].copy_from_slice(&crow[r]);
-                }
-                sc
-            });
-            for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
-                let valid = first_pos + i + 1;
-                softmax_prefix(row, valid);
+    let task = |&(h, b): &(usize, usize)| {
+        let r0 = b * Q_BLOCK;
+        let rows = Q_BLOCK.min(n_q - r0);
+        let first_pos = len - n_q + r0; // absolute position of row 0 of this block
+        let n_keys = first_pos + rows;
+        let g = h / group;
+        let q_blk = &q[(h * n_q + r0) * head_dim..(h * n_q + r0 + rows) * head_dim];
+        let mut scores = vec![0f32; rows * n_keys];
+        // scores = scale * Q K^T
+        gemm_rowmajor(rows, n_keys, head_dim, &mut scores, q_blk, head_dim, 1, keys[g], 1, head_dim, scale);
+        let mut coded_p = coded.map(|c| {
+            let mut sc = vec![0f32; rows * n_keys];
+            let (qc, alpha) = match c.query {
+                Some(qq) => (&qq[(h * n_q + r0) * head_dim..(h * n_q + r0 + rows) * head_dim], 1.0),
+                None => (q_blk, scale),
+            };
+            gemm_rowmajor(rows, n_keys, head_dim, &mut sc, qc, head_dim, 1, c.keys[g], 1, head_dim, alpha);
+            for (i, (row, crow)) in scores.chunks_exact_mut(n_keys).zip(sc.chunks_exact(n_keys)).enumerate() {
+                let r = (c.range)(first_pos + i);
+                row[r.clone()].copy_from_slice(&crow[r]);
             }
-            // Move the coded keys' weights to their own matrix (zero elsewhere).
-            if let (Some(c), Some(pc)) = (coded, coded_p.as_mut()) {
-                for (i, (row, crow)) in scores.chunks_exact_mut(n_keys).zip(pc.chunks_exact_mut(n_keys)).enumerate() {
-                    let r = (c.range)(first_pos + i);
-                    crow.fill(0.0);
-                    crow[r.clone()].copy_from_slice(&row[r.clone()]);
-                    row[r].fill(0.0);
-                }
+            sc
+        });
+        for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
+            let valid = first_pos + i + 1;
+            softmax_prefix(row, valid);
+        }
+        // Move the coded keys' weights to their own matrix (zero elsewhere).
+        if let (Some(c), Some(pc)) = (coded, coded_p.as_mut()) {
+            for (i, (row, crow)) in scores.chunks_exact_mut(n_keys).zip(pc.chunks_exact_mut(n_keys)).enumerate() {
+                let r = (c.range)(first_pos + i);
+                crow.fill(0.0);
+                crow[r.clone()].copy_from_slice(&row[r.clone()]);
+                row[r].fill(0.0);
             }
-            let mut out = vec![0f32; rows * head_dim];
-            // out = P V (+ P_coded V_coded)
-            gemm_rowmajor(rows, head_dim, n_keys, &mut out, &scores, n_keys, 1, values[g], head_dim, 1, 1.0);
-            if let (Some(c), Some(pc)) = (coded, coded_p) {
-                let mut out2 = vec![0f32; rows * head_dim];
-                gemm_rowmajor(rows, head_dim, n_keys, &mut out2, &pc, n_keys, 1, c.values[g], head_dim, 1, 1.0);
-                out.iter_mut().zip(out2).for_each(|(a, b)| *a += b);
-            }
-            out
-        })
-        .collect();
+        }
+        let mut out = vec![0f32; rows * head_dim];
+        // out = P V (+ P_coded V_coded)
+        gemm_rowmajor(rows, head_dim, n_keys, &mut out, &scores, n_keys, 1, values[g], head_dim, 1, 1.0);
+        if let (Some(c), Some(pc)) = (coded, coded_p) {
+            let mut out2 = vec![0f32; rows * head_dim];
+            gemm_rowmajor(rows, head_dim, n_keys, &mut out2, &pc, n_keys, 1, c.values[g], head_dim, 1, 1.0);
+            out.iter_mut().zip(out2).for_each(|(a, b)| *a += b);
+        }
+        out
+    };
+    let parts: Vec<Vec<f32>> = if n_heads * n_q * len < PAR_MIN_DOTS {
+        tasks.iter().map(task).collect()
+    } else {
+        tasks.par_iter().map(task).collect()
+    };
     let width = n_heads * head_dim;
     let mut result = vec![0f32; n_q * width];
     for (&(h, b), part) in tasks.iter().zip(&parts) {

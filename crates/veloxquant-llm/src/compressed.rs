@@ -95,6 +95,12 @@ fn f16_rows(x: &[f16]) -> impl Iterator<Item = f32> + '_ {
 
 impl KvStore for CompressedStore {
     fn append(&mut self, layer: usize, k: &[f32], v: &[f32], n_tokens: usize) -> Result<()> {
+        if n_tokens == 1 {
+            // A decode step's attention reads the cache itself: no chunk to keep.
+            self.cache.append(layer, k, v, n_tokens).map_err(backend)?;
+            self.pending = None;
+            return Ok(());
+        }
         let start = self.cache.n_tokens(layer).map_err(backend)?;
         let (h, d) = (self.cache.config().n_kv_heads, self.cache.config().head_dim);
         let end = start + n_tokens;
@@ -105,10 +111,6 @@ impl KvStore for CompressedStore {
             (lc.keys.iter().map(snap).collect(), lc.values.iter().map(snap).collect());
         let coded_before = lc.keys[0].paged_tokens();
         self.cache.append(layer, k, v, n_tokens).map_err(backend)?;
-        if n_tokens == 1 {
-            self.pending = None;
-            return Ok(());
-        }
         let lc = self.cache.layer(layer).map_err(backend)?;
         let per = n_tokens * d;
         let build = |tail: &[f32], sink: &[f16], chunk: &[f32]| {

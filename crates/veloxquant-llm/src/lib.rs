@@ -32,6 +32,7 @@ pub mod gpu;
 pub mod kl_base;
 pub mod model;
 pub mod passkey;
+mod pool;
 pub mod qmatvec;
 pub mod report;
 pub mod sample;

@@ -54,7 +54,14 @@ impl StoredValue for f32 {
     }
 }
 
+/// Caches holding fewer values than this widen on the calling thread (a short decode
+/// context's few µs of conversions cost less than handing them to the pool).
+const PAR_MIN_WIDEN: usize = 1 << 15;
+
 fn widen<T: StoredValue>(heads: &[Vec<T>]) -> Vec<std::borrow::Cow<'_, [f32]>> {
+    if heads.iter().map(Vec::len).sum::<usize>() < PAR_MIN_WIDEN {
+        return heads.iter().map(|h| T::to_f32(h)).collect();
+    }
     heads.par_iter().map(|h| T::to_f32(h)).collect()
 }
 

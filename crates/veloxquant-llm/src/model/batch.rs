@@ -4,17 +4,15 @@
 //! own [`KvStore`]. The rows of all sequences are concatenated, so each matrix product
 //! (QKV, output, gate/up, down, logits) reads the weights once for the whole batch — on a
 //! memory-bound CPU that is where batching pays. RoPE, the cache append and attention run
-//! per sequence: decode rows over paged caches go through one
-//! [`decode_attention_batch`] call per layer (all sequences' page runs in one parallel
-//! pass), prefill chunks through their store's own `attend`, in parallel.
+//! per sequence, all sequences of a layer in one parallel pass (a sequence's append and
+//! attention are one task, so the pool is woken once per layer for them; a decode row over
+//! a paged cache runs the fused decode attention, which splits its page runs further).
 //!
 //! Each sequence sees exactly what [`Llama::forward`] on it alone would compute, up to
 //! the rounding of the matrix products (a GEMM over B rows may sum in another order than
 //! over one); greedy tokens agree (tested against `generate` in the server crate).
 
 use rayon::prelude::*;
-use veloxquant::attn::decode_attention_batch;
-use veloxquant::PagedCache;
 
 use super::{add_assign, rms_norm, swiglu, to_heads, Llama};
 use crate::compressed::CompressedStore;
@@ -22,20 +20,11 @@ use crate::error::{LlmError, Result};
 use crate::store::{DenseStore, KvStore, StoredValue};
 use candle_core::{Device, Tensor};
 
-/// A store that can take part in a batched forward.
-pub trait BatchStore: KvStore + Send {
-    /// The paged cache behind the store, when its one-token attention is the fused decode
-    /// over that cache (then a batch's decode rows share one parallel pass).
-    fn paged(&self) -> Option<&PagedCache> {
-        None
-    }
-}
+/// A store that can take part in a batched forward (its append and attention run on a
+/// pool thread).
+pub trait BatchStore: KvStore + Send {}
 
-impl BatchStore for CompressedStore {
-    fn paged(&self) -> Option<&PagedCache> {
-        Some(self.cache())
-    }
-}
+impl BatchStore for CompressedStore {}
 
 impl<T: StoredValue> BatchStore for DenseStore<T> {}
 
@@ -80,8 +69,21 @@ impl Llama {
             pos0s.push(pos0);
             offsets.push(all.len());
         }
+        crate::pool::polling(|| self.run_batch(items, &all, &offsets, &pos0s))
+    }
+
+    /// The checked batch's layers and logits: `all` its tokens, `offsets` each item's first
+    /// row, `pos0s` each item's first position.
+    fn run_batch(
+        &self,
+        items: &mut [BatchItem<'_>],
+        all: &[u32],
+        offsets: &[usize],
+        pos0s: &[usize],
+    ) -> Result<Vec<Vec<f32>>> {
+        let c = &self.config;
         let n_rows = all.len();
-        let ids = Tensor::new(all.as_slice(), &Device::Cpu)?;
+        let ids = Tensor::new(all, &Device::Cpu)?;
         let mut x: Vec<f32> = self.embed.index_select(&ids, 0)?.flatten_all()?.to_vec1()?;
         let hd = c.head_dim;
         let (qw, kw) = (c.n_heads * hd, c.n_kv_heads * hd);
@@ -93,18 +95,18 @@ impl Llama {
                 self.rope(&mut q[w[0] * qw..w[1] * qw], pos0s[i], c.n_heads);
                 self.rope(&mut k[w[0] * kw..w[1] * kw], pos0s[i], c.n_kv_heads);
             }
-            let att = self.attend_batch(items, li, &offsets, (&q, &k, &v))?;
+            let att = self.attend_batch(items, li, offsets, (&q, &k, &v))?;
             add_assign(&mut x, &layer.wo.forward1(att, n_rows)?);
 
-            let mut gu = layer.gate_up.forward(rms_norm(&x, &layer.ffn_norm, c.rms_eps), n_rows)?.into_iter();
-            let (mut gate, up) = (gu.next().unwrap_or_default(), gu.next().unwrap_or_default());
-            swiglu(&mut gate, &up);
-            add_assign(&mut x, &layer.w_down.forward1(gate, n_rows)?);
+            let gu = layer.gate_up.forward_joined(rms_norm(&x, &layer.ffn_norm, c.rms_eps), n_rows)?;
+            add_assign(&mut x, &layer.w_down.forward1(swiglu(&gu, c.ffn_hidden), n_rows)?);
         }
-        self.batch_logits(items, &offsets, &x)
+        self.batch_logits(items, offsets, &x)
     }
 
-    /// Append each item's K/V to its store and attend; returns `[n_rows][hidden]`.
+    /// Append each item's K/V to its store and attend, all items in one parallel pass (a
+    /// store's own attention splits further over the pool: the fused decode over its page
+    /// runs, the dense heads); returns `[n_rows][hidden]`.
     fn attend_batch(
         &self,
         items: &mut [BatchItem<'_>],
@@ -116,71 +118,43 @@ impl Llama {
         let (h, hd) = (c.hidden, c.head_dim);
         let (qw, kw) = (c.n_heads * hd, c.n_kv_heads * hd);
         let mut out = vec![0f32; offsets[offsets.len() - 1] * h];
-        let mut heads_q = Vec::with_capacity(items.len());
-        for (i, it) in items.iter_mut().enumerate() {
-            let (r0, r1) = (offsets[i], offsets[i + 1]);
+        let mut outs = Vec::with_capacity(items.len());
+        let mut rest = out.as_mut_slice();
+        for w in offsets.windows(2) {
+            let (mine, tail) = rest.split_at_mut((w[1] - w[0]) * h);
+            outs.push(mine);
+            rest = tail;
+        }
+        items.par_iter_mut().zip(outs).zip(offsets.par_windows(2)).try_for_each(|((it, o), w)| -> Result<()> {
+            let (r0, r1) = (w[0], w[1]);
             let n = r1 - r0;
             let kh = to_heads(&k[r0 * kw..r1 * kw], n, c.n_kv_heads, hd);
             let vh = to_heads(&v[r0 * kw..r1 * kw], n, c.n_kv_heads, hd);
             it.store.append(layer, &kh, &vh, n)?;
-            heads_q.push(to_heads(&q[r0 * qw..r1 * qw], n, c.n_heads, hd));
-        }
-        // Decode rows over paged caches: one fused pass for all of them.
-        let fused: Vec<usize> = (0..items.len())
-            .filter(|&i| offsets[i + 1] - offsets[i] == 1 && items[i].store.paged().is_some())
-            .collect();
-        if !fused.is_empty() {
-            let seqs: Vec<(&PagedCache, &[f32])> =
-                fused.iter().filter_map(|&i| items[i].store.paged().map(|p| (p, heads_q[i].as_slice()))).collect();
-            let outs =
-                decode_attention_batch(&seqs, layer, c.n_heads).map_err(|e| LlmError::StoreBackend(Box::new(e)))?;
-            for (&i, o) in fused.iter().zip(outs) {
-                check_len(&o, h)?;
-                out[offsets[i] * h..offsets[i + 1] * h].copy_from_slice(&o);
-            }
-        }
-        // Everything else (prefill chunks, dense stores): each store's own attention.
-        let rest: Vec<Result<(usize, Vec<f32>)>> = items
-            .par_iter_mut()
-            .zip(heads_q.par_iter())
-            .enumerate()
-            .filter(|(i, _)| !fused.contains(i))
-            .map(|(i, (it, qh))| {
-                let n = offsets[i + 1] - offsets[i];
-                let a = it.store.attend(layer, qh, n)?;
-                check_len(&a, n * h)?;
-                Ok((i, a))
-            })
-            .collect();
-        for r in rest {
-            let (i, a) = r?;
-            out[offsets[i] * h..offsets[i + 1] * h].copy_from_slice(&a);
-        }
+            let a = it.store.attend(layer, &to_heads(&q[r0 * qw..r1 * qw], n, c.n_heads, hd), n)?;
+            check_len(&a, n * h)?;
+            o.copy_from_slice(&a);
+            Ok(())
+        })?;
         Ok(out)
     }
 
-    /// The final norm and the output projection over the rows that want logits, in one GEMM.
+    /// The final norm and the output projection over the rows that want logits, in one
+    /// product written straight into each item's logits.
     fn batch_logits(&self, items: &[BatchItem<'_>], offsets: &[usize], x: &[f32]) -> Result<Vec<Vec<f32>>> {
         let (h, nv) = (self.config.hidden, self.config.n_vocab);
         let mut rows = Vec::new();
-        let mut counts = Vec::with_capacity(items.len());
+        let mut out = Vec::with_capacity(items.len());
         for (i, it) in items.iter().enumerate() {
             let (from, to) = (offsets[i] + it.logits_from, offsets[i + 1]);
             rows.extend_from_slice(&x[from * h..to * h]);
-            counts.push(to - from);
+            out.push(vec![0f32; (to - from) * nv]);
         }
-        let n_out: usize = counts.iter().sum();
-        let logits = if n_out == 0 {
-            Vec::new()
-        } else {
-            self.output.forward1(rms_norm(&rows, &self.output_norm, self.config.rms_eps), n_out)?
-        };
-        let mut out = Vec::with_capacity(items.len());
-        let mut at = 0;
-        for n in counts {
-            out.push(logits[at * nv..(at + n) * nv].to_vec());
-            at += n;
+        if rows.is_empty() {
+            return Ok(out);
         }
+        let mut ys: Vec<&mut [f32]> = out.iter_mut().flat_map(|o| o.chunks_mut(nv)).collect();
+        self.output.forward1_into(rms_norm(&rows, &self.output_norm, self.config.rms_eps), &mut ys)?;
         Ok(out)
     }
 }

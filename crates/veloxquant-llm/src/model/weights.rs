@@ -76,6 +76,24 @@ impl<W> Parts<W> {
         }
     }
 
+    /// `mul(w)` as one row-major `[n][Σ width_i]` buffer, each weight's columns in order.
+    fn forward_joined(&self, n: usize, mul: impl Fn(&W) -> Result<Vec<f32>>) -> Result<Vec<f32>> {
+        match self {
+            Parts::Fused { w, .. } => mul(w),
+            Parts::Separate(ws) => {
+                let ys = ws.iter().map(mul).collect::<Result<Vec<_>>>()?;
+                let mut out = Vec::with_capacity(ys.iter().map(Vec::len).sum());
+                for r in 0..n {
+                    for y in &ys {
+                        let wd = y.len() / n.max(1);
+                        out.extend_from_slice(&y[r * wd..(r + 1) * wd]);
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
     fn first(&self) -> Option<&W> {
         match self {
             Parts::Fused { w, .. } => Some(w),
@@ -153,9 +171,47 @@ impl Proj {
         }
     }
 
+    /// [`forward`](Self::forward) with the weights' outputs side by side: `[n][Σ width_i]`
+    /// (no split when the weights are one fused matrix).
+    pub(crate) fn forward_joined(&self, x: Vec<f32>, n: usize) -> Result<Vec<f32>> {
+        match &self.packed {
+            Some(p) if n <= p.max_rows() => p.forward_joined(n, |w| w.product(&x, n)),
+            _ => {
+                let x = Tensor::from_vec(x, (n, self.in_features), &Device::Cpu)?;
+                self.dense.forward_joined(n, |w| Ok(w.forward(&x)?.flatten_all()?.to_vec1()?))
+            }
+        }
+    }
+
     /// [`forward`](Self::forward) of a single-weight projection.
     pub(crate) fn forward1(&self, x: Vec<f32>, n: usize) -> Result<Vec<f32>> {
         Ok(self.forward(x, n)?.into_iter().next().unwrap_or_default())
+    }
+
+    /// [`forward1`](Self::forward1) with row j of the product written to `ys[j]`: the packed
+    /// kernel writes there itself, the dense product through a copy.
+    pub(crate) fn forward1_into(&self, x: Vec<f32>, ys: &mut [&mut [f32]]) -> Result<()> {
+        let n = ys.len();
+        if let Some(Parts::Separate(ws)) = &self.packed {
+            if let [w] = ws.as_slice() {
+                if n <= w.max_rows_per_pass() {
+                    return w.product_into(&x, ys);
+                }
+            }
+        }
+        let y = self.forward1(x, n)?;
+        let width = y.len() / n.max(1);
+        if let Some(dst) = ys.iter().find(|d| d.len() != width) {
+            return Err(crate::error::LlmError::ShapeMismatch {
+                op: "Proj::forward1_into",
+                expected: width,
+                got: dst.len(),
+            });
+        }
+        for (dst, src) in ys.iter_mut().zip(y.chunks_exact(width.max(1))) {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
     }
 
     /// (resident bytes, bytes one decode step reads).

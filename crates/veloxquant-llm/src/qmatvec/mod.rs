@@ -330,6 +330,43 @@ impl PackedMatrix {
         Ok(y)
     }
 
+    /// [`product`](Self::product) of `ys.len()` rows of x, row j of the result written to
+    /// `ys[j]` (each `rows` long): the VNNI kernel writes there itself (a batch's logits go
+    /// straight to each sequence's buffer), the others through a copy.
+    pub fn product_into(&self, x: &[f32], ys: &mut [&mut [f32]]) -> Result<()> {
+        let n = ys.len();
+        if x.len() != n * self.cols {
+            return Err(LlmError::ShapeMismatch {
+                op: "PackedMatrix::product_into x",
+                expected: n * self.cols,
+                got: x.len(),
+            });
+        }
+        if let Some(y) = ys.iter().find(|y| y.len() != self.rows) {
+            return Err(LlmError::ShapeMismatch {
+                op: "PackedMatrix::product_into y",
+                expected: self.rows,
+                got: y.len(),
+            });
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self.q8_x && n <= MAX_N_Q8 && Int8Kernel::best() == Int8Kernel::Vnni {
+            let qx = QuantX::new(x);
+            let (il, x_off) = (self.interleave(), interleaved::x_offsets(self.format, &qx));
+            self.by_row_tiles_into(ys, |rows, out| {
+                // SAFETY: `best()` is Vnni only where `has_vnni()` detected AVX512F/BW/VL,
+                // VNNI and F16C (`rows` checks the extents).
+                unsafe { vnni::rows(il, rows, &qx, &x_off, out) }
+            });
+            return Ok(());
+        }
+        let y = self.product(x, n)?;
+        for (dst, src) in ys.iter_mut().zip(y.chunks_exact(self.rows)) {
+            dst.copy_from_slice(src);
+        }
+        Ok(())
+    }
+
     /// `x [n][cols] · Wᵀ → [n][rows]` with x quantized to 8 bits per block ([`QuantX`]),
     /// as llama.cpp decodes: exact integer dots, several times fewer instructions than
     /// f32 x; the result is W·x̂ (x̂ = x's dequantized codes) up to f32 rounding.
@@ -416,13 +453,25 @@ impl PackedMatrix {
     /// contiguous whole tiles (sizes within one tile of each other), each writing its rows
     /// of every row of `y [n][rows]` in place (`outs[j]` = row j's part).
     fn by_row_tiles(&self, n: usize, y: &mut [f32], task: impl Fn(std::ops::Range<usize>, &mut [&mut [f32]]) + Sync) {
+        let mut ys: Vec<&mut [f32]> = y.chunks_mut(self.rows).collect();
+        debug_assert_eq!(ys.len(), n);
+        self.by_row_tiles_into(&mut ys, task);
+    }
+
+    /// [`by_row_tiles`](Self::by_row_tiles) writing row j of the result into `ys[j]`
+    /// (each `rows` long).
+    fn by_row_tiles_into(
+        &self,
+        ys: &mut [&mut [f32]],
+        task: impl Fn(std::ops::Range<usize>, &mut [&mut [f32]]) + Sync,
+    ) {
         use interleaved::TILE;
         let n_tiles = self.rows.div_ceil(TILE);
         let n_tasks = n_tiles.min(TILE_TASKS_PER_THREAD * rayon::current_num_threads()).max(1);
         let bounds: Vec<usize> = (0..=n_tasks).map(|i| (i * n_tiles / n_tasks * TILE).min(self.rows)).collect();
-        let mut parts: Vec<Vec<&mut [f32]>> = (0..n_tasks).map(|_| Vec::with_capacity(n)).collect();
-        for yj in y.chunks_mut(self.rows) {
-            let mut rest = yj;
+        let mut parts: Vec<Vec<&mut [f32]>> = (0..n_tasks).map(|_| Vec::with_capacity(ys.len())).collect();
+        for yj in ys.iter_mut() {
+            let mut rest = &mut yj[..];
             for (part, w) in parts.iter_mut().zip(bounds.windows(2)) {
                 let (mine, tail) = rest.split_at_mut(w[1] - w[0]);
                 part.push(mine);

@@ -259,3 +259,27 @@ fn int8_quantization_is_the_reference_bit_for_bit() {
     assert_eq!(bits(&fast.sum), bits(&reference.sum));
     assert_eq!(reference.q[3 * BLOCK + 7], 0);
 }
+
+/// `product_into` writes exactly what `product` returns, into separate row buffers, and
+/// rejects mismatched shapes.
+#[test]
+fn product_into_equals_product() {
+    for (i, format) in PackedFormat::ALL.into_iter().enumerate() {
+        for q8 in [false, true] {
+            let m = random_matrix(format, 83, 96, 50 + i as u64).with_q8_activations(q8);
+            for n in [1, 5, m.max_rows_per_pass()] {
+                let x: Vec<f32> = SplitMix64::new(n as u64).gaussian_vec(n * 96);
+                let want = m.product(&x, n).unwrap();
+                let mut bufs = vec![vec![f32::NAN; 83]; n];
+                let mut ys: Vec<&mut [f32]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+                m.product_into(&x, &mut ys).unwrap();
+                let got: Vec<u32> = bufs.concat().iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{format:?} q8 {q8} n {n}");
+            }
+            let mut short = vec![0f32; 82];
+            assert!(m.product_into(&[0.0; 96], &mut [short.as_mut_slice()]).is_err());
+            let mut one = vec![0f32; 83];
+            assert!(m.product_into(&[0.0; 95], &mut [one.as_mut_slice()]).is_err());
+        }
+    }
+}

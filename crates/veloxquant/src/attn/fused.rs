@@ -32,13 +32,17 @@ pub fn decode_attention_batch(seqs: &[(&PagedCache, &[f32])], layer: usize, n_he
     let plans = seqs.iter().map(|&(cache, q)| Plan::new(cache, layer, q, n_heads)).collect::<Result<Vec<_>>>()?;
     let tasks: Vec<(usize, usize, usize, usize)> =
         plans.iter().enumerate().flat_map(|(b, p)| p.tasks.iter().map(move |&(h, p0, p1)| (b, h, p0, p1))).collect();
-    let mut partials: Vec<Partial> = tasks
-        .par_iter()
-        .map(|&(b, h, p0, p1)| {
-            let pl = &plans[b];
-            pages_partial(&pl.lc.keys[h], &pl.lc.values[h], &pl.prepared[h], p0, p1)
-        })
-        .collect();
+    let run = |&(b, h, p0, p1): &(usize, usize, usize, usize)| {
+        let pl = &plans[b];
+        pages_partial(&pl.lc.keys[h], &pl.lc.values[h], &pl.prepared[h], p0, p1)
+    };
+    // Fewer pages than one task's minimum run here: handing them to the pool costs more.
+    let n_pages: usize = tasks.iter().map(|t| t.3 - t.2).sum();
+    let mut partials: Vec<Partial> = if n_pages < MIN_PAGES_PER_TASK {
+        tasks.iter().map(run).collect()
+    } else {
+        tasks.par_iter().map(run).collect()
+    };
     let mut outs = Vec::with_capacity(plans.len());
     for pl in plans.iter().rev() {
         let mine = partials.split_off(partials.len() - pl.tasks.len());

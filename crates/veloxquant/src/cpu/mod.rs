@@ -23,6 +23,8 @@ macro_rules! dispatch_row_kind {
     };
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod fwht_x86;
 mod scalar;
 #[cfg(target_arch = "x86_64")]
 mod x86;
