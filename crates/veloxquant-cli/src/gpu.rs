@@ -43,6 +43,9 @@ pub struct E2eArgs {
     /// Also time one prompt of this many tokens prefilled (chunks of 512) per method.
     #[arg(long, default_value_t = 0)]
     pub prefill_tokens: usize,
+    /// Prefill attention kernels timed (`flash`, `gemm`; default: the best for each method).
+    #[arg(long, value_delimiter = ',')]
+    pub prefill_kernels: Vec<String>,
     /// Write the rows (JSON).
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -102,7 +105,7 @@ mod imp {
     use std::time::Instant;
 
     use serde_json::{json, Value};
-    use veloxquant_cuda::GpuDevice;
+    use veloxquant_cuda::{GpuDevice, PrefillKernel};
     use veloxquant_llm::gpu::{
         compare_methods_gpu, synthetic_config, EngineConfig, GpuEngine, GpuMethod, GpuModel, StepPart,
     };
@@ -204,7 +207,13 @@ mod imp {
     }
 
     /// Prefill of one random prompt of `n` tokens: seconds and tokens/s (synchronized).
-    fn run_prefill(model: &Arc<GpuModel>, name: &str, n: usize, method: &Method) -> AnyResult<Value> {
+    fn run_prefill(
+        model: &Arc<GpuModel>,
+        name: &str,
+        n: usize,
+        method: &Method,
+        kernel: Option<PrefillKernel>,
+    ) -> AnyResult<Value> {
         let c = &model.config;
         if n + 1 > c.n_ctx_train {
             return Err(format!("--prefill-tokens {n} exceeds the model's context {}", c.n_ctx_train).into());
@@ -213,15 +222,23 @@ mod imp {
         cfg.prefill_chunk = 512.min(n.max(1));
         cfg.prefill_rows = cfg.prefill_chunk;
         cfg.logits_rows = 1;
+        cfg.prefill_kernel = kernel;
         let mut e = GpuEngine::new(model.clone(), cfg)?;
+        let kernel = e.prefill_kernel();
         let mut rng = veloxquant::rng::SplitMix64::new(23);
         let toks: Vec<u32> = (0..n).map(|_| (rng.next_u64() % c.n_vocab as u64) as u32).collect();
+        // One untimed chunk first: kernels compile on first use.
+        let w = e.add_sequence()?;
+        let nw = n.min(512);
+        e.prefill(&[(w, &toks[..nw], nw - 1)])?;
+        e.remove_sequence(w)?;
         let s = e.add_sequence()?;
         let t0 = Instant::now();
         e.prefill(&[(s, &toks, n - 1)])?;
         let secs = t0.elapsed().as_secs_f64();
-        eprintln!("{name} prefill of {n} tokens, {method}: {secs:.2} s ({:.0} tokens/s)", n as f64 / secs);
+        eprintln!("{name} prefill of {n} tokens, {method}, {kernel:?}: {secs:.2} s ({:.0} tokens/s)", n as f64 / secs);
         Ok(json!({"kind": "prefill", "model": name, "weights": model.weights, "method": method.to_string(),
+                  "kernel": format!("{kernel:?}").to_lowercase(),
                   "prefill_tokens": n, "seconds": secs, "tokens_per_s": n as f64 / secs,
                   "workspace_bytes": e.device_bytes().workspace}))
     }
@@ -264,9 +281,21 @@ mod imp {
             }
         }
         let mut prefill = Vec::new();
+        let kernels: Vec<Option<PrefillKernel>> = if a.prefill_kernels.is_empty() {
+            vec![None]
+        } else {
+            a.prefill_kernels
+                .iter()
+                .map(|k| match k.as_str() {
+                    "flash" => Ok(Some(PrefillKernel::Flash)),
+                    "gemm" => Ok(Some(PrefillKernel::Gemm)),
+                    other => Err(format!("--prefill-kernels: unknown kernel {other:?} (flash, gemm)")),
+                })
+                .collect::<Result<_, _>>()?
+        };
         if a.prefill_tokens > 0 {
-            for m in &methods {
-                match run_prefill(&model, &name, a.prefill_tokens, m) {
+            for (m, k) in methods.iter().flat_map(|m| kernels.iter().map(move |k| (m, *k))) {
+                match run_prefill(&model, &name, a.prefill_tokens, m, k) {
                     Ok(v) => prefill.push(v),
                     Err(e) => {
                         eprintln!("prefill {m}: {e}");

@@ -30,6 +30,16 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
     return r;
 }
+// D (16×8, f32) += A (16×16 f16, row-major fragments) · B (16×8 f16, column fragments): the
+// m16n8k16 tensor-core product (sm_80 and newer), used by decode.cu and prefill.cu.
+__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 // √(π/2)/d: the sketch estimator's scale (sketch.rs `scale`, rounded from f64 the same way).
 #define SKETCH_C(dim) ((float)(1.2533141373155001 / (dim)))

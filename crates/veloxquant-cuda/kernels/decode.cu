@@ -135,14 +135,6 @@ __device__ __forceinline__ float fexp2(float x) {
 #endif
 }
 
-__device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // Codes [first, first + N) of a packed row (ROWW words of BITS-bit codes) -> N/2 f16x2 of
 // table values. When N·BITS is a whole number of words the window is word-aligned for every
 // thread (first is a multiple of N) and is read with the widest aligned vector loads.

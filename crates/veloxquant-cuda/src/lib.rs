@@ -43,5 +43,5 @@ pub use encode::{GpuEncoder, InputKind};
 pub use error::{CudaError, Result};
 pub use format::GpuFormat;
 pub use ops::ModelOps;
-pub use prefill::PrefillAttn;
+pub use prefill::{PrefillAttn, PrefillKernel};
 pub use tuning::Tuning;

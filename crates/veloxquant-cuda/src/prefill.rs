@@ -6,6 +6,9 @@
 //!
 //! Per chunk: `window` (the exact values before the append, and the chunk's) → the cache's
 //! append → `dense` → S = Q·K̃ᵀ → band softmax → O = P·Ṽ → band values, out as f16.
+//! [`PrefillKernel::Flash`] replaces the last four steps by one fused kernel (no score
+//! matrix: its workspace is the dense copy and the window alone); the GEMM path remains for
+//! head size 256 and rabitq keys (scored with a second, 4-bit query).
 
 use std::sync::Arc;
 
@@ -33,6 +36,35 @@ struct BandArgs {
 // SAFETY: plain 32-bit fields, `#[repr(C)]`, the layout of prefill.cu's struct BandArgs.
 unsafe impl DeviceRepr for BandArgs {}
 
+/// How a chunk's attention is computed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrefillKernel {
+    /// cuBLAS GEMMs over the dense copy with the band fixed between them.
+    Gemm,
+    /// One fused kernel (`flash_prefill`): tiles of the dense copy and of the window, online
+    /// softmax, tensor-core products; head sizes up to 128, keys not rabitq.
+    Flash,
+}
+
+impl PrefillKernel {
+    /// Flash where it applies, else the GEMMs.
+    pub fn best(cfg: &crate::GpuCacheConfig) -> Self {
+        if Self::Flash.supports(cfg) {
+            Self::Flash
+        } else {
+            Self::Gemm
+        }
+    }
+
+    pub fn supports(self, cfg: &crate::GpuCacheConfig) -> bool {
+        self == Self::Gemm || (cfg.head_dim <= 128 && cfg.k.name != "rabitq")
+    }
+}
+
+/// Query rows per flash block (4 warps of 16) and keys per tile (prefill.cu `FW`, `FBN`).
+const FLASH_ROWS: usize = 64;
+const FLASH_KEYS: usize = 64;
+
 /// Buffers and kernels for chunks of up to `max_chunk` tokens in sequences of up to
 /// `max_ctx` tokens.
 pub struct PrefillAttn {
@@ -56,6 +88,8 @@ pub struct PrefillAttn {
     qbar: Option<(CudaSlice<u16>, CudaFunction)>,
     f_softmax: CudaFunction,
     f_band_v: CudaFunction,
+    /// The fused kernel and its dynamic shared memory, when the plan uses it.
+    flash: Option<(CudaFunction, u32)>,
 }
 
 /// The defines of the prefill module for a cache shape and GQA group `g`.
@@ -79,22 +113,51 @@ fn ld_for(n_end: usize) -> usize {
 impl PrefillAttn {
     /// Device bytes `new` allocates (planned before allocating).
     pub fn workspace_bytes(cache: &GpuKvCache, n_q_heads: usize, max_chunk: usize, max_ctx: usize) -> usize {
+        Self::workspace_bytes_for(cache, n_q_heads, max_chunk, max_ctx, PrefillKernel::best(&cache.cfg))
+    }
+
+    /// As [`Self::workspace_bytes`], for `kernel`.
+    pub fn workspace_bytes_for(
+        cache: &GpuKvCache,
+        n_q_heads: usize,
+        max_chunk: usize,
+        max_ctx: usize,
+        kernel: PrefillKernel,
+    ) -> usize {
         let (hk, d) = (cache.cfg.n_kv_heads, cache.cfg.head_dim);
         let win_ld = max_chunk + cache.exact_slots();
+        let dense = 2 * hk * win_ld * d * 2 + 2 * hk * max_ctx * d * 2;
+        if kernel == PrefillKernel::Flash {
+            return dense;
+        }
         let band_cap = cache.exact_slots();
         let rows = max_chunk * n_q_heads; // n_q · G per KV head, all heads
         let ld = ld_for(max_ctx);
         let qbar = if cache.cfg.k.name == "rabitq" { rows * d * 2 } else { 0 };
-        2 * hk * win_ld * d * 2
-            + 2 * hk * max_ctx * d * 2
-            + rows * ld * (4 + 2)
-            + rows * d * 4
-            + rows * band_cap * 4
-            + qbar
+        dense + rows * ld * (4 + 2) + rows * d * 4 + rows * band_cap * 4 + qbar
     }
 
+    /// The plan with the best kernel for the cache ([`PrefillKernel::best`]).
     pub fn new(cache: &GpuKvCache, n_q_heads: usize, max_chunk: usize, max_ctx: usize) -> Result<Self> {
+        Self::with_kernel(cache, n_q_heads, max_chunk, max_ctx, PrefillKernel::best(&cache.cfg))
+    }
+
+    /// The plan with `kernel`; `UnsupportedFormat` where it does not apply.
+    pub fn with_kernel(
+        cache: &GpuKvCache,
+        n_q_heads: usize,
+        max_chunk: usize,
+        max_ctx: usize,
+        kernel: PrefillKernel,
+    ) -> Result<Self> {
         let cfg = &cache.cfg;
+        if !kernel.supports(cfg) {
+            return Err(CudaError::UnsupportedFormat {
+                format: cfg.k.to_string(),
+                why: "the flash prefill needs head size ≤ 128 and keys other than rabitq",
+            });
+        }
+        let flash = kernel == PrefillKernel::Flash;
         let (hk, d) = (cfg.n_kv_heads, cfg.head_dim);
         if n_q_heads == 0 || !n_q_heads.is_multiple_of(hk) || max_chunk == 0 || max_ctx == 0 {
             return Err(CudaError::ShapeMismatch {
@@ -108,8 +171,8 @@ impl PrefillAttn {
         let defines = prefill_defines(cfg, g, cache.row_mode);
         let win_ld = max_chunk + cache.exact_slots();
         let band_cap = cache.exact_slots();
-        let rows = max_chunk * n_q_heads;
-        let ld = ld_for(max_ctx);
+        // The GEMM path's score, weight and output buffers (one element each with flash).
+        let (rows, ld) = if flash { (0, 0) } else { (max_chunk * n_q_heads, ld_for(max_ctx)) };
         let s = &dev.stream;
         let alloc16 = |n: usize| s.alloc_zeros::<u16>(n.max(1)).map_err(drv("alloc prefill"));
         let alloc32 = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(drv("alloc prefill"));
@@ -130,15 +193,37 @@ impl PrefillAttn {
             o: alloc32(rows * d)?,
             wband: alloc32(rows * band_cap)?,
             // rabitq keys: the chunk's 4-bit queries (rabitq_query).
-            qbar: if cfg.k.name == "rabitq" {
+            qbar: if !flash && cfg.k.name == "rabitq" {
                 Some((alloc16(rows * d)?, dev.function(Family::Prefill, &defines, "rabitq_query")?))
             } else {
                 None
             },
             f_softmax: dev.function(Family::Prefill, &defines, "band_softmax")?,
             f_band_v: dev.function(Family::Prefill, &defines, "band_v")?,
+            flash: if flash {
+                let f = dev.function(Family::Prefill, &defines, "flash_prefill")?;
+                // Two stages of a K and a V tile, rows padded by 8 halves.
+                let smem = (2 * 2 * FLASH_KEYS * (d + 8) * 2) as u32;
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(drv("set_attribute"))?;
+                Some((f, smem))
+            } else {
+                None
+            },
             dev,
         })
+    }
+
+    /// The kernel this plan runs.
+    pub fn kernel(&self) -> PrefillKernel {
+        if self.flash.is_some() {
+            PrefillKernel::Flash
+        } else {
+            PrefillKernel::Gemm
+        }
     }
 
     /// One sequence's chunk at `layer`: appends it to the cache (`row`, planned by
@@ -192,6 +277,43 @@ impl PrefillAttn {
         let ld_s = ld_for(n_end);
         let q_g = q16.slice(r0 * g * d..);
         let (qgs, wld) = ((n_rows * g * d) as i64, self.win_ld as i64);
+        let a = BandArgs {
+            p0: p0 as i32,
+            n_q: n_q as i32,
+            n_end: n_end as i32,
+            coded0: row.coded0,
+            win_lo: win_lo as i32,
+            ld_s: ld_s as i32,
+            band_cap: self.band_cap as i32,
+            scale: 1.0 / (d as f32).sqrt(),
+        };
+        if let Some((f, smem)) = &self.flash {
+            let grid = LaunchConfig {
+                grid_dim: (rows.div_ceil(FLASH_ROWS) as u32, hk as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: *smem,
+            };
+            let (kd_ld, r0i) = (self.max_ctx as i64, r0 as i32);
+            let mut l = st.launch_builder(f);
+            l.arg(&a)
+                .arg(&q_g)
+                .arg(&qgs)
+                .arg(&self.kd)
+                .arg(&self.vd)
+                .arg(&kd_ld)
+                .arg(&self.kwin)
+                .arg(&self.vwin)
+                .arg(&wld)
+                .arg(out16)
+                .arg(&r0i);
+            // SAFETY: matches flash_prefill (kernels/prefill.cu): q_g holds hk groups of
+            // n_rows·G rows from row r0·G (rows = n_q·G read, checked above); kd/vd hold hk
+            // × max_ctx rows and are read below n_end ≤ max_ctx (just written by `dense`);
+            // kwin/vwin hold hk × win_ld rows, read at [0, n_end − win_lo) as the window
+            // launch wrote them; out16 rows r0 .. r0 + n_q ≤ n_rows are written.
+            unsafe { l.launch(grid) }.map_err(drv("flash_prefill"))?;
+            return Ok(());
+        }
         if let Some((qbar, f)) = &mut self.qbar {
             let signs = cache.k.layer_signs(layer, hk);
             let rows_i = rows as i32;
@@ -229,16 +351,6 @@ impl PrefillAttn {
             0.0,
             false,
         )?;
-        let a = BandArgs {
-            p0: p0 as i32,
-            n_q: n_q as i32,
-            n_end: n_end as i32,
-            coded0: row.coded0,
-            win_lo: win_lo as i32,
-            ld_s: ld_s as i32,
-            band_cap: self.band_cap as i32,
-            scale: 1.0 / (d as f32).sqrt(),
-        };
         let grid = LaunchConfig {
             grid_dim: (rows as u32, hk as u32, 1),
             block_dim: (128, 1, 1),

@@ -357,16 +357,110 @@ fn gpu_engine_rejects_bad_input_with_typed_errors() {
 /// Prefill attention alone (one layer, no model) against the CPU store's teacher-forced
 /// attention, chunk by chunk: what each query sees through the codes, the exact band and
 /// the sinks must agree.
-#[test]
-fn gpu_prefill_attention_matches_cpu_store() {
+/// One prefill shape through `kernel`: chunks of `chunks` tokens appended to a CPU store and
+/// the device cache alike; the worst relative error of the device's attention output.
+#[allow(clippy::too_many_arguments)]
+fn prefill_worst(
+    dev: &Arc<GpuDevice>,
+    (hkv, g, d): (usize, usize, usize),
+    (k, v, recent, sink): (&str, &str, usize, usize),
+    max_chunk: usize,
+    chunks: &[usize],
+    kernel: veloxquant_cuda::PrefillKernel,
+    seed: u64,
+) -> f64 {
     use half::f16;
     use veloxquant::CacheConfig;
     use veloxquant_cuda::cache::AppendSrc;
     use veloxquant_cuda::{Blas, GpuCacheConfig, GpuKvCache, PrefillAttn};
-    let Some(dev) = device() else { return };
-    let (hkv, g, d) = (2usize, 2usize, 64usize);
     let hq = hkv * g;
-    for (k, v, recent, sink) in [
+    let max_ctx: usize = chunks.iter().sum::<usize>().next_multiple_of(64);
+    let mut cfg = CacheConfig::new(1, hkv, d, FormatSpec::parse(k).unwrap(), FormatSpec::parse(v).unwrap());
+    cfg.recent = recent;
+    cfg.sink = sink;
+    let mut cache = GpuKvCache::new(dev, GpuCacheConfig::from_cpu(&cfg, 1, max_ctx, max_ctx)).unwrap();
+    let mut pre = PrefillAttn::with_kernel(&cache, hq, max_chunk, max_ctx, kernel).unwrap();
+    let blas = Blas::new(dev).unwrap();
+    let slot = cache.add_seq().unwrap();
+    let mut cpu = CompressedStore::new(cfg.clone()).unwrap();
+    let mut rng = SplitMix64::new(seed);
+    let st = dev.stream.clone();
+    let mut worst = 0f64;
+    for &n in chunks {
+        let round = |x: Vec<f32>| x.into_iter().map(|a| f16::from_f32(a).to_f32()).collect::<Vec<f32>>();
+        let q = round(rng.gaussian_vec(n * hq * d)); // [n][hq][d]
+        let kk = rng.gaussian_vec(n * hkv * d); // [n][hkv][d]
+        let vv = rng.gaussian_vec(n * hkv * d);
+        let heads = |x: &[f32], nh: usize| -> Vec<f32> {
+            let mut o = vec![0f32; x.len()];
+            for t in 0..n {
+                for h in 0..nh {
+                    o[(h * n + t) * d..(h * n + t + 1) * d].copy_from_slice(&x[(t * nh + h) * d..(t * nh + h + 1) * d]);
+                }
+            }
+            o
+        };
+        cpu.append(0, &heads(&kk, hkv), &heads(&vv, hkv), n).unwrap();
+        let want = cpu.attend(0, &heads(&q, hq), n).unwrap(); // [n][hq·d]
+        let row = cache.plan_append(slot, n, 0).unwrap();
+        cache.sync_meta().unwrap();
+        let rows = st.clone_htod(&[row]).unwrap();
+        let mut q16 = vec![0u16; n * hq * d]; // [kv][n][g][d]
+        for t in 0..n {
+            for h in 0..hq {
+                for e in 0..d {
+                    q16[(((h / g) * n + t) * g + h % g) * d + e] = f16::from_f32(q[(t * hq + h) * d + e]).to_bits();
+                }
+            }
+        }
+        let (q16d, kd, vd) = (st.clone_htod(&q16).unwrap(), st.clone_htod(&kk).unwrap(), st.clone_htod(&vv).unwrap());
+        let mut out = st.alloc_zeros::<u16>(n * hq * d).unwrap();
+        let ks = AppendSrc { data: kd.slice(..), stride: hkv * d };
+        let vs = AppendSrc { data: vd.slice(..), stride: hkv * d };
+        pre.run(
+            &blas,
+            &mut cache,
+            0,
+            &row,
+            &rows.slice(..),
+            (&ks, &vs),
+            &q16d.slice(..),
+            n,
+            &mut out.slice_mut(..),
+            &st,
+        )
+        .unwrap();
+        let got: Vec<f32> = st.clone_dtoh(&out).unwrap().into_iter().map(|b| f16::from_bits(b).to_f32()).collect();
+        let scale = want.iter().fold(0f64, |m, x| m.max(x.abs() as f64));
+        let err = got.iter().zip(&want).fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs())) / scale;
+        if err > 5e-3 {
+            for t in 0..n {
+                let e: f64 =
+                    (0..hq * d).map(|i| (got[t * hq * d + i] - want[t * hq * d + i]).abs() as f64).fold(0.0, f64::max);
+                if e / scale > 5e-3 {
+                    eprintln!(
+                        "  {k}/{v} {kernel:?} chunk of {n}: first bad query row {t} (position {}): {:.2e}",
+                        row.pos0 as usize + t,
+                        e / scale
+                    );
+                    break;
+                }
+            }
+        }
+        worst = worst.max(err);
+    }
+    worst
+}
+
+/// Prefill attention on the device equals the CPU store's (codes older than each query's
+/// window, exact values newer), through both kernels: the GEMMs and the fused flash kernel
+/// (d = 64 and 128, G ∈ {2, 3, 4}, chunks spanning several of its 64-row blocks and key tiles,
+/// row and page mode, sinks).
+#[test]
+fn gpu_prefill_attention_matches_cpu_store() {
+    use veloxquant_cuda::PrefillKernel;
+    let Some(dev) = device() else { return };
+    let methods = [
         ("fp16", "fp16", 0, 0),
         ("turboquant_mse:4:eden", "turboquant_mse:3", 8, 4),
         ("q8_0", "q4_0:rot", 5, 0),
@@ -377,87 +471,52 @@ fn gpu_prefill_attention_matches_cpu_store() {
         ("turboquant_rvq:4:2", "q8_0", 0, 0),
         ("kivi:2", "kivi:2", 8, 4),
         ("kivi:4:g16", "turboquant_mse:3", 0, 0),
-    ] {
-        let mut cfg = CacheConfig::new(1, hkv, d, FormatSpec::parse(k).unwrap(), FormatSpec::parse(v).unwrap());
-        cfg.recent = recent;
-        cfg.sink = sink;
-        let mut cache = GpuKvCache::new(&dev, GpuCacheConfig::from_cpu(&cfg, 1, 512, 512)).unwrap();
-        let mut pre = PrefillAttn::new(&cache, hq, 64, 512).unwrap();
-        let blas = Blas::new(&dev).unwrap();
-        let slot = cache.add_seq().unwrap();
-        let mut cpu = CompressedStore::new(cfg.clone()).unwrap();
-        let mut rng = SplitMix64::new(9);
-        let st = dev.stream.clone();
-        let mut worst = 0f64;
-        for n in [37usize, 64, 20, 3] {
-            let round = |x: Vec<f32>| x.into_iter().map(|a| f16::from_f32(a).to_f32()).collect::<Vec<f32>>();
-            let q = round(rng.gaussian_vec(n * hq * d)); // [n][hq][d]
-            let kk = rng.gaussian_vec(n * hkv * d); // [n][hkv][d]
-            let vv = rng.gaussian_vec(n * hkv * d);
-            let heads = |x: &[f32], nh: usize| -> Vec<f32> {
-                let mut o = vec![0f32; x.len()];
-                for t in 0..n {
-                    for h in 0..nh {
-                        o[(h * n + t) * d..(h * n + t + 1) * d]
-                            .copy_from_slice(&x[(t * nh + h) * d..(t * nh + h + 1) * d]);
-                    }
-                }
-                o
-            };
-            cpu.append(0, &heads(&kk, hkv), &heads(&vv, hkv), n).unwrap();
-            let want = cpu.attend(0, &heads(&q, hq), n).unwrap(); // [n][hq·d]
-            let row = cache.plan_append(slot, n, 0).unwrap();
-            cache.sync_meta().unwrap();
-            let rows = st.clone_htod(&[row]).unwrap();
-            let mut q16 = vec![0u16; n * hq * d]; // [kv][n][g][d]
-            for t in 0..n {
-                for h in 0..hq {
-                    for e in 0..d {
-                        q16[(((h / g) * n + t) * g + h % g) * d + e] = f16::from_f32(q[(t * hq + h) * d + e]).to_bits();
-                    }
-                }
+    ];
+    for m in methods {
+        for kernel in [PrefillKernel::Gemm, PrefillKernel::Flash] {
+            if kernel == PrefillKernel::Flash && m.0 == "rabitq" {
+                continue; // the GEMM path's own (4-bit query)
             }
-            let (q16d, kd, vd) =
-                (st.clone_htod(&q16).unwrap(), st.clone_htod(&kk).unwrap(), st.clone_htod(&vv).unwrap());
-            let mut out = st.alloc_zeros::<u16>(n * hq * d).unwrap();
-            let ks = AppendSrc { data: kd.slice(..), stride: hkv * d };
-            let vs = AppendSrc { data: vd.slice(..), stride: hkv * d };
-            pre.run(
-                &blas,
-                &mut cache,
-                0,
-                &row,
-                &rows.slice(..),
-                (&ks, &vs),
-                &q16d.slice(..),
-                n,
-                &mut out.slice_mut(..),
-                &st,
-            )
-            .unwrap();
-            let got: Vec<f32> = st.clone_dtoh(&out).unwrap().into_iter().map(|b| f16::from_bits(b).to_f32()).collect();
-            let scale = want.iter().fold(0f64, |m, x| m.max(x.abs() as f64));
-            let err = got.iter().zip(&want).fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs())) / scale;
-            if err > 5e-3 {
-                for t in 0..n {
-                    let e: f64 = (0..hq * d)
-                        .map(|i| (got[t * hq * d + i] - want[t * hq * d + i]).abs() as f64)
-                        .fold(0.0, f64::max);
-                    if e / scale > 5e-3 {
-                        eprintln!(
-                            "  {k}/{v} chunk of {n}: first bad query row {t} (position {}): {:.2e}",
-                            row.pos0 as usize + t,
-                            e / scale
-                        );
-                        break;
-                    }
-                }
-            }
-            worst = worst.max(err);
+            let worst = prefill_worst(&dev, (2, 2, 64), m, 64, &[37, 64, 20, 3], kernel, 9);
+            eprintln!(
+                "prefill attention {}/{}@{}+{} {kernel:?} vs the CPU store: worst rel err {worst:.2e}",
+                m.0, m.1, m.2, m.3
+            );
+            assert!(worst <= 5e-3, "{}/{} {kernel:?}: {worst:.2e}", m.0, m.1);
         }
-        eprintln!("prefill attention {k}/{v}@{recent}+{sink} vs the CPU store: worst rel err {worst:.2e}");
-        assert!(worst <= 5e-3, "{k}/{v}: {worst:.2e}");
     }
+    // Longer chunks, other shapes: several row blocks and key tiles per chunk.
+    for (shape, m) in [
+        ((2, 4, 128), ("turboquant_mse:4:eden", "turboquant_mse:3", 8, 4)),
+        ((3, 3, 64), ("turboquant_mse:4:eden", "turboquant_mse:3", 8, 4)),
+        ((3, 3, 64), ("fp16", "fp16", 0, 0)),
+        ((2, 4, 128), ("kivi:2", "kivi:4", 32, 4)),
+        ((1, 3, 64), ("q4_0", "q8_0", 0, 8)),
+    ] {
+        for kernel in [PrefillKernel::Gemm, PrefillKernel::Flash] {
+            let worst = prefill_worst(&dev, shape, m, 256, &[150, 1, 256, 70, 200], kernel, 11);
+            eprintln!(
+                "prefill attention {shape:?} {}/{}@{}+{} {kernel:?}: worst rel err {worst:.2e}",
+                m.0, m.1, m.2, m.3
+            );
+            assert!(worst <= 5e-3, "{shape:?} {}/{} {kernel:?}: {worst:.2e}", m.0, m.1);
+        }
+    }
+    assert_eq!(
+        PrefillKernel::best(&veloxquant_cuda::GpuCacheConfig::from_cpu(
+            &veloxquant::CacheConfig::new(
+                1,
+                2,
+                64,
+                FormatSpec::parse("rabitq").unwrap(),
+                FormatSpec::parse("fp16").unwrap()
+            ),
+            1,
+            64,
+            64
+        )),
+        PrefillKernel::Gemm
+    );
 }
 
 /// The device sampler (`sample_rows`) chooses what `sample_token` chooses on the same

@@ -20,7 +20,7 @@ use veloxquant_cuda::attn::{DecodeOptions, DecodeOut, PlanCore};
 use veloxquant_cuda::blas::Mat;
 use veloxquant_cuda::cache::{encode_deltas, AppendSrc};
 use veloxquant_cuda::ops::{sample_params, QOut};
-use veloxquant_cuda::{AppendRow, Blas, GpuCacheConfig, GpuKvCache, PrefillAttn};
+use veloxquant_cuda::{AppendRow, Blas, GpuCacheConfig, GpuKvCache, PrefillAttn, PrefillKernel};
 
 use super::model::{check_fits, gpu, GpuModel};
 use crate::error::{LlmError, Result};
@@ -65,6 +65,8 @@ pub struct EngineConfig {
     pub pool_tokens: usize,
     /// Rotation seed (as `CacheConfig::seed`: the CPU's rotations for the same seed).
     pub seed: u64,
+    /// Prefill attention kernel; `None`: the fastest that applies (`PrefillKernel::best`).
+    pub prefill_kernel: Option<PrefillKernel>,
 }
 
 impl EngineConfig {
@@ -79,6 +81,7 @@ impl EngineConfig {
             logits_rows: 4096,
             pool_tokens: max_seqs.saturating_mul(max_context),
             seed: 0x5EED,
+            prefill_kernel: None,
         }
     }
 
@@ -257,9 +260,12 @@ impl GpuEngine {
         let ws_guess = Self::activation_bytes(&c, &cfg) + (64 << 20);
         check_fits(&model.dev, "the KV cache and activations", cache_bytes + ws_guess)?;
         let cache = GpuKvCache::new(&model.dev, gcfg).map_err(gpu)?;
-        let prefill_ws = PrefillAttn::workspace_bytes(&cache, c.n_heads, cfg.prefill_chunk, cfg.max_context);
+        let kernel = cfg.prefill_kernel.unwrap_or_else(|| PrefillKernel::best(&cache.cfg));
+        let prefill_ws =
+            PrefillAttn::workspace_bytes_for(&cache, c.n_heads, cfg.prefill_chunk, cfg.max_context, kernel);
         check_fits(&model.dev, "the prefill workspace", prefill_ws + Self::activation_bytes(&c, &cfg))?;
-        let prefill = PrefillAttn::new(&cache, c.n_heads, cfg.prefill_chunk, cfg.max_context).map_err(gpu)?;
+        let prefill =
+            PrefillAttn::with_kernel(&cache, c.n_heads, cfg.prefill_chunk, cfg.max_context, kernel).map_err(gpu)?;
         let st = model.dev.stream.clone();
         let (h, d, hq, hkv, f) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.ffn_hidden);
         let rows = act_rows(&cfg);
@@ -305,16 +311,22 @@ impl GpuEngine {
             + cfg.logits_rows.max(cfg.max_seqs) * c.n_vocab * 4
     }
 
+    /// The prefill attention kernel this engine runs.
+    pub fn prefill_kernel(&self) -> PrefillKernel {
+        self.prefill.kernel()
+    }
+
     /// Device bytes this engine holds: the cache, and prefill workspace plus activations.
     pub fn device_bytes(&self) -> EngineBytes {
         let c = &self.model.config;
         EngineBytes {
             cache: self.cache.cfg.device_bytes().unwrap_or(0),
-            workspace: PrefillAttn::workspace_bytes(
+            workspace: PrefillAttn::workspace_bytes_for(
                 &self.cache,
                 c.n_heads,
                 self.cfg.prefill_chunk,
                 self.cfg.max_context,
+                self.prefill.kernel(),
             ) + Self::activation_bytes(c, &self.cfg),
         }
     }
