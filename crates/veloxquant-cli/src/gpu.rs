@@ -43,6 +43,10 @@ pub struct E2eArgs {
     /// Also time one prompt of this many tokens prefilled (chunks of 512) per method.
     #[arg(long, default_value_t = 0)]
     pub prefill_tokens: usize,
+    /// Sequences prefilled together (rounds of one 512-token chunk from each, as the server's
+    /// prefill steps), each with its own --prefill-tokens prompt.
+    #[arg(long, default_value_t = 1)]
+    pub prefill_seqs: usize,
     /// Prefill attention kernels timed (`flash`, `gemm`; default: the best for each method).
     #[arg(long, value_delimiter = ',')]
     pub prefill_kernels: Vec<String>,
@@ -213,14 +217,19 @@ mod imp {
         n: usize,
         method: &Method,
         kernel: Option<PrefillKernel>,
+        seqs: usize,
     ) -> AnyResult<Value> {
         let c = &model.config;
-        if n + 1 > c.n_ctx_train {
-            return Err(format!("--prefill-tokens {n} exceeds the model's context {}", c.n_ctx_train).into());
+        if n + 1 > c.n_ctx_train || seqs == 0 {
+            return Err(format!(
+                "--prefill-tokens {n} exceeds the model's context {} (or no sequences)",
+                c.n_ctx_train
+            )
+            .into());
         }
-        let mut cfg = EngineConfig::new(gpu_method(method)?, 1, n + 1);
+        let mut cfg = EngineConfig::new(gpu_method(method)?, seqs + 1, n + 1);
         cfg.prefill_chunk = 512.min(n.max(1));
-        cfg.prefill_rows = cfg.prefill_chunk;
+        cfg.prefill_rows = cfg.prefill_chunk * seqs;
         cfg.logits_rows = 1;
         cfg.prefill_kernel = kernel;
         let mut e = GpuEngine::new(model.clone(), cfg)?;
@@ -232,14 +241,19 @@ mod imp {
         let nw = n.min(512);
         e.prefill(&[(w, &toks[..nw], nw - 1)])?;
         e.remove_sequence(w)?;
-        let s = e.add_sequence()?;
+        let slots: Vec<usize> = (0..seqs).map(|_| e.add_sequence()).collect::<Result<_, _>>()?;
+        let items: Vec<(usize, &[u32], usize)> = slots.iter().map(|&s| (s, &toks[..], n - 1)).collect();
         let t0 = Instant::now();
-        e.prefill(&[(s, &toks, n - 1)])?;
+        e.prefill(&items)?;
         let secs = t0.elapsed().as_secs_f64();
-        eprintln!("{name} prefill of {n} tokens, {method}, {kernel:?}: {secs:.2} s ({:.0} tokens/s)", n as f64 / secs);
+        let total = n * seqs;
+        eprintln!(
+            "{name} prefill of {seqs} × {n} tokens, {method}, {kernel:?}: {secs:.3} s ({:.0} tokens/s)",
+            total as f64 / secs
+        );
         Ok(json!({"kind": "prefill", "model": name, "weights": model.weights, "method": method.to_string(),
-                  "kernel": format!("{kernel:?}").to_lowercase(),
-                  "prefill_tokens": n, "seconds": secs, "tokens_per_s": n as f64 / secs,
+                  "kernel": format!("{kernel:?}").to_lowercase(), "sequences": seqs,
+                  "prefill_tokens": n, "seconds": secs, "tokens_per_s": total as f64 / secs,
                   "workspace_bytes": e.device_bytes().workspace}))
     }
 
@@ -295,7 +309,7 @@ mod imp {
         };
         if a.prefill_tokens > 0 {
             for (m, k) in methods.iter().flat_map(|m| kernels.iter().map(move |k| (m, *k))) {
-                match run_prefill(&model, &name, a.prefill_tokens, m, k) {
+                match run_prefill(&model, &name, a.prefill_tokens, m, k, a.prefill_seqs) {
                     Ok(v) => prefill.push(v),
                     Err(e) => {
                         eprintln!("prefill {m}: {e}");

@@ -587,3 +587,44 @@ fn decode_graph_replay_matches_run() {
     let other = GpuKvCache::new(&dev, GpuCacheConfig::from_cpu(&cfg, 2, 8192, 8192)).unwrap();
     assert!(plan.run(&other).is_err(), "a plan must refuse another cache");
 }
+
+/// A few cases of every decode path (FAST with its bulk-copy ring, generic, page mode, kivi,
+/// the two-segment formats) and of the encoders, small enough to run under
+/// compute-sanitizer's racecheck and memcheck (`parity sanitizer_`); the same tolerances.
+#[test]
+fn sanitizer_cases_match_cpu() {
+    let Some(dev) = device() else { return };
+    let mut worst = 0f64;
+    for (k, v, d, gqa, page_mode, generic) in [
+        ("turboquant_mse:4", "turboquant_mse:4", 128, 4, false, false),
+        ("turboquant_mse:4:eden", "turboquant_mse:3", 64, 3, false, false),
+        ("turboquant_mse:2", "turboquant_mse:2", 128, 1, false, false),
+        ("turboquant_mse:3", "turboquant_mse:3", 64, 3, false, true),
+        ("q8_0", "q4_0", 64, 2, false, false),
+        ("fp16", "fp16", 128, 8, false, false),
+        ("kivi:2", "kivi:4", 128, 4, true, false),
+        ("turboquant_prod:3", "turboquant_mse:3", 64, 3, false, false),
+        ("rabitq", "turboquant_mse:2", 128, 2, false, false),
+    ] {
+        let c = Case { k, v, d, gqa, recent: 8, sink: 4, page_mode, lens: &[300, 33, 1] };
+        let opts = attn::DecodeOptions { generic, ..Default::default() };
+        let e = run_case_with(&dev, &c, (d + gqa) as u64, opts);
+        eprintln!("sanitizer case {k}/{v} d={d} G={gqa} page_mode={page_mode} generic={generic}: {e:.2e}");
+        worst = worst.max(e);
+    }
+    assert!(worst <= 2e-3, "{worst:.2e}");
+    for (spec, d) in [("turboquant_mse:4", 128), ("turboquant_mse:3", 64), ("kivi:2", 64), ("turboquant_rvq:2:2", 128)]
+    {
+        let spec = FormatSpec::parse(spec).unwrap();
+        let gf = GpuFormat::new(&spec, d, 32, 5).unwrap();
+        let cpu = spec.build(&FormatCtx::new(d, 32, Stream::Keys, 5)).unwrap();
+        let x = awkward_rows(&mut SplitMix64::new(3), 4 * 32, d);
+        let got = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap().encode_pages_f32(&x).unwrap();
+        let pb = cpu.page_bytes();
+        for p in 0..4 {
+            let mut want = vec![0u8; pb];
+            cpu.encode_page(&x[p * 32 * d..(p + 1) * 32 * d], &mut want).unwrap();
+            assert_eq!(&got[p * pb..(p + 1) * pb], &want[..], "{spec} d={d} page {p}");
+        }
+    }
+}

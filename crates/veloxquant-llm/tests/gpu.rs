@@ -519,6 +519,21 @@ fn gpu_prefill_attention_matches_cpu_store() {
     );
 }
 
+/// The flash prefill on a few small shapes, sized for compute-sanitizer (`gpu sanitizer_`).
+#[test]
+fn sanitizer_prefill_flash_matches_cpu_store() {
+    use veloxquant_cuda::PrefillKernel;
+    let Some(dev) = device() else { return };
+    for (shape, m, chunks) in [
+        ((2, 2, 64), ("turboquant_mse:4:eden", "turboquant_mse:3", 8, 4), &[37usize, 64, 20][..]),
+        ((1, 3, 128), ("fp16", "fp16", 0, 0), &[100, 30][..]),
+    ] {
+        let worst = prefill_worst(&dev, shape, m, 128, chunks, PrefillKernel::Flash, 5);
+        eprintln!("sanitizer prefill {shape:?} {}/{}: {worst:.2e}", m.0, m.1);
+        assert!(worst <= 5e-3, "{shape:?} {}/{}: {worst:.2e}", m.0, m.1);
+    }
+}
+
 /// The device sampler (`sample_rows`) chooses what `sample_token` chooses on the same
 /// logits — over a vocabulary wider than its block, with top-k, top-p, ties and non-finite
 /// logits — and the engine's sampled step uses it on its own logits, row by row.
