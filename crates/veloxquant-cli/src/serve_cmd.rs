@@ -145,12 +145,13 @@ fn serve_cuda(
     };
     let (path, slots, budget, max_context) =
         (path.to_path_buf(), a.gpu_slots, cfg.sched.kv_budget_bytes, a.max_context);
+    let prefill = (cfg.sched.prefill_chunk, cfg.sched.step_prefill_tokens);
     // Device, weights and engine live on the scheduler's thread (CUDA graphs stay there).
     let make = move || {
         let dev = veloxquant_cuda::GpuDevice::new(0).map_err(|e| ServeError::Engine(format!("--device cuda: {e}")))?;
         let model = Arc::new(GpuModel::load(&dev, &path)?);
         let ctx = max_context.unwrap_or(model.config.n_ctx_train).min(model.config.n_ctx_train);
-        GpuServeEngine::new(model, gm, slots, ctx, budget)
+        GpuServeEngine::new(model, gm, slots, ctx, budget, prefill)
     };
     veloxquant_serve::serve_blocking(cfg, make, tok, bind)?;
     Ok(())

@@ -147,6 +147,13 @@ extern "C" __global__ void band_v(BandArgs a, const float* __restrict__ o, const
 
 __device__ __forceinline__ int lo_of(int pos, int coded0) { return NSINK + coded_after(pos + 1, coded0); }
 
+// 2^x by the SFU (exp2(−inf) = 0; flushes subnormal results, which weigh nothing here).
+__device__ __forceinline__ float fex2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
 __device__ __forceinline__ void cp16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
@@ -224,17 +231,23 @@ extern "C" __global__ void __launch_bounds__(FW * 32) flash_prefill(BandArgs a, 
         __syncthreads();
         const bool ex = it >= nd;
         const int j0 = ex ? ex_begin + (it - nd) * FBN : it * FBN;
-        const u16* ksm = fsm + (it & 1) * 2 * FBN * FLD;
+        const u32 ksm = sbase + (u32)((it & 1) * 2 * FBN * FLD) * 2;
         const u32 vsm = sbase + (u32)((it & 1) * 2 * FBN * FLD + FBN * FLD) * 2;
         float s[FBN / 8][4];
+        // K's B fragments by ldmatrix.x4: lane l addresses key row nt·8 + l%8 at dims 8·(l/8)
+        // of a 32-dim span, giving b0, b1 of two k-steps.
+        const u32 krow = ksm + (u32)(((lane & 7) * FLD + (lane >> 3) * 8) * 2);
 #pragma unroll
         for (int nt = 0; nt < FBN / 8; nt++) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-            const u16* kr = ksm + (nt * 8 + gid) * FLD + 2 * t4;
 #pragma unroll
-            for (int ks = 0; ks < FKS; ks++) {
-                const u32 b0 = *(const u32*)(kr + ks * 16), b1 = *(const u32*)(kr + ks * 16 + 8);
+            for (int ks = 0; ks < FKS; ks += 2) {
+                u32 b0, b1, b2, b3;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                             : "=r"(b0), "=r"(b1), "=r"(b2), "=r"(b3)
+                             : "r"(krow + (u32)((nt * 8 * FLD + ks * 16) * 2)));
                 mma16816(s[nt], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+                mma16816(s[nt], qa[ks + 1][0], qa[ks + 1][1], qa[ks + 1][2], qa[ks + 1][3], b2, b3);
             }
         }
         float mt[2] = {NEG_INF, NEG_INF};
@@ -255,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(FW * 32) flash_prefill(BandArgs a, 
             mt[h] = fmaxf(mt[h], __shfl_xor_sync(FULL_MASK, mt[h], 2));
             const float mn = fmaxf(m[h], mt[h]);
             mu[h] = mn == NEG_INF ? 0.0f : mn;  // no key yet: every weight is exp2(−inf) = 0
-            alpha[h] = exp2f(m[h] - mu[h]);
+            alpha[h] = fex2(m[h] - mu[h]);
             m[h] = mn;
             l[h] *= alpha[h];
         }
@@ -270,7 +283,7 @@ extern "C" __global__ void __launch_bounds__(FW * 32) flash_prefill(BandArgs a, 
         for (int nt = 0; nt < FBN / 8; nt++) {
 #pragma unroll
             for (int e = 0; e < 4; e++) {
-                s[nt][e] = exp2f(s[nt][e] - mu[e >> 1]);
+                s[nt][e] = fex2(s[nt][e] - mu[e >> 1]);
                 l[e >> 1] += s[nt][e];
             }
         }

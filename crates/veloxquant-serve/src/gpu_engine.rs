@@ -21,15 +21,23 @@ pub struct GpuServeEngine {
 impl GpuServeEngine {
     /// `max_seqs` slots (live sequences, prefix checkpoints and slots together) of up to
     /// `max_context` tokens; the page pool sized so the cache stays within `kv_budget_bytes`.
+    /// `prefill` = (chunk, tokens per step): the scheduler's, so one step's prefill is one
+    /// forward of the engine.
     pub fn new(
         model: Arc<GpuModel>,
         method: GpuMethod,
         max_seqs: usize,
         max_context: usize,
         kv_budget_bytes: usize,
+        prefill: (usize, usize),
     ) -> Result<Self> {
         let c = model.config.clone();
         let mut ecfg = EngineConfig::new(method, max_seqs, max_context);
+        ecfg.prefill_chunk = prefill.0.clamp(1, max_context.max(1));
+        ecfg.prefill_rows = prefill.1.max(ecfg.prefill_chunk);
+        // One logits row per prefilled item (its last position); the decode rows' buffer
+        // (max_seqs rows) covers them.
+        ecfg.logits_rows = 1;
         let cpu = ecfg.cpu_cache(&c);
         let t = cpu.page_tokens;
         let bound = cache_bound(&cpu)?;
