@@ -636,6 +636,11 @@ mod report {
         Ok(serde_json::from_slice(&std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()))?)?)
     }
 
+    /// A prefill row's attention kernel (rows recorded before there was a choice: the GEMMs).
+    fn prefill_kernel(r: &Value) -> String {
+        r["kernel"].as_str().unwrap_or("gemm").to_string()
+    }
+
     pub fn e2e_report(a: &E2eReportArgs) -> AnyResult {
         let mut rows: Vec<Value> = Vec::new();
         let mut device = String::new();
@@ -650,9 +655,24 @@ mod report {
             rows.extend(
                 v["rows"].as_array().cloned().unwrap_or_default().into_iter().filter(|r| r.get("error").is_none()),
             );
-            prefill.extend(
-                v["prefill"].as_array().cloned().unwrap_or_default().into_iter().filter(|r| r.get("error").is_none()),
-            );
+            // A later file's prefill case supersedes an earlier one's (same model, method,
+            // kernel, sequences and tokens; rows from before the flash kernel ran the GEMMs).
+            for r in v["prefill"].as_array().cloned().unwrap_or_default() {
+                if r.get("error").is_some() {
+                    continue;
+                }
+                let key = |r: &Value| {
+                    (
+                        r["model"].to_string(),
+                        r["method"].to_string(),
+                        prefill_kernel(r),
+                        r["sequences"].as_u64().unwrap_or(1),
+                        r["prefill_tokens"].as_u64(),
+                    )
+                };
+                prefill.retain(|o| key(o) != key(&r));
+                prefill.push(r);
+            }
         }
         let hf = match &a.hf {
             Some(p) => read_json(p)?["rows"].as_array().cloned().unwrap_or_default(),
@@ -733,6 +753,8 @@ mod report {
                     vec![
                         r["model"].as_str().unwrap_or_default().to_string(),
                         r["method"].as_str().unwrap_or_default().to_string(),
+                        prefill_kernel(r),
+                        r["sequences"].as_u64().unwrap_or(1).to_string(),
                         r["prefill_tokens"].to_string(),
                         format!("{:.2}", r["seconds"].as_f64().unwrap_or(0.0)),
                         format!("{:.0}", r["tokens_per_s"].as_f64().unwrap_or(0.0)),
@@ -744,7 +766,16 @@ mod report {
                 p.with_file_name(format!("{}-prefill.md", p.file_stem().unwrap_or_default().to_string_lossy()))
             });
             print_table_to(
-                &["model", "method", "prompt tokens", "seconds", "tokens/s", "workspace GB"],
+                &[
+                    "model",
+                    "method",
+                    "attention",
+                    "sequences",
+                    "prompt tokens each",
+                    "seconds",
+                    "tokens/s",
+                    "workspace GB",
+                ],
                 &t,
                 md.as_deref(),
             )?;
