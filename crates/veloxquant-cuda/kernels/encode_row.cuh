@@ -142,13 +142,12 @@ __device__ __forceinline__ u32 lloyd_code(float y, const float* thr) {
 }
 #endif
 
-#if KIND == 5
-// turboquant_prod's row (turboquant_prod.rs encode_page, operation for operation): v rotated;
-// y = v·(1/‖v‖), its (BITS)-bit codes, the residual e = y − ŷ (0 for a zero row), the signs
-// of S·e after the codes; returns (‖v‖, ‖e‖).
-__device__ __forceinline__ float2 prod_row_warp(float* v, u8* row, const float* __restrict__ st,
-                                                const float* __restrict__ thresholds,
-                                                const float* __restrict__ centroids, int lane) {
+#if KIND == 5 || KIND == 7
+// Stage 1 of turboquant_prod and turboquant_rvq (operation for operation as the CPU's): y =
+// v·(1/‖v‖), its BITS-bit codes packed into `row`, v ← the residual y − ŷ (0 for a zero row);
+// returns ‖v‖.
+__device__ __forceinline__ float stage1_warp(float* v, u8* row, const float* __restrict__ thresholds,
+                                             const float* __restrict__ centroids, int lane) {
     float thr[NTHR];
 #pragma unroll
     for (int j = 0; j < NTHR; j++) thr[j] = thresholds[j];
@@ -163,6 +162,18 @@ __device__ __forceinline__ float2 prod_row_warp(float* v, u8* row, const float* 
         v[k] = norm > 0.0f ? y - centroids[c] : 0.0f;
     }
     pack_codes_warp<BITS>(code, row, lane);
+    return norm;
+}
+#endif
+
+#if KIND == 5
+// turboquant_prod's row (turboquant_prod.rs encode_page, operation for operation): v rotated;
+// y = v·(1/‖v‖), its (BITS)-bit codes, the residual e = y − ŷ (0 for a zero row), the signs
+// of S·e after the codes; returns (‖v‖, ‖e‖).
+__device__ __forceinline__ float2 prod_row_warp(float* v, u8* row, const float* __restrict__ st,
+                                                const float* __restrict__ thresholds,
+                                                const float* __restrict__ centroids, int lane) {
+    const float norm = stage1_warp(v, row, thresholds, centroids, lane);
     sketch_signs_warp(v, row + MSE_BYTES, st, lane);
     return make_float2(norm, norm_warp(v));
 }
@@ -175,22 +186,11 @@ __device__ __forceinline__ float2 prod_row_warp(float* v, u8* row, const float* 
 __device__ __forceinline__ float2 rvq_row_warp(float* v, u8* row, const float* __restrict__ sg2, float rot_scale,
                                                const float* __restrict__ thresholds,
                                                const float* __restrict__ centroids, int lane) {
-    float thr[NTHR], thr2[NTHR2];
-#pragma unroll
-    for (int j = 0; j < NTHR; j++) thr[j] = thresholds[j];
+    float thr2[NTHR2];
 #pragma unroll
     for (int j = 0; j < NTHR2; j++) thr2[j] = thresholds[NTHR + j];
-    const float n1 = norm_warp(v);
-    const float inv = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+    const float n1 = stage1_warp(v, row, thresholds, centroids, lane);
     u32 code[EPL];
-#pragma unroll
-    for (int k = 0; k < EPL; k++) {
-        const float y = v[k] * inv;
-        const u32 c = lloyd_code<NTHR>(y, thr);
-        code[k] = c;
-        v[k] = n1 > 0.0f ? y - centroids[c] : 0.0f;
-    }
-    pack_codes_warp<BITS>(code, row, lane);
     const float n2 = norm_warp(v);
     const float inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
 #pragma unroll

@@ -139,7 +139,9 @@ extern "C" __global__ void band_v(BandArgs a, const float* __restrict__ o, const
 // decode would read; online softmax (base 2) merges the tiles. P reaches the PV mma from
 // the score fragments in registers; Ṽ's B fragments come by ldmatrix.trans.
 #if D <= 128
-#define FW 4  // warps per block (prefill.rs FLASH_ROWS = 16·FW)
+#ifndef FW
+#define FW 4  // warps per block, 16 rows each (Tuning::prefill_warps)
+#endif
 #define FBN 64
 #define FLD (D + 8)  // tile row stride in halves: 16-byte rows, 4 banks apart
 #define FKS (D / 16)

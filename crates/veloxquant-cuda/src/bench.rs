@@ -44,7 +44,8 @@ const ENCODE_EXTRA: [&str; 7] =
 const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
-/// EXPFTZ,SLACK,PDL}` and `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}`,
+/// EXPFTZ,SLACK,PDL}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}` and
+/// `VELOXQUANT_PREFILL_WARPS`,
 /// PTX kept in `VELOXQUANT_PTX_DIR` (A/B runs of variants; the library reads none of these).
 pub fn bench_device() -> Result<Arc<GpuDevice>> {
     let knob = |name: &str, default: i64| -> i64 {
@@ -66,6 +67,7 @@ pub fn bench_device() -> Result<Arc<GpuDevice>> {
         encode_two_per_row: knob("ENCODE_TPR2", d.encode_two_per_row as i64) != 0,
         encode_warps2: knob("ENCODE_WARPS2", d.encode_warps2 as i64) as usize,
         encode_minb2: knob("ENCODE_MINB2", d.encode_minb2),
+        prefill_warps: knob("PREFILL_WARPS", d.prefill_warps as i64) as usize,
     };
     GpuDevice::new_with(0, t, std::env::var_os("VELOXQUANT_PTX_DIR").map(std::path::PathBuf::from))
 }

@@ -61,8 +61,7 @@ impl PrefillKernel {
     }
 }
 
-/// Query rows per flash block (4 warps of 16) and keys per tile (prefill.cu `FW`, `FBN`).
-const FLASH_ROWS: usize = 64;
+/// Keys per flash tile (prefill.cu `FBN`); a block's query rows are 16 per warp.
 const FLASH_KEYS: usize = 64;
 
 /// Buffers and kernels for chunks of up to `max_chunk` tokens in sequences of up to
@@ -88,8 +87,8 @@ pub struct PrefillAttn {
     qbar: Option<(CudaSlice<u16>, CudaFunction)>,
     f_softmax: CudaFunction,
     f_band_v: CudaFunction,
-    /// The fused kernel and its dynamic shared memory, when the plan uses it.
-    flash: Option<(CudaFunction, u32)>,
+    /// The fused kernel, its dynamic shared memory and warps per block, when the plan uses it.
+    flash: Option<(CudaFunction, u32, usize)>,
 }
 
 /// The defines of the prefill module for a cache shape and GQA group `g`.
@@ -201,7 +200,10 @@ impl PrefillAttn {
             f_softmax: dev.function(Family::Prefill, &defines, "band_softmax")?,
             f_band_v: dev.function(Family::Prefill, &defines, "band_v")?,
             flash: if flash {
-                let f = dev.function(Family::Prefill, &defines, "flash_prefill")?;
+                let fw = dev.tuning.prefill_warps;
+                let mut fdefs = defines.to_vec();
+                fdefs.push(("FW", fw as i64));
+                let f = dev.function(Family::Prefill, &fdefs, "flash_prefill")?;
                 // Two stages of a K and a V tile, rows padded by 8 halves.
                 let smem = (2 * 2 * FLASH_KEYS * (d + 8) * 2) as u32;
                 f.set_attribute(
@@ -209,7 +211,7 @@ impl PrefillAttn {
                     smem as i32,
                 )
                 .map_err(drv("set_attribute"))?;
-                Some((f, smem))
+                Some((f, smem, fw))
             } else {
                 None
             },
@@ -287,10 +289,10 @@ impl PrefillAttn {
             band_cap: self.band_cap as i32,
             scale: 1.0 / (d as f32).sqrt(),
         };
-        if let Some((f, smem)) = &self.flash {
+        if let Some((f, smem, fw)) = &self.flash {
             let grid = LaunchConfig {
-                grid_dim: (rows.div_ceil(FLASH_ROWS) as u32, hk as u32, 1),
-                block_dim: (128, 1, 1),
+                grid_dim: (rows.div_ceil(16 * fw) as u32, hk as u32, 1),
+                block_dim: (32 * *fw as u32, 1, 1),
                 shared_mem_bytes: *smem,
             };
             let (kd_ld, r0i) = (self.max_ctx as i64, r0 as i32);

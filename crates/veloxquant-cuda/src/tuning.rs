@@ -33,6 +33,9 @@ pub struct Tuning {
     /// Two-threads-per-row encode: warps per block, and blocks per SM.
     pub encode_warps2: usize,
     pub encode_minb2: i64,
+    /// Flash prefill: warps per block, 16 query rows each (2, 4 or 8). Fixed per device: the
+    /// blocks' row ranges set where the exact-window tiles start, so results differ in rounding.
+    pub prefill_warps: usize,
 }
 
 impl Default for Tuning {
@@ -54,6 +57,7 @@ impl Default for Tuning {
             encode_two_per_row: true,
             encode_warps2: 8,
             encode_minb2: 2,
+            prefill_warps: 4,
         }
     }
 }
@@ -68,6 +72,11 @@ impl Tuning {
             decode_slack: self.decode_slack.clamp(0, 12),
             encode_warps: self.encode_warps.clamp(1, 16),
             encode_warps2: self.encode_warps2.clamp(1, 16),
+            prefill_warps: match self.prefill_warps {
+                0..=2 => 2,
+                3..=4 => 4,
+                _ => 8,
+            },
             ..self
         }
     }

@@ -200,6 +200,14 @@ fn every_kernel_configuration_compiles() {
                     for g in [1, 3, 4] {
                         compile(Family::Prefill, owned(&prefill_defines(&cfg, g, rows)));
                     }
+                    // The flash kernel's other block sizes (Tuning::prefill_warps).
+                    if sink == 4 && d <= 128 && f.spec.name == "turboquant_mse" {
+                        for fw in [2, 8] {
+                            let mut defs = owned(&prefill_defines(&cfg, 3, rows));
+                            defs.push(("FW".into(), fw));
+                            compile(Family::Prefill, defs);
+                        }
+                    }
                 }
             }
             // Decode: every same-format pair and the mixed pairs the engine's methods use.

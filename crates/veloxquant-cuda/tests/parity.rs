@@ -613,8 +613,15 @@ fn sanitizer_cases_match_cpu() {
         worst = worst.max(e);
     }
     assert!(worst <= 2e-3, "{worst:.2e}");
-    for (spec, d) in [("turboquant_mse:4", 128), ("turboquant_mse:3", 64), ("kivi:2", 64), ("turboquant_rvq:2:2", 128)]
-    {
+    for (spec, d) in [
+        ("turboquant_mse:4", 128),
+        ("turboquant_mse:3", 64),
+        ("kivi:2", 64),
+        ("turboquant_rvq:2:2", 128),
+        ("turboquant_rvq:4:2", 64),
+        ("turboquant_prod:3", 64),
+        ("turboquant_prod:4", 128),
+    ] {
         let spec = FormatSpec::parse(spec).unwrap();
         let gf = GpuFormat::new(&spec, d, 32, 5).unwrap();
         let cpu = spec.build(&FormatCtx::new(d, 32, Stream::Keys, 5)).unwrap();
