@@ -8,7 +8,8 @@
 //! row mode).
 
 use half::f16;
-use veloxquant::attn::{decode_attention, materialize_pages};
+use rayon::prelude::*;
+use veloxquant::attn::{decode_attention, materialize_pages_into};
 use veloxquant::cache::StreamStore;
 use veloxquant::{CacheConfig, PagedCache, VqError};
 
@@ -146,14 +147,14 @@ impl KvStore for CompressedStore {
         // (No codes yet while the sinks are still filling: len may be below S.)
         let place = |s: &StreamStore| {
             let mut full = vec![0f32; len * d];
-            let dec = materialize_pages(s);
-            if !dec.is_empty() {
-                full[n_sink * d..n_sink * d + dec.len()].copy_from_slice(&dec);
+            let coded = s.paged_tokens() * d;
+            if coded > 0 {
+                materialize_pages_into(s, &mut full[n_sink * d..n_sink * d + coded]);
             }
             full
         };
-        let k_dec: Vec<Vec<f32>> = lc.keys.iter().map(place).collect();
-        let v_dec: Vec<Vec<f32>> = lc.values.iter().map(place).collect();
+        let (k_dec, v_dec): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+            rayon::join(|| lc.keys.par_iter().map(place).collect(), || lc.values.par_iter().map(place).collect());
         // What query position pos sees, as decode would have stored it with pos + 1 tokens:
         // keys [S, S + coded) through the codes, the rest exact.
         let cfg = self.cache.config();

@@ -4,19 +4,42 @@
 use super::check_query;
 use crate::cache::{PagedCache, StreamStore};
 use crate::error::Result;
+use rayon::prelude::*;
 
 /// Every page of one stream decoded by the format's reference decoder: paged tokens × d
 /// (an open page contributes only its filled rows).
 pub fn materialize_pages(s: &StreamStore) -> Vec<f32> {
-    let f = s.format();
-    let per_page = f.page_tokens() * f.head_dim();
-    let mut out = vec![0f32; s.pages().len() * per_page];
-    for (p, o) in s.pages().iter().zip(out.chunks_exact_mut(per_page)) {
-        f.decode_page(p, o);
-    }
-    out.truncate(s.paged_tokens() * f.head_dim());
+    let mut out = vec![0f32; s.paged_tokens() * s.format().head_dim()];
+    materialize_pages_into(s, &mut out);
     out
 }
+
+/// [`materialize_pages`] into `out` (exactly paged tokens × d), pages decoded in parallel
+/// where there are several: a prefill decodes a whole stream per layer.
+pub fn materialize_pages_into(s: &StreamStore, out: &mut [f32]) {
+    let f = s.format();
+    let per_page = f.page_tokens() * f.head_dim();
+    assert_eq!(out.len(), s.paged_tokens() * f.head_dim(), "materialize_pages_into: output size");
+    let decode = |(p, o): (&crate::cache::Page, &mut [f32])| {
+        if o.len() == per_page {
+            f.decode_page(p, o);
+        } else {
+            // The open page: decode whole, keep its filled rows.
+            let mut full = vec![0f32; per_page];
+            f.decode_page(p, &mut full);
+            o.copy_from_slice(&full[..o.len()]);
+        }
+    };
+    if s.pages().len() < PAR_MIN_PAGES {
+        s.pages().iter().zip(out.chunks_mut(per_page)).for_each(decode);
+    } else {
+        s.pages().par_iter().zip(out.par_chunks_mut(per_page)).for_each(decode);
+    }
+}
+
+/// Streams of fewer pages decode on the calling thread (a page is ~1 µs of work, below the
+/// pool's task overhead).
+const PAR_MIN_PAGES: usize = 8;
 
 /// All keys (or values) of one stream as n × d f32 in sequence order: sinks, pages, tail.
 pub fn materialize(s: &StreamStore) -> Vec<f32> {
