@@ -10,36 +10,40 @@ use rayon::prelude::*;
 /// (an open page contributes only its filled rows).
 pub fn materialize_pages(s: &StreamStore) -> Vec<f32> {
     let mut out = vec![0f32; s.paged_tokens() * s.format().head_dim()];
-    materialize_pages_into(s, &mut out);
+    decode_pages(s, &mut out, false, |p, o| s.format().decode_page(p, o));
     out
 }
 
-/// [`materialize_pages`] into `out` (exactly paged tokens × d), pages decoded in parallel
-/// where there are several: a prefill decodes a whole stream per layer.
+/// [`materialize_pages`]' values into `out` (exactly paged tokens × d), through
+/// [`Format::decode_page_fast`](crate::Format::decode_page_fast) and in parallel where
+/// there are several pages: a prefill decodes a whole stream per layer.
 pub fn materialize_pages_into(s: &StreamStore, out: &mut [f32]) {
-    let f = s.format();
-    let per_page = f.page_tokens() * f.head_dim();
-    assert_eq!(out.len(), s.paged_tokens() * f.head_dim(), "materialize_pages_into: output size");
-    let decode = |(p, o): (&crate::cache::Page, &mut [f32])| {
+    assert_eq!(out.len(), s.paged_tokens() * s.format().head_dim(), "materialize_pages_into: output size");
+    let parallel = s.pages().len() >= PAR_MIN_PAGES;
+    decode_pages(s, out, parallel, |p, o| s.format().decode_page_fast(p, o));
+}
+
+/// Streams of fewer pages decode on the calling thread (less work than handing it out).
+const PAR_MIN_PAGES: usize = 8;
+
+fn decode_pages(s: &StreamStore, out: &mut [f32], parallel: bool, decode: impl Fn(&[u8], &mut [f32]) + Sync) {
+    let per_page = s.format().page_tokens() * s.format().head_dim();
+    let one = |(p, o): (&crate::cache::Page, &mut [f32])| {
         if o.len() == per_page {
-            f.decode_page(p, o);
+            decode(p, o);
         } else {
             // The open page: decode whole, keep its filled rows.
             let mut full = vec![0f32; per_page];
-            f.decode_page(p, &mut full);
+            decode(p, &mut full);
             o.copy_from_slice(&full[..o.len()]);
         }
     };
-    if s.pages().len() < PAR_MIN_PAGES {
-        s.pages().iter().zip(out.chunks_mut(per_page)).for_each(decode);
+    if parallel {
+        s.pages().par_iter().zip(out.par_chunks_mut(per_page)).for_each(one);
     } else {
-        s.pages().par_iter().zip(out.par_chunks_mut(per_page)).for_each(decode);
+        s.pages().iter().zip(out.chunks_mut(per_page)).for_each(one);
     }
 }
-
-/// Streams of fewer pages decode on the calling thread (a page is ~1 µs of work, below the
-/// pool's task overhead).
-const PAR_MIN_PAGES: usize = 8;
 
 /// All keys (or values) of one stream as n × d f32 in sequence order: sinks, pages, tail.
 pub fn materialize(s: &StreamStore) -> Vec<f32> {
