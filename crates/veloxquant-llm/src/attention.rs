@@ -6,6 +6,12 @@ use std::ops::Range;
 pub(crate) use veloxquant::cpu::exp_approx;
 use veloxquant::cpu::{exp_sum, max_of, simd_level, SimdLevel};
 
+thread_local! {
+    /// One query block's scores (rows × keys), kept between tasks: at most Q_BLOCK × the
+    /// context per thread.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Query rows per attention task: small enough to skip most of the causal upper triangle
 /// and to give rayon several tasks per head.
 const Q_BLOCK: usize = 128;
@@ -114,59 +120,67 @@ pub fn causal_attention_mixed(
         };
         let ranges = from_codes.as_ref().map_or(&[][..], |(_, r)| r.as_slice());
         let blk = Block { rows, n_keys, head_dim };
-        let mut scores = vec![0f32; rows * n_keys];
-        // Each column is scored from the source its rows read; only the band of columns
-        // whose source differs between rows is scored from both and selected per row.
-        for piece in plan.exact() {
-            blk.scores(&mut scores, piece, &exact);
-        }
-        let mut bands: Vec<(Range<usize>, Vec<f32>)> = Vec::new();
-        if let Some((src, _)) = &from_codes {
-            blk.scores(&mut scores, plan.all_coded.clone(), src);
-            for band in plan.bands() {
-                let mut sc = vec![0f32; rows * band.len()];
-                blk.scores_into(&mut sc, band.len(), band.clone(), src);
-                for (i, (row, r)) in scores.chunks_exact_mut(n_keys).zip(ranges).enumerate() {
-                    let ov = overlap(r, &band);
-                    let from = &sc[i * band.len()..(i + 1) * band.len()];
-                    row[ov.clone()].copy_from_slice(&from[ov.start - band.start..ov.end - band.start]);
+        SCORES.with_borrow_mut(|buf| {
+            // Reused by every task on this thread: the pieces below write every column, so
+            // it needs no zeroing (a zeroed rows × n_keys matrix per task was a memset of
+            // ~80 MB per layer at pp512 @ d4096).
+            if buf.len() < rows * n_keys {
+                buf.resize(rows * n_keys, 0.0);
+            }
+            let scores = &mut buf[..rows * n_keys];
+            // Each column is scored from the source its rows read; only the band of columns
+            // whose source differs between rows is scored from both and selected per row.
+            for piece in plan.exact() {
+                blk.scores(scores, piece, &exact);
+            }
+            let mut bands: Vec<(Range<usize>, Vec<f32>)> = Vec::new();
+            if let Some((src, _)) = &from_codes {
+                blk.scores(scores, plan.all_coded.clone(), src);
+                for band in plan.bands() {
+                    let mut sc = vec![0f32; rows * band.len()];
+                    blk.scores_into(&mut sc, band.len(), band.clone(), src);
+                    for (i, (row, r)) in scores.chunks_exact_mut(n_keys).zip(ranges).enumerate() {
+                        let ov = overlap(r, &band);
+                        let from = &sc[i * band.len()..(i + 1) * band.len()];
+                        row[ov.clone()].copy_from_slice(&from[ov.start - band.start..ov.end - band.start]);
+                    }
+                    bands.push((band, sc));
                 }
-                bands.push((band, sc));
             }
-        }
-        let mut tmp = vec![0f32; n_keys];
-        for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
-            softmax_prefix(row, first_pos + i + 1, &mut tmp);
-        }
-        // A band's coded weights move to its own matrix (zero elsewhere), leaving the exact
-        // ones in `scores`.
-        for (band, pc) in &mut bands {
-            let w = band.len();
-            for (i, (row, r)) in scores.chunks_exact_mut(n_keys).zip(ranges).enumerate() {
-                let ov = overlap(r, band);
-                let to = &mut pc[i * w..(i + 1) * w];
-                to.fill(0.0);
-                to[ov.start - band.start..ov.end - band.start].copy_from_slice(&row[ov.clone()]);
-                row[ov].fill(0.0);
+            let mut tmp = vec![0f32; n_keys];
+            for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
+                softmax_prefix(row, first_pos + i + 1, &mut tmp);
             }
-        }
-        let mut out = vec![0f32; rows * head_dim];
-        let mut first = true;
-        let mut acc = |p: &[f32], p_rs: usize, cols: Range<usize>, v: &[f32]| {
-            blk.accumulate(&mut out, first, (p, p_rs), cols, v);
-            first = false;
-        };
-        for piece in plan.exact() {
-            acc(&scores[piece.start..], n_keys, piece, exact.values);
-        }
-        if let Some((src, _)) = &from_codes {
-            let all = plan.all_coded.clone();
-            acc(&scores[all.start..], n_keys, all, src.values);
-            for (band, pc) in &bands {
-                acc(pc, band.len(), band.clone(), src.values);
+            // A band's coded weights move to its own matrix (zero elsewhere), leaving the exact
+            // ones in `scores`.
+            for (band, pc) in &mut bands {
+                let w = band.len();
+                for (i, (row, r)) in scores.chunks_exact_mut(n_keys).zip(ranges).enumerate() {
+                    let ov = overlap(r, band);
+                    let to = &mut pc[i * w..(i + 1) * w];
+                    to.fill(0.0);
+                    to[ov.start - band.start..ov.end - band.start].copy_from_slice(&row[ov.clone()]);
+                    row[ov].fill(0.0);
+                }
             }
-        }
-        out
+            let mut out = vec![0f32; rows * head_dim];
+            let mut first = true;
+            let mut acc = |p: &[f32], p_rs: usize, cols: Range<usize>, v: &[f32]| {
+                blk.accumulate(&mut out, first, (p, p_rs), cols, v);
+                first = false;
+            };
+            for piece in plan.exact() {
+                acc(&scores[piece.start..], n_keys, piece, exact.values);
+            }
+            if let Some((src, _)) = &from_codes {
+                let all = plan.all_coded.clone();
+                acc(&scores[all.start..], n_keys, all, src.values);
+                for (band, pc) in &bands {
+                    acc(pc, band.len(), band.clone(), src.values);
+                }
+            }
+            out
+        })
     };
     let parts: Vec<Vec<f32>> = if n_heads * n_q * len < PAR_MIN_DOTS {
         tasks.iter().map(task).collect()
