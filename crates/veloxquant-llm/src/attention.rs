@@ -2,7 +2,15 @@
 
 use crate::error::{LlmError, Result};
 use rayon::prelude::*;
+use std::ops::Range;
 pub(crate) use veloxquant::cpu::exp_approx;
+use veloxquant::cpu::{exp_sum, max_of, simd_level, SimdLevel};
+
+thread_local! {
+    /// One query block's scores (rows × keys), kept between tasks: at most Q_BLOCK × the
+    /// context per thread.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
 
 /// Query rows per attention task: small enough to skip most of the causal upper triangle
 /// and to give rayon several tasks per head.
@@ -39,8 +47,10 @@ pub fn causal_attention_f32(
 }
 
 /// [`causal_attention_f32`] where each query may read part of its keys and values from a
-/// second source (a compressed cache's decoded codes): two score gemms, a per-row select,
-/// and the weights split between the two value gemms — no per-query copies.
+/// second source (a compressed cache's decoded codes). Per query block, each key column is
+/// scored and weighted from the source its rows read; only the narrow band where the rows
+/// disagree (the window moves within the block) is scored from both and selected per row,
+/// so the work is that of one source plus the band — no per-query copies.
 pub fn causal_attention_mixed(
     q: &[f32],
     n_q: usize,
@@ -94,44 +104,83 @@ pub fn causal_attention_mixed(
         let n_keys = first_pos + rows;
         let g = h / group;
         let q_blk = &q[(h * n_q + r0) * head_dim..(h * n_q + r0 + rows) * head_dim];
-        let mut scores = vec![0f32; rows * n_keys];
-        // scores = scale * Q K^T
-        gemm_rowmajor(rows, n_keys, head_dim, &mut scores, q_blk, head_dim, 1, keys[g], 1, head_dim, scale);
-        let mut coded_p = coded.map(|c| {
-            let mut sc = vec![0f32; rows * n_keys];
-            let (qc, alpha) = match c.query {
-                Some(qq) => (&qq[(h * n_q + r0) * head_dim..(h * n_q + r0 + rows) * head_dim], 1.0),
-                None => (q_blk, scale),
+        let exact = Operands { query: q_blk, alpha: scale, keys: keys[g], values: values[g] };
+        let from_codes = coded.map(|c| {
+            let query = match c.query {
+                Some(qq) => &qq[(h * n_q + r0) * head_dim..(h * n_q + r0 + rows) * head_dim],
+                None => q_blk,
             };
-            gemm_rowmajor(rows, n_keys, head_dim, &mut sc, qc, head_dim, 1, c.keys[g], 1, head_dim, alpha);
-            for (i, (row, crow)) in scores.chunks_exact_mut(n_keys).zip(sc.chunks_exact(n_keys)).enumerate() {
-                let r = (c.range)(first_pos + i);
-                row[r.clone()].copy_from_slice(&crow[r]);
-            }
-            sc
+            let alpha = if c.query.is_some() { 1.0 } else { scale };
+            let ranges: Vec<Range<usize>> = (0..rows).map(|i| (c.range)(first_pos + i)).collect();
+            (Operands { query, alpha, keys: c.keys[g], values: c.values[g] }, ranges)
         });
-        for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
-            let valid = first_pos + i + 1;
-            softmax_prefix(row, valid);
-        }
-        // Move the coded keys' weights to their own matrix (zero elsewhere).
-        if let (Some(c), Some(pc)) = (coded, coded_p.as_mut()) {
-            for (i, (row, crow)) in scores.chunks_exact_mut(n_keys).zip(pc.chunks_exact_mut(n_keys)).enumerate() {
-                let r = (c.range)(first_pos + i);
-                crow.fill(0.0);
-                crow[r.clone()].copy_from_slice(&row[r.clone()]);
-                row[r].fill(0.0);
+        let plan = match &from_codes {
+            Some((_, ranges)) => ColumnPlan::new(ranges, n_keys),
+            None => ColumnPlan::all_exact(n_keys),
+        };
+        let ranges = from_codes.as_ref().map_or(&[][..], |(_, r)| r.as_slice());
+        let blk = Block { rows, n_keys, head_dim };
+        SCORES.with_borrow_mut(|buf| {
+            // Reused by every task on this thread: the pieces below write every column, so
+            // it needs no zeroing (a zeroed rows × n_keys matrix per task was a memset of
+            // ~80 MB per layer at pp512 @ d4096).
+            if buf.len() < rows * n_keys {
+                buf.resize(rows * n_keys, 0.0);
             }
-        }
-        let mut out = vec![0f32; rows * head_dim];
-        // out = P V (+ P_coded V_coded)
-        gemm_rowmajor(rows, head_dim, n_keys, &mut out, &scores, n_keys, 1, values[g], head_dim, 1, 1.0);
-        if let (Some(c), Some(pc)) = (coded, coded_p) {
-            let mut out2 = vec![0f32; rows * head_dim];
-            gemm_rowmajor(rows, head_dim, n_keys, &mut out2, &pc, n_keys, 1, c.values[g], head_dim, 1, 1.0);
-            out.iter_mut().zip(out2).for_each(|(a, b)| *a += b);
-        }
-        out
+            let scores = &mut buf[..rows * n_keys];
+            // Each column is scored from the source its rows read; only the band of columns
+            // whose source differs between rows is scored from both and selected per row.
+            for piece in plan.exact() {
+                blk.scores(scores, piece, &exact);
+            }
+            let mut bands: Vec<(Range<usize>, Vec<f32>)> = Vec::new();
+            if let Some((src, _)) = &from_codes {
+                blk.scores(scores, plan.all_coded.clone(), src);
+                for band in plan.bands() {
+                    let mut sc = vec![0f32; rows * band.len()];
+                    blk.scores_into(&mut sc, band.len(), band.clone(), src);
+                    for (i, (row, r)) in scores.chunks_exact_mut(n_keys).zip(ranges).enumerate() {
+                        let ov = overlap(r, &band);
+                        let from = &sc[i * band.len()..(i + 1) * band.len()];
+                        row[ov.clone()].copy_from_slice(&from[ov.start - band.start..ov.end - band.start]);
+                    }
+                    bands.push((band, sc));
+                }
+            }
+            let mut tmp = vec![0f32; n_keys];
+            for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
+                softmax_prefix(row, first_pos + i + 1, &mut tmp);
+            }
+            // A band's coded weights move to its own matrix (zero elsewhere), leaving the exact
+            // ones in `scores`.
+            for (band, pc) in &mut bands {
+                let w = band.len();
+                for (i, (row, r)) in scores.chunks_exact_mut(n_keys).zip(ranges).enumerate() {
+                    let ov = overlap(r, band);
+                    let to = &mut pc[i * w..(i + 1) * w];
+                    to.fill(0.0);
+                    to[ov.start - band.start..ov.end - band.start].copy_from_slice(&row[ov.clone()]);
+                    row[ov].fill(0.0);
+                }
+            }
+            let mut out = vec![0f32; rows * head_dim];
+            let mut first = true;
+            let mut acc = |p: &[f32], p_rs: usize, cols: Range<usize>, v: &[f32]| {
+                blk.accumulate(&mut out, first, (p, p_rs), cols, v);
+                first = false;
+            };
+            for piece in plan.exact() {
+                acc(&scores[piece.start..], n_keys, piece, exact.values);
+            }
+            if let Some((src, _)) = &from_codes {
+                let all = plan.all_coded.clone();
+                acc(&scores[all.start..], n_keys, all, src.values);
+                for (band, pc) in &bands {
+                    acc(pc, band.len(), band.clone(), src.values);
+                }
+            }
+            out
+        })
     };
     let parts: Vec<Vec<f32>> = if n_heads * n_q * len < PAR_MIN_DOTS {
         tasks.iter().map(task).collect()
@@ -150,11 +199,116 @@ pub fn causal_attention_mixed(
     Ok(result)
 }
 
-/// Softmax over row[..valid]; row[valid..] (future keys) set to zero.
-fn softmax_prefix(row: &mut [f32], valid: usize) {
+/// a ∩ b, as an empty range inside b when they do not meet (so it indexes b's columns).
+fn overlap(a: &Range<usize>, b: &Range<usize>) -> Range<usize> {
+    let lo = a.start.clamp(b.start, b.end);
+    lo..a.end.clamp(lo, b.end)
+}
+
+/// One source's operands for a query block: its query rows (`[rows][head_dim]`, scored
+/// with `alpha`) and its keys and values (`[len][head_dim]`, absolute positions).
+struct Operands<'a> {
+    query: &'a [f32],
+    alpha: f32,
+    keys: &'a [f32],
+    values: &'a [f32],
+}
+
+/// Which key columns of a query block come from which source: `all_coded` is read through
+/// the codes by every row, the columns outside `coded` exactly by every row, and the
+/// bands between (rows disagree there: the window moves within the block) from both.
+struct ColumnPlan {
+    n_keys: usize,
+    /// Columns any row reads through the codes.
+    coded: Range<usize>,
+    /// Columns every row reads through the codes (within `coded`).
+    all_coded: Range<usize>,
+}
+
+impl ColumnPlan {
+    fn all_exact(n_keys: usize) -> Self {
+        Self { n_keys, coded: 0..0, all_coded: 0..0 }
+    }
+
+    /// From each row's coded range (empty: the row reads every key exactly).
+    fn new(ranges: &[Range<usize>], n_keys: usize) -> Self {
+        let live = || ranges.iter().filter(|r| !r.is_empty());
+        let (Some(lo), Some(hi)) = (live().map(|r| r.start).min(), live().map(|r| r.end).max()) else {
+            return Self::all_exact(n_keys);
+        };
+        let coded = lo..hi.min(n_keys).max(lo);
+        let every = ranges.iter().all(|r| !r.is_empty());
+        let (a, z) = (ranges.iter().map(|r| r.start).max(), ranges.iter().map(|r| r.end).min());
+        let all_coded = match (a, z) {
+            (Some(a), Some(z)) if every && a < z => a..z.min(coded.end),
+            _ => lo..lo,
+        };
+        Self { n_keys, coded, all_coded }
+    }
+
+    /// Columns every row reads exactly: before and after `all_coded` (the bands included,
+    /// scored both ways).
+    fn exact_pieces(&self) -> [Range<usize>; 2] {
+        let a = &self.all_coded;
+        [0..a.start, a.end..self.n_keys]
+    }
+
+    fn exact(&self) -> impl Iterator<Item = Range<usize>> {
+        self.exact_pieces().into_iter().filter(|r| !r.is_empty())
+    }
+
+    fn bands(&self) -> impl Iterator<Item = Range<usize>> {
+        let (c, a) = (&self.coded, &self.all_coded);
+        [c.start..a.start, a.end..c.end].into_iter().filter(|r| !r.is_empty())
+    }
+}
+
+/// The shape of one (head, query block) task: `rows` queries over `n_keys` key columns.
+#[derive(Clone, Copy)]
+struct Block {
+    rows: usize,
+    n_keys: usize,
+    head_dim: usize,
+}
+
+impl Block {
+    /// scores[:, cols] = alpha · Q Kᵀ[cols] (scores row-major, rows × n_keys).
+    fn scores(&self, scores: &mut [f32], cols: Range<usize>, src: &Operands) {
+        let start = cols.start;
+        self.scores_into(&mut scores[start..], self.n_keys, cols, src);
+    }
+
+    /// dst[i][j] (row stride dst_rs) = alpha · q_i · k_{cols.start + j}.
+    fn scores_into(&self, dst: &mut [f32], dst_rs: usize, cols: Range<usize>, src: &Operands) {
+        let d = self.head_dim;
+        let lhs = Mat { data: src.query, rs: d, cs: 1 };
+        let rhs = Mat { data: &src.keys[cols.start * d..], rs: 1, cs: d };
+        gemm_into((self.rows, cols.len(), d), MatMut { data: dst, rs: dst_rs, accumulate: false }, lhs, rhs, src.alpha);
+    }
+
+    /// out (rows × head_dim) = (or += unless `first`) P[:, cols] · V[cols]; P given from its
+    /// first column `cols.start`, with row stride p.1.
+    fn accumulate(&self, out: &mut [f32], first: bool, p: (&[f32], usize), cols: Range<usize>, v: &[f32]) {
+        let d = self.head_dim;
+        let lhs = Mat { data: p.0, rs: p.1, cs: 1 };
+        let rhs = Mat { data: &v[cols.start * d..], rs: d, cs: 1 };
+        gemm_into((self.rows, d, cols.len()), MatMut { data: out, rs: d, accumulate: !first }, lhs, rhs, 1.0);
+    }
+}
+
+/// Softmax over row[..valid]; row[valid..] (future keys) set to zero. `tmp` (≥ valid
+/// floats) takes the exponentials where the core's AVX-512 exp-and-sum runs: the portable
+/// passes below build for the baseline target, and there the exponentials were a fifth of
+/// a 4k-deep prefill's time (perf, pp512 @ d4096).
+fn softmax_prefix(row: &mut [f32], valid: usize, tmp: &mut [f32]) {
     let (live, masked) = row.split_at_mut(valid);
     masked.fill(0.0);
-    let max = live.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let max = max_of(live, f32::NEG_INFINITY);
+    if simd_level() == SimdLevel::Avx512 {
+        let inv = 1.0 / exp_sum(live, max, tmp);
+        live.iter_mut().zip(&tmp[..valid]).for_each(|(x, &e)| *x = e * inv);
+        return;
+    }
     // Separate map and sum passes so both vectorize (libm expf would not).
     live.iter_mut().for_each(|x| *x = exp_approx(*x - max));
     let mut lanes = [0f32; 8];
@@ -169,47 +323,57 @@ fn softmax_prefix(row: &mut [f32], valid: usize) {
     live.iter_mut().for_each(|x| *x *= inv);
 }
 
-/// dst[m×n] (row-major, overwritten) = alpha · lhs[m×k] · rhs[k×n], with explicit strides
-/// (row stride, column stride) for lhs and rhs so transposed operands need no copy.
-#[allow(clippy::too_many_arguments)]
-fn gemm_rowmajor(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: &mut [f32],
-    lhs: &[f32],
-    lhs_rs: usize,
-    lhs_cs: usize,
-    rhs: &[f32],
-    rhs_rs: usize,
-    rhs_cs: usize,
-    alpha: f32,
-) {
+/// A read-only strided matrix: element (i, j) at `data[i * rs + j * cs]`.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+/// A destination matrix with unit column stride; `accumulate`: add to what it holds.
+struct MatMut<'a> {
+    data: &'a mut [f32],
+    rs: usize,
+    accumulate: bool,
+}
+
+/// dst[m×n] (= or +=) alpha · lhs[m×k] · rhs[k×n]; strides let transposed operands and
+/// column ranges of a larger matrix go in without a copy.
+fn gemm_into((m, n, k): (usize, usize, usize), dst: MatMut, lhs: Mat, rhs: Mat, alpha: f32) {
     if m == 0 || n == 0 {
         return;
     }
-    let max_index = |rows: usize, cols: usize, rs: usize, cs: usize| (rows.max(1) - 1) * rs + (cols.max(1) - 1) * cs;
-    assert!(dst.len() >= m * n);
-    assert!(k == 0 || lhs.len() > max_index(m, k, lhs_rs, lhs_cs));
-    assert!(k == 0 || rhs.len() > max_index(k, n, rhs_rs, rhs_cs));
+    if k == 0 {
+        // An empty sum: zero unless accumulating (gemm reads nothing then).
+        if !dst.accumulate {
+            dst.data.chunks_mut(dst.rs).take(m).for_each(|r| r[..n].fill(0.0));
+        }
+        return;
+    }
+    let max_index = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
+    assert!(n <= dst.rs && dst.data.len() > max_index(m, n, dst.rs, 1));
+    assert!(lhs.data.len() > max_index(m, k, lhs.rs, lhs.cs));
+    assert!(rhs.data.len() > max_index(k, n, rhs.rs, rhs.cs));
     // SAFETY: the asserts above keep every index gemm touches (row*rs + col*cs) inside the
-    // slices; dst is exclusively borrowed and does not alias lhs or rhs.
+    // slices; dst is exclusively borrowed and does not alias lhs or rhs, and its rows
+    // (n ≤ rs) do not overlap.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst.data.as_mut_ptr(),
             1,
-            n as isize,
-            false,
-            lhs.as_ptr(),
-            lhs_cs as isize,
-            lhs_rs as isize,
-            rhs.as_ptr(),
-            rhs_cs as isize,
-            rhs_rs as isize,
-            0.0,
+            dst.rs as isize,
+            dst.accumulate,
+            lhs.data.as_ptr(),
+            lhs.cs as isize,
+            lhs.rs as isize,
+            rhs.data.as_ptr(),
+            rhs.cs as isize,
+            rhs.rs as isize,
+            if dst.accumulate { 1.0 } else { 0.0 },
             alpha,
             false,
             false,
@@ -224,19 +388,35 @@ mod tests {
     use super::*;
     use crate::test_util::pseudo;
 
-    // Plain triple loop: the oracle for the gemm path.
-    fn attend_ref(q: &[f32], n_q: usize, k: &[Vec<f32>], v: &[Vec<f32>], len: usize, hd: usize) -> Vec<f32> {
-        let n_heads = q.len() / (n_q * hd);
-        let group = n_heads / k.len();
+    /// One source for the oracle: keys, values (per kv head) and the query rows it is scored
+    /// with (already scaled by 1/√d), `[n_heads][n_q][hd]`.
+    struct RefSource<'a> {
+        k: &'a [Vec<f32>],
+        v: &'a [Vec<f32>],
+        q: &'a [f32],
+    }
+
+    // Plain triple loop in f64: the oracle for the gemm path. Query at position p reads key
+    // j from `coded` when j ∈ range(p), else from `exact`.
+    fn attend_mixed_ref(
+        n_q: usize,
+        exact: &RefSource,
+        coded: &RefSource,
+        range: &dyn Fn(usize) -> Range<usize>,
+        len: usize,
+        hd: usize,
+    ) -> Vec<f32> {
+        let n_heads = exact.q.len() / (n_q * hd);
+        let group = n_heads / exact.k.len();
         let mut out = vec![0f32; n_q * n_heads * hd];
         for h in 0..n_heads {
             for i in 0..n_q {
                 let pos = len - n_q + i;
-                let qi = &q[(h * n_q + i) * hd..][..hd];
+                let src = |j: usize| if range(pos).contains(&j) { coded } else { exact };
                 let s: Vec<f64> = (0..=pos)
                     .map(|j| {
-                        let kj = &k[h / group][j * hd..][..hd];
-                        qi.iter().zip(kj).map(|(a, b)| (a * b) as f64).sum::<f64>() / (hd as f64).sqrt()
+                        let (qi, kj) = (&src(j).q[(h * n_q + i) * hd..][..hd], &src(j).k[h / group][j * hd..][..hd]);
+                        qi.iter().zip(kj).map(|(a, b)| (a * b) as f64).sum::<f64>()
                     })
                     .collect();
                 let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
@@ -244,12 +424,22 @@ mod tests {
                 for (j, sj) in s.iter().enumerate() {
                     let p = (sj - m).exp() / z;
                     for d in 0..hd {
-                        out[i * n_heads * hd + h * hd + d] += (p * v[h / group][j * hd + d] as f64) as f32;
+                        out[i * n_heads * hd + h * hd + d] += (p * src(j).v[h / group][j * hd + d] as f64) as f32;
                     }
                 }
             }
         }
         out
+    }
+
+    fn attend_ref(q: &[f32], n_q: usize, k: &[Vec<f32>], v: &[Vec<f32>], len: usize, hd: usize) -> Vec<f32> {
+        let scaled: Vec<f32> = q.iter().map(|x| x / (hd as f32).sqrt()).collect();
+        let exact = RefSource { k, v, q: &scaled };
+        attend_mixed_ref(n_q, &exact, &exact, &|_| 0..0, len, hd)
+    }
+
+    fn refs(x: &[Vec<f32>]) -> Vec<&[f32]> {
+        x.iter().map(|v| v.as_slice()).collect()
     }
 
     #[test]
@@ -265,6 +455,44 @@ mod tests {
             let want = attend_ref(&q, n_q, &k, &v, len, hd);
             for (a, b) in got.iter().zip(&want) {
                 assert!((a - b).abs() < 1e-4, "len {len} n_q {n_q}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// The two-source path against the oracle, for the windows a compressed cache produces:
+    /// row mode (the split moves by one per query), page mode (by T), a floor left by a
+    /// trim, sinks, rows with nothing coded yet, and a coded query that differs from q.
+    #[test]
+    fn mixed_attention_matches_reference_for_every_window_shape() {
+        let hd = 16;
+        // (sinks, recent, page tokens (1: row mode), coded floor)
+        let windows = [(0, 0, 1, 0), (3, 5, 1, 0), (4, 8, 32, 0), (2, 5, 1, 70), (0, 16, 16, 0), (40, 5, 32, 0)];
+        for &(len, n_q) in &[(1, 1), (9, 9), (300, 1), (300, 129), (257, 257), (600, 300)] {
+            for &(sink, recent, t, floor) in &windows {
+                let k: Vec<Vec<f32>> = (0..2).map(|g| pseudo(len * hd, 10 + g)).collect();
+                let v: Vec<Vec<f32>> = (0..2).map(|g| pseudo(len * hd, 20 + g)).collect();
+                let kc: Vec<Vec<f32>> = (0..2).map(|g| pseudo(len * hd, 30 + g)).collect();
+                let vc: Vec<Vec<f32>> = (0..2).map(|g| pseudo(len * hd, 40 + g)).collect();
+                let q = pseudo(6 * n_q * hd, 3);
+                let qc: Vec<f32> = pseudo(6 * n_q * hd, 4).iter().map(|x| x * 0.3).collect();
+                let range = move |pos: usize| {
+                    let old = (pos + 1).saturating_sub(sink + recent);
+                    let c = (old / t * t).max(floor).min((pos + 1).saturating_sub(sink));
+                    if pos < sink || c == 0 {
+                        0..0
+                    } else {
+                        sink..sink + c
+                    }
+                };
+                let (kcr, vcr) = (refs(&kc), refs(&vc));
+                let src = CodedSource { keys: &kcr, values: &vcr, range: &range, query: Some(&qc) };
+                let got = causal_attention_mixed(&q, n_q, &refs(&k), &refs(&v), Some(&src), len, hd).unwrap();
+                let scaled: Vec<f32> = q.iter().map(|x| x / (hd as f32).sqrt()).collect();
+                let exact = RefSource { k: &k, v: &v, q: &scaled };
+                let codes = RefSource { k: &kc, v: &vc, q: &qc };
+                let want = attend_mixed_ref(n_q, &exact, &codes, &range, len, hd);
+                let worst = got.iter().zip(&want).fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+                assert!(worst < 1e-4, "len {len} n_q {n_q} window {:?}: {worst}", (sink, recent, t, floor));
             }
         }
     }

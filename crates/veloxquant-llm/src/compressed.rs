@@ -8,7 +8,8 @@
 //! row mode).
 
 use half::f16;
-use veloxquant::attn::{decode_attention, materialize_pages};
+use rayon::prelude::*;
+use veloxquant::attn::{decode_attention, materialize_pages_into};
 use veloxquant::cache::StreamStore;
 use veloxquant::{CacheConfig, PagedCache, VqError};
 
@@ -104,24 +105,28 @@ impl KvStore for CompressedStore {
         let start = self.cache.n_tokens(layer).map_err(backend)?;
         let (h, d) = (self.cache.config().n_kv_heads, self.cache.config().head_dim);
         let end = start + n_tokens;
-        // Snapshot the tail (exact tokens before this chunk) before appending flushes it.
+        // Snapshot the sinks and the tail (exact tokens before this chunk) before appending
+        // flushes it; the chunk's own leading tokens complete any unfilled sinks, so the
+        // exact rows need nothing from after the append and build while it encodes.
         let lc = self.cache.layer(layer).map_err(backend)?;
-        let snap = |s: &StreamStore| f16_rows(s.tail()).collect::<Vec<f32>>();
-        let (k_tail, v_tail): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
-            (lc.keys.iter().map(snap).collect(), lc.values.iter().map(snap).collect());
+        let snap = |s: &StreamStore| (f16_rows(s.sink()).collect::<Vec<f32>>(), f16_rows(s.tail()).collect());
+        let before: Vec<(Vec<f32>, Vec<f32>)> = lc.keys.iter().chain(&lc.values).map(snap).collect();
         let coded_before = lc.keys[0].paged_tokens();
-        self.cache.append(layer, k, v, n_tokens).map_err(backend)?;
-        let lc = self.cache.layer(layer).map_err(backend)?;
         let per = n_tokens * d;
-        let build = |tail: &[f32], sink: &[f16], chunk: &[f32]| {
+        let chunks: Vec<&[f32]> = k.chunks(per).chain(v.chunks(per)).collect();
+        let build = |((sink, tail), chunk): (&(Vec<f32>, Vec<f32>), &&[f32])| {
             let mut e = vec![0f32; end * d];
+            e[..sink.len()].copy_from_slice(sink);
             e[(start * d - tail.len())..start * d].copy_from_slice(tail);
-            e.iter_mut().zip(f16_rows(sink)).for_each(|(a, b)| *a = b);
             e[start * d..].iter_mut().zip(exact_rows(chunk)).for_each(|(a, b)| *a = b);
             e
         };
-        let keys = (0..h).map(|i| build(&k_tail[i], lc.keys[i].sink(), &k[i * per..(i + 1) * per])).collect();
-        let values = (0..h).map(|i| build(&v_tail[i], lc.values[i].sink(), &v[i * per..(i + 1) * per])).collect();
+        let (appended, mut keys) = rayon::join(
+            || self.cache.append(layer, k, v, n_tokens),
+            || before.par_iter().zip(&chunks).map(build).collect::<Vec<Vec<f32>>>(),
+        );
+        appended.map_err(backend)?;
+        let values = keys.split_off(h);
         self.pending = Some(Pending { layer, start, coded_before, keys, values });
         Ok(())
     }
@@ -146,14 +151,14 @@ impl KvStore for CompressedStore {
         // (No codes yet while the sinks are still filling: len may be below S.)
         let place = |s: &StreamStore| {
             let mut full = vec![0f32; len * d];
-            let dec = materialize_pages(s);
-            if !dec.is_empty() {
-                full[n_sink * d..n_sink * d + dec.len()].copy_from_slice(&dec);
+            let coded = s.paged_tokens() * d;
+            if coded > 0 {
+                materialize_pages_into(s, &mut full[n_sink * d..n_sink * d + coded]);
             }
             full
         };
-        let k_dec: Vec<Vec<f32>> = lc.keys.iter().map(place).collect();
-        let v_dec: Vec<Vec<f32>> = lc.values.iter().map(place).collect();
+        let (k_dec, v_dec): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+            rayon::join(|| lc.keys.par_iter().map(place).collect(), || lc.values.par_iter().map(place).collect());
         // What query position pos sees, as decode would have stored it with pos + 1 tokens:
         // keys [S, S + coded) through the codes, the rest exact.
         let cfg = self.cache.config();
@@ -194,12 +199,11 @@ fn scoring_queries(lc: &veloxquant::cache::LayerCache, q: &[f32], n_q: usize, d:
     let n_heads = q.len() / (n_q * d);
     let group = n_heads / lc.keys.len();
     let mut out = Vec::with_capacity(q.len());
+    let mut scaled = vec![0f32; n_q * d];
     for (h, rows) in q.chunks_exact(n_q * d).enumerate() {
-        let f = lc.keys[h / group].format();
-        for row in rows.chunks_exact(d) {
-            let scaled: Vec<f32> = row.iter().map(|v| v * scale).collect();
-            out.extend(f.scoring_query_ref(&scaled, 1));
-        }
+        scaled.iter_mut().zip(rows).for_each(|(s, v)| *s = v * scale);
+        // Every row at once: the formats' query semantics are per row.
+        out.extend(lc.keys[h / group].format().scoring_query_ref(&scaled, n_q));
     }
     out
 }

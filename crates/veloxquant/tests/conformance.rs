@@ -1,5 +1,5 @@
 //! Conformance suite run over every registered format: sizes, reference round trip against
-//! its anchor, fused verbs against the reference decode.
+//! its anchor, fused verbs and the fast page decoder against the reference decode.
 
 mod common;
 
@@ -166,6 +166,10 @@ fn fused_verbs_match_reference_decode() {
             f.encode_page(&x, &mut page).unwrap();
             let mut k = vec![0f32; T * d];
             f.decode_page(&page, &mut k);
+            let mut fast = vec![0f32; T * d];
+            f.decode_page_fast(&page, &mut fast);
+            let same = k.iter().zip(&fast).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{spec} {stream:?} d={d}: decode_page_fast differs from decode_page");
             for g in [1, 3, 4, 9] {
                 let q = rng.gaussian_vec(g * d);
                 // scores vs dot products with the decoded keys

@@ -7,7 +7,7 @@ mod reference;
 pub mod state;
 
 pub use fused::{decode_attention, decode_attention_batch};
-pub use reference::{decode_attention_ref, materialize, materialize_pages};
+pub use reference::{decode_attention_ref, materialize, materialize_pages, materialize_pages_into};
 
 use crate::cache::PagedCache;
 use crate::error::{Result, VqError};

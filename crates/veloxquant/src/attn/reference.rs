@@ -4,18 +4,45 @@
 use super::check_query;
 use crate::cache::{PagedCache, StreamStore};
 use crate::error::Result;
+use rayon::prelude::*;
 
 /// Every page of one stream decoded by the format's reference decoder: paged tokens × d
 /// (an open page contributes only its filled rows).
 pub fn materialize_pages(s: &StreamStore) -> Vec<f32> {
-    let f = s.format();
-    let per_page = f.page_tokens() * f.head_dim();
-    let mut out = vec![0f32; s.pages().len() * per_page];
-    for (p, o) in s.pages().iter().zip(out.chunks_exact_mut(per_page)) {
-        f.decode_page(p, o);
-    }
-    out.truncate(s.paged_tokens() * f.head_dim());
+    let mut out = vec![0f32; s.paged_tokens() * s.format().head_dim()];
+    decode_pages(s, &mut out, false, |p, o| s.format().decode_page(p, o));
     out
+}
+
+/// [`materialize_pages`]' values into `out` (exactly paged tokens × d), through
+/// [`Format::decode_page_fast`](crate::Format::decode_page_fast) and in parallel where
+/// there are several pages: a prefill decodes a whole stream per layer.
+pub fn materialize_pages_into(s: &StreamStore, out: &mut [f32]) {
+    assert_eq!(out.len(), s.paged_tokens() * s.format().head_dim(), "materialize_pages_into: output size");
+    let parallel = s.pages().len() >= PAR_MIN_PAGES;
+    decode_pages(s, out, parallel, |p, o| s.format().decode_page_fast(p, o));
+}
+
+/// Streams of fewer pages decode on the calling thread (less work than handing it out).
+const PAR_MIN_PAGES: usize = 8;
+
+fn decode_pages(s: &StreamStore, out: &mut [f32], parallel: bool, decode: impl Fn(&[u8], &mut [f32]) + Sync) {
+    let per_page = s.format().page_tokens() * s.format().head_dim();
+    let one = |(p, o): (&crate::cache::Page, &mut [f32])| {
+        if o.len() == per_page {
+            decode(p, o);
+        } else {
+            // The open page: decode whole, keep its filled rows.
+            let mut full = vec![0f32; per_page];
+            decode(p, &mut full);
+            o.copy_from_slice(&full[..o.len()]);
+        }
+    };
+    if parallel {
+        s.pages().par_iter().zip(out.par_chunks_mut(per_page)).for_each(one);
+    } else {
+        s.pages().iter().zip(out.chunks_mut(per_page)).for_each(one);
+    }
 }
 
 /// All keys (or values) of one stream as n × d f32 in sequence order: sinks, pages, tail.

@@ -496,6 +496,11 @@ pub trait Format: Send + Sync + fmt::Debug {
     fn encode_page(&self, x: &[f32], page: &mut [u8]) -> Result<()>;
     /// Reference decode of one page to T×d f32.
     fn decode_page(&self, page: &[u8], out: &mut [f32]);
+    /// [`decode_page`](Self::decode_page)'s values bit for bit, by the format's fastest
+    /// decoder (what a prefill reads its coded keys and values through); default: it.
+    fn decode_page_fast(&self, page: &[u8], out: &mut [f32]) {
+        self.decode_page(page, out)
+    }
 
     /// Whether rows (tokens) are encoded independently, so a page may be filled one token at
     /// a time (`encode_row`) and the cache needs no fp16 tail beyond the recent window.
