@@ -4,7 +4,7 @@ use crate::error::{LlmError, Result};
 use rayon::prelude::*;
 use std::ops::Range;
 pub(crate) use veloxquant::cpu::exp_approx;
-use veloxquant::cpu::{exp_sum, max_of, simd_level, SimdLevel};
+use veloxquant::cpu::max_of;
 
 thread_local! {
     /// One query block's scores (rows × keys), kept between tasks: at most Q_BLOCK × the
@@ -147,9 +147,8 @@ pub fn causal_attention_mixed(
                     bands.push((band, sc));
                 }
             }
-            let mut tmp = vec![0f32; n_keys];
             for (i, row) in scores.chunks_exact_mut(n_keys).enumerate() {
-                softmax_prefix(row, first_pos + i + 1, &mut tmp);
+                softmax_prefix(row, first_pos + i + 1);
             }
             // A band's coded weights move to its own matrix (zero elsewhere), leaving the exact
             // ones in `scores`.
@@ -296,20 +295,14 @@ impl Block {
     }
 }
 
-/// Softmax over row[..valid]; row[valid..] (future keys) set to zero. `tmp` (≥ valid
-/// floats) takes the exponentials where the core's AVX-512 exp-and-sum runs: the portable
-/// passes below build for the baseline target, and there the exponentials were a fifth of
-/// a 4k-deep prefill's time (perf, pp512 @ d4096).
-fn softmax_prefix(row: &mut [f32], valid: usize, tmp: &mut [f32]) {
+/// Softmax over row[..valid]; row[valid..] (future keys) set to zero.
+fn softmax_prefix(row: &mut [f32], valid: usize) {
     let (live, masked) = row.split_at_mut(valid);
     masked.fill(0.0);
     let max = max_of(live, f32::NEG_INFINITY);
-    if simd_level() == SimdLevel::Avx512 {
-        let inv = 1.0 / exp_sum(live, max, tmp);
-        live.iter_mut().zip(&tmp[..valid]).for_each(|(x, &e)| *x = e * inv);
-        return;
-    }
-    // Separate map and sum passes so both vectorize (libm expf would not).
+    // Not `exp_sum`'s AVX-512 exponentials (fused multiply-adds, other bits): the server's
+    // greedy text must equal `generate`'s (veloxquant-serve tests/server.rs), which this
+    // softmax's rounding decides. Separate map and sum passes so both vectorize.
     live.iter_mut().for_each(|x| *x = exp_approx(*x - max));
     let mut lanes = [0f32; 8];
     let mut chunks = live.chunks_exact(8);

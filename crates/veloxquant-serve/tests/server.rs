@@ -132,11 +132,27 @@ fn stop_sequences_cut_text_across_tokens() {
     let srv = spawn(l, common::config(l), false);
     let full = post(srv.addr, "/v1/completions", &greedy(PROMPTS[0], 24)).json();
     let text = full["choices"][0]["text"].as_str().unwrap().to_string();
-    // A stop string that starts inside one token and ends in another: "'s sh" of "keeper's ship".
-    let at = text.find("'s sh").expect("the greedy text is known");
+    // A stop string that starts inside one token and ends in another: the last two characters
+    // of a token's text and the first three after it (the first boundary with room for both).
+    let ids: Vec<u32> = full["choices"][0]["token_ids"]
+        .as_array()
+        .expect("token ids in the response")
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let stop = (2..ids.len())
+        .find_map(|k| {
+            let b = l.tok.decode(&ids[..k]).ok()?.chars().count();
+            let chars: Vec<char> = text.chars().collect();
+            let piece = l.tok.decode(&ids[k - 1..k]).ok()?.chars().count();
+            (piece >= 2 && b + 3 <= chars.len() && text.starts_with(&l.tok.decode(&ids[..k]).ok()?))
+                .then(|| chars[b - 2..b + 3].iter().collect::<String>())
+        })
+        .expect("a token boundary inside the greedy text");
+    let at = text.find(&stop).unwrap();
     for stream in [false, true] {
         let mut b = greedy(PROMPTS[0], 24);
-        b["stop"] = json!(["'s sh", "zzzz"]);
+        b["stop"] = json!([stop, "zzzz"]);
         b["stream"] = json!(stream);
         let r = post(srv.addr, "/v1/completions", &b);
         let (got, finish) = if stream {

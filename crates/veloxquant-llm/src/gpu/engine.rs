@@ -294,7 +294,8 @@ impl GpuEngine {
             sample: st.alloc_zeros::<u64>(4 * cfg.max_seqs).map_err(drv("alloc"))?,
         };
         let blas = Blas::new(&model.dev).map_err(gpu)?;
-        let e = Self { model, cfg, cache, blas, prefill, bufs, uploads, graphs: HashMap::new(), max_deltas, stream: st };
+        let e =
+            Self { model, cfg, cache, blas, prefill, bufs, uploads, graphs: HashMap::new(), max_deltas, stream: st };
         // The decode kernels compile now (one plan's modules serve every batch and page
         // bucket), not inside the first step a request waits for.
         PlanCore::new(&e.cache, c.n_heads, 1, e.page_bucket(1), DecodeOptions::default()).map_err(gpu)?;
