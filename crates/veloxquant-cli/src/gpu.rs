@@ -641,6 +641,12 @@ mod report {
         r["kernel"].as_str().unwrap_or("gemm").to_string()
     }
 
+    /// What makes two prefill rows the same case: model, method, kernel, sequences, tokens.
+    fn prefill_case(r: &Value) -> (String, String, String, u64, Option<u64>) {
+        let seqs = r["sequences"].as_u64().unwrap_or(1);
+        (r["model"].to_string(), r["method"].to_string(), prefill_kernel(r), seqs, r["prefill_tokens"].as_u64())
+    }
+
     pub fn e2e_report(a: &E2eReportArgs) -> AnyResult {
         let mut rows: Vec<Value> = Vec::new();
         let mut device = String::new();
@@ -661,16 +667,8 @@ mod report {
                 if r.get("error").is_some() {
                     continue;
                 }
-                let key = |r: &Value| {
-                    (
-                        r["model"].to_string(),
-                        r["method"].to_string(),
-                        prefill_kernel(r),
-                        r["sequences"].as_u64().unwrap_or(1),
-                        r["prefill_tokens"].as_u64(),
-                    )
-                };
-                prefill.retain(|o| key(o) != key(&r));
+                let case = prefill_case(&r);
+                prefill.retain(|o| prefill_case(o) != case);
                 prefill.push(r);
             }
         }

@@ -27,7 +27,7 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = crate::gpu::Device::Cpu)]
     pub device: crate::gpu::Device,
     /// How the CPU holds the weights, as `generate --weights`. Default `f32`: a request's
-    /// tokens are then the same alone or batched (`q8` decodes ~17× faster per sequence here,
+    /// tokens are then the same alone or batched (`q8` decodes ~10× faster per sequence here,
     /// but a step's row count picks its products' kernels, so batching changes rounding).
     #[arg(long, value_enum, default_value_t = crate::demo::Weights::F32)]
     pub weights: crate::demo::Weights,
