@@ -22,8 +22,12 @@ MIN_PROMPT=${MIN_PROMPT:-2000}
 MAX_PROMPT=${MAX_PROMPT:-3000}
 CLIENTS=${CLIENTS:-256}
 REQUESTS=${REQUESTS:-256}
+# PREFILL_CHUNK: tokens of one sequence's prompt per step (smaller: decode rows wait less;
+# larger: fewer passes over the prompt's coded pages).
+CHUNK=${PREFILL_CHUNK:-4096}
+STEP=${STEP_PREFILL:-8192}  # prompt tokens over all sequences per step
 COMMON="--device cuda --model /tmp/model.gguf --kv-budget-mib $BUDGET --max-context 4352 --gpu-slots 320 \
-  --max-running $CLIENTS --max-queue 1024 --prefill-chunk 512 --step-prefill-tokens 8192"
+  --max-running $CLIENTS --max-queue 1024 --prefill-chunk $CHUNK --step-prefill-tokens $STEP"
 # run TAG METHOD CLIENTS REQUESTS MAX_TOKENS SECONDS: one load run; the server's log always comes back.
 run() {
   timeout $6 python3 benchmarks/serve_load.py load --binary $BIN/veloxquant --port 18300 \

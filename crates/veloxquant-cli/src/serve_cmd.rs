@@ -40,12 +40,14 @@ pub struct ServeArgs {
     /// Requests waiting for admission; beyond that, 503 with Retry-After.
     #[arg(long, default_value_t = 256)]
     pub max_queue: usize,
-    /// Prompt tokens of one sequence per forward (a multiple of 32).
-    #[arg(long, default_value_t = 256)]
-    pub prefill_chunk: usize,
-    /// Prompt tokens over all sequences per forward (bounds the stall decoders see).
-    #[arg(long, default_value_t = 256)]
-    pub step_prefill_tokens: usize,
+    /// Prompt tokens of one sequence per forward (a multiple of 32) [default: 256 on the CPU,
+    /// 4096 with --device cuda].
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
+    /// Prompt tokens over all sequences per forward (bounds the stall decoders see) [default:
+    /// 256 on the CPU, 8192 with --device cuda].
+    #[arg(long)]
+    pub step_prefill_tokens: Option<usize>,
     /// Prefix checkpoints kept for sharing (0: prefix sharing off).
     #[arg(long, default_value_t = 64)]
     pub max_prefixes: usize,
@@ -114,8 +116,12 @@ pub fn run(a: &ServeArgs, path: &std::path::Path) -> AnyResult {
     let s = &mut cfg.sched;
     s.max_running = a.max_running;
     s.kv_budget_bytes = a.kv_budget_mib << 20;
-    s.prefill_chunk = a.prefill_chunk;
-    s.step_prefill_tokens = a.step_prefill_tokens;
+    // The GPU's defaults, measured under load (benchmarks/results/serve-gpu-notes.md): each
+    // chunk re-reads the prompt's coded pages, and the GPU's forward costs little more for
+    // 8k rows than for 256, so larger chunks cut prefill time and time to first token alike.
+    let (chunk, step) = if a.device == crate::gpu::Device::Cuda { (4096, 8192) } else { (256, 256) };
+    s.prefill_chunk = a.prefill_chunk.unwrap_or(chunk);
+    s.step_prefill_tokens = a.step_prefill_tokens.unwrap_or(step);
     s.max_prefixes = a.max_prefixes;
     s.request_timeout = Duration::from_secs(a.timeout_s);
     s.shutdown_grace = Duration::from_secs(a.shutdown_grace_s);
