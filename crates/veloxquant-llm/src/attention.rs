@@ -376,6 +376,105 @@ fn gemm_into((m, n, k): (usize, usize, usize), dst: MatMut, lhs: Mat, rhs: Mat, 
     }
 }
 
+/// Tokens per task of [`decode_attention_f16`]: fixed, so the split (and the rounding) is
+/// the same whatever the thread count.
+const DECODE_CHUNK: usize = 1024;
+
+/// One query token's attention over f16 keys and values held as rows (`keys[g]`: kv head g,
+/// `[len][head_dim]` f16 little-endian bytes), straight from the f16 bytes: the core's fused
+/// page kernels score and accumulate 32 rows at a time for the G query heads of a kv head
+/// (each row read once for the group), with no f32 copy of the cache. Parallel over (kv head,
+/// DECODE_CHUNK tokens), merged in chunk order. q: `[n_heads][head_dim]`; returns
+/// `[n_heads * head_dim]`.
+pub fn decode_attention_f16(
+    q: &[f32],
+    keys: &[&[u8]],
+    values: &[&[u8]],
+    len: usize,
+    head_dim: usize,
+) -> Result<Vec<f32>> {
+    use veloxquant::format::rows::{RowKind, RowLayout};
+    let n_kv = keys.len();
+    if n_kv == 0 || values.len() != n_kv || head_dim == 0 || len == 0 {
+        return Err(LlmError::Store(
+            "decode attention: no kv heads, no tokens, or key/value head counts differ".into(),
+        ));
+    }
+    if !q.len().is_multiple_of(head_dim * n_kv) {
+        return Err(LlmError::ShapeMismatch {
+            op: "attend: q length (n_heads × head_dim)",
+            expected: head_dim * n_kv,
+            got: q.len(),
+        });
+    }
+    let row = 2 * head_dim;
+    for kv in keys.iter().chain(values.iter()) {
+        if kv.len() < len * row {
+            return Err(LlmError::ShapeMismatch { op: "attend: kv head bytes", expected: len * row, got: kv.len() });
+        }
+    }
+    let group = q.len() / (head_dim * n_kv);
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let n_chunks = len.div_ceil(DECODE_CHUNK);
+    let page = |t: usize| RowLayout::new(RowKind::F16, head_dim, t);
+    let full = page(32);
+    // (max, sum) per head and the unnormalized outputs of one (kv head, chunk).
+    let task = |(g, c): (usize, usize)| -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let qs: Vec<f32> = q[g * group * head_dim..(g + 1) * group * head_dim].iter().map(|x| x * scale).collect();
+        let (t0, t1) = (c * DECODE_CHUNK, ((c + 1) * DECODE_CHUNK).min(len));
+        let n = t1 - t0;
+        // scores[h][t] for the chunk, then the weights in place.
+        let mut s = vec![0f32; group * n];
+        let mut buf = vec![0f32; group * 32];
+        for p0 in (t0..t1).step_by(32) {
+            let rows = 32.min(t1 - p0);
+            let l = if rows == 32 { full.clone() } else { page(rows) };
+            veloxquant::cpu::scores(&l, &qs, group, &keys[g][p0 * row..(p0 + rows) * row], &mut buf);
+            for h in 0..group {
+                s[h * n + p0 - t0..][..rows].copy_from_slice(&buf[h * rows..][..rows]);
+            }
+        }
+        let (mut m, mut z) = (vec![0f32; group], vec![0f32; group]);
+        let mut w = vec![0f32; group * n];
+        for h in 0..group {
+            m[h] = max_of(&s[h * n..(h + 1) * n], f32::NEG_INFINITY);
+            z[h] = veloxquant::cpu::exp_sum(&s[h * n..(h + 1) * n], m[h], &mut w[h * n..(h + 1) * n]);
+        }
+        let mut acc = vec![0f32; group * head_dim];
+        for p0 in (t0..t1).step_by(32) {
+            let rows = 32.min(t1 - p0);
+            let l = if rows == 32 { full.clone() } else { page(rows) };
+            for h in 0..group {
+                buf[h * rows..][..rows].copy_from_slice(&w[h * n + p0 - t0..][..rows]);
+            }
+            veloxquant::cpu::accumulate(&l, &buf, group, &values[g][p0 * row..(p0 + rows) * row], &mut acc);
+        }
+        (m, z, acc)
+    };
+    let tasks: Vec<(usize, usize)> = (0..n_kv).flat_map(|g| (0..n_chunks).map(move |c| (g, c))).collect();
+    let parts: Vec<_> = if n_kv * len * group < PAR_MIN_DOTS {
+        tasks.into_iter().map(task).collect()
+    } else {
+        tasks.into_par_iter().map(task).collect()
+    };
+    let mut out = vec![0f32; q.len()];
+    for g in 0..n_kv {
+        let chunk = &parts[g * n_chunks..(g + 1) * n_chunks];
+        for h in 0..group {
+            let mx = chunk.iter().fold(f32::NEG_INFINITY, |a, p| a.max(p.0[h]));
+            let o = &mut out[(g * group + h) * head_dim..][..head_dim];
+            let mut z = 0f32;
+            for (m, zc, acc) in chunk {
+                let f = exp_approx(m[h] - mx);
+                z += f * zc[h];
+                o.iter_mut().zip(&acc[h * head_dim..][..head_dim]).for_each(|(a, b)| *a += f * b);
+            }
+            o.iter_mut().for_each(|a| *a /= z);
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -455,6 +554,52 @@ mod tests {
     /// The two-source path against the oracle, for the windows a compressed cache produces:
     /// row mode (the split moves by one per query), page mode (by T), a floor left by a
     /// trim, sinks, rows with nothing coded yet, and a coded query that differs from q.
+    /// The fused f16 decode against the f64 oracle on the same f16-rounded keys and values:
+    /// tails of a 32-row page, chunk edges (1024), GQA groups 1–9, head sizes on the AVX-512,
+    /// AVX2 and scalar kernels; keys with a large common offset so a softmax not merged by
+    /// each chunk's own max would overflow or lose the small weights.
+    #[test]
+    fn f16_decode_matches_reference_across_pages_and_chunks() {
+        use half::f16;
+        let bytes = |x: &[f32]| -> Vec<u8> { x.iter().flat_map(|v| f16::from_f32(*v).to_le_bytes()).collect() };
+        let round = |x: Vec<f32>| -> Vec<f32> { x.into_iter().map(|v| f16::from_f32(v).to_f32()).collect() };
+        for &(len, g, hd, n_kv) in &[
+            (1, 1, 64, 1),
+            (31, 3, 64, 3),
+            (33, 4, 16, 2),
+            (1024, 2, 64, 2),
+            (1025, 9, 24, 1),
+            (2100, 3, 64, 3),
+            (700, 8, 128, 2),
+        ] {
+            let k: Vec<Vec<f32>> = (0..n_kv)
+                .map(|h| {
+                    round(
+                        pseudo(len * hd, 40 + h as u32)
+                            .iter()
+                            .enumerate()
+                            .map(|(i, x)| 4.0 * x + if i % hd == 0 { 30.0 } else { 0.0 })
+                            .collect(),
+                    )
+                })
+                .collect();
+            let v: Vec<Vec<f32>> = (0..n_kv).map(|h| round(pseudo(len * hd, 50 + h as u32))).collect();
+            let q = pseudo(n_kv * g * hd, 7);
+            let (kb, vb): (Vec<Vec<u8>>, Vec<Vec<u8>>) =
+                (k.iter().map(|x| bytes(x)).collect(), v.iter().map(|x| bytes(x)).collect());
+            let (kr, vr): (Vec<&[u8]>, Vec<&[u8]>) =
+                (kb.iter().map(|x| x.as_slice()).collect(), vb.iter().map(|x| x.as_slice()).collect());
+            let got = decode_attention_f16(&q, &kr, &vr, len, hd).unwrap();
+            let want = attend_ref(&q, 1, &k, &v, len, hd);
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 2e-5, "len {len} G {g} d {hd} kv {n_kv}: worst {worst}");
+        }
+        let one = [0u8; 128];
+        assert!(decode_attention_f16(&[0.0; 64], &[&one[..]], &[&one[..]], 2, 64).is_err(), "rows shorter than len");
+        assert!(decode_attention_f16(&[0.0; 63], &[&one[..]], &[&one[..]], 1, 64).is_err(), "q not whole heads");
+        assert!(decode_attention_f16(&[0.0; 64], &[&one[..]], &[&one[..]], 0, 64).is_err(), "no tokens");
+    }
+
     #[test]
     fn mixed_attention_matches_reference_for_every_window_shape() {
         let hd = 16;

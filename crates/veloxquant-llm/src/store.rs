@@ -30,6 +30,11 @@ pub trait StoredValue: Copy + Default + Send + Sync + 'static {
     fn extend_from_f32(dst: &mut Vec<Self>, src: &[f32]);
     /// The values as f32 (borrowed when no conversion is needed).
     fn to_f32(x: &[Self]) -> std::borrow::Cow<'_, [f32]>;
+    /// The values as the core's f16 rows (little-endian bytes), for the fused decode
+    /// kernels; `None` for a type they do not read.
+    fn f16_bytes(_x: &[Self]) -> Option<&[u8]> {
+        None
+    }
 }
 
 impl StoredValue for f16 {
@@ -37,6 +42,13 @@ impl StoredValue for f16 {
         let start = dst.len();
         dst.resize(start + src.len(), f16::ZERO);
         dst[start..].convert_from_f32_slice(src);
+    }
+    #[cfg(target_endian = "little")]
+    fn f16_bytes(x: &[Self]) -> Option<&[u8]> {
+        // SAFETY: f16 is a repr(transparent) u16: 2·len initialized bytes, no padding, u8
+        // has alignment 1 and every value valid; on a little-endian target they are the LE
+        // rows the core's F16 layout reads. The borrow keeps x alive and unchanged.
+        Some(unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<u8>(), std::mem::size_of_val(x)) })
     }
     fn to_f32(x: &[Self]) -> std::borrow::Cow<'_, [f32]> {
         let mut out = vec![0f32; x.len()];
@@ -63,6 +75,10 @@ fn widen<T: StoredValue>(heads: &[Vec<T>]) -> Vec<std::borrow::Cow<'_, [f32]>> {
         return heads.iter().map(|h| T::to_f32(h)).collect();
     }
     heads.par_iter().map(|h| T::to_f32(h)).collect()
+}
+
+fn f16_rows<T: StoredValue>(heads: &[Vec<T>]) -> Option<Vec<&[u8]>> {
+    heads.iter().map(|h| T::f16_bytes(h)).collect()
 }
 
 /// An uncompressed cache: keys and values kept as `T`, attention computed in f32.
@@ -159,6 +175,12 @@ impl<T: StoredValue> KvStore for DenseStore<T> {
 
     fn attend(&mut self, layer: usize, q: &[f32], n_q: usize) -> Result<Vec<f32>> {
         self.check_layer(layer)?;
+        // One query token (decode): fused over the f16 rows, no f32 copy of the cache.
+        if n_q == 1 && self.lens[layer] > 0 {
+            if let (Some(k), Some(v)) = (f16_rows(&self.keys[layer]), f16_rows(&self.values[layer])) {
+                return crate::attention::decode_attention_f16(q, &k, &v, self.lens[layer], self.head_dim);
+            }
+        }
         let (kf, vf) = (widen(&self.keys[layer]), widen(&self.values[layer]));
         let kr: Vec<&[f32]> = kf.iter().map(|x| x.as_ref()).collect();
         let vr: Vec<&[f32]> = vf.iter().map(|x| x.as_ref()).collect();
