@@ -402,7 +402,9 @@ __device__ __forceinline__ void plut4(u32 lb, u32 w, int k, u32& lo, u32& hi) {
 template <int NW>
 __device__ __forceinline__ void ldu(const u8* p, u32* w) {
     const size_t a = (size_t)p;
-    const u32* wp = (const u32*)(a & ~(size_t)3);
+    // p stepped back to its word as pointer arithmetic (not an integer mask), so the
+    // compiler still sees a shared-memory address: LDS, not generic 64-bit loads.
+    const u32* wp = (const u32*)(p - (a & 3));
     const u32 sh = (u32)(a & 3) * 8u;
     u32 raw[NW + 1];
 #pragma unroll
