@@ -199,18 +199,20 @@ fn int8_quantization_rounds_to_the_nearest_code_of_its_block_scale() {
     assert!(m.matvec_q8(&x[..5], 1).is_err());
 }
 
-/// The batched VNNI kernel (16 interleaved weight rows per register, x in passes of 8)
-/// against the scalar reference and the exact product, for every batch size 1..=17 (one
-/// pass, a pass and a remainder, two passes, two calls of the 16-row limit), row counts
-/// that end mid-tile and mid-task, odd block counts and rows wider than the AVX2 kernel's
-/// limit; and each row of x's result is the same bits at every batch size.
+/// The batched VNNI kernel (16 interleaved weight rows per register, x in passes of 8,
+/// or of 6 over two tiles at once) against the scalar reference and the exact product,
+/// for every batch size 1..=17 (one pass, a pass and a remainder, two and three passes,
+/// two calls of the 16-row limit), row counts that end mid-tile and mid-task, tasks of
+/// several tiles (even and odd counts, more tiles than tasks), odd block counts and rows
+/// wider than the AVX2 kernel's limit; and each row of x's result is the same bits at
+/// every batch size.
 #[test]
 fn vnni_batched_kernel_matches_reference_for_every_batch_size() {
     if !Int8Kernel::available().contains(&Int8Kernel::Vnni) {
         eprintln!("SKIP vnni batched kernel: this CPU lacks AVX512F/BW/VL + VNNI");
         return;
     }
-    let shapes = [(1, 32), (15, 96), (17, 64), (63, 160), (129, 576), (200, 2112)];
+    let shapes = [(1, 32), (15, 96), (17, 64), (63, 160), (129, 576), (200, 2112), (601, 96), (1040, 64)];
     for (fi, format) in PackedFormat::ALL.into_iter().enumerate() {
         for (si, &(rows, cols)) in shapes.iter().enumerate() {
             let m = random_matrix(format, rows, cols, 3000 + (fi * 100 + si) as u64).with_q8_activations(true);

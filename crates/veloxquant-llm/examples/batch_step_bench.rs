@@ -1,0 +1,41 @@
+//! Times batched decode steps alone (no model load in the timed part; a target for
+//! `perf record`): B sequences over fp16 caches, one `forward_batch` per step, q8 weights:
+//! `cargo run --release -p veloxquant-llm --example batch_step_bench PATH [B] [steps] [reps]`.
+//! Prints the median and range of the reps' tokens/s.
+
+use std::time::Instant;
+use veloxquant_llm::{BatchItem, BatchStore, Fp16Store, Llama, WeightMode};
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let path = std::path::PathBuf::from(args.next().expect("model path"));
+    let b: usize = args.next().map_or(16, |a| a.parse().unwrap());
+    let steps: usize = args.next().map_or(32, |a| a.parse().unwrap());
+    let reps: usize = args.next().map_or(5, |a| a.parse().unwrap());
+    let m = Llama::load(&path, WeightMode::PackedQ8).unwrap();
+    let c = &m.config;
+    let mut rates = Vec::new();
+    for rep in 0..=reps {
+        let mut stores: Vec<Fp16Store> = (0..b).map(|_| Fp16Store::for_config(c, steps + 1)).collect();
+        let t = Instant::now();
+        for step in 0..steps {
+            let toks: Vec<[u32; 1]> = (0..b).map(|i| [((step * 7919 + i * 104_729) % c.n_vocab) as u32]).collect();
+            let mut items: Vec<BatchItem> = stores
+                .iter_mut()
+                .zip(&toks)
+                .map(|(s, t)| BatchItem { tokens: t, store: s as &mut dyn BatchStore, logits_from: 0 })
+                .collect();
+            std::hint::black_box(m.forward_batch(&mut items).unwrap());
+        }
+        if rep > 0 {
+            rates.push((steps * b) as f64 / t.elapsed().as_secs_f64()); // rep 0 warms up
+        }
+    }
+    rates.sort_by(f64::total_cmp);
+    println!(
+        "B={b}: {:.1} tokens/s median ({:.1}–{:.1}, {reps} reps of {steps} steps)",
+        rates[rates.len() / 2],
+        rates[0],
+        rates[rates.len() - 1]
+    );
+}
