@@ -95,10 +95,22 @@ impl ScaledCodebook {
         }
     }
 
-    /// Index of the cell holding y: the number of thresholds strictly below y.
+    /// Index of the cell holding y: the number of thresholds strictly below y (NaN: 0).
+    /// The thresholds ascend and number 2^b − 1, so a binary search of b steps counts them
+    /// (a decode step encodes each token leaving the window; counting all 15 at b = 4 was
+    /// most of a row's encode).
     #[inline]
     pub fn quantize(&self, y: f32) -> u8 {
-        self.thresholds.iter().filter(|&&t| t < y).count() as u8
+        let t = &self.thresholds;
+        debug_assert!((t.len() + 1).is_power_of_two() && t.is_sorted());
+        let (mut below, mut step) = (0, t.len().div_ceil(2));
+        while step > 0 {
+            if t[below + step - 1] < y {
+                below += step;
+            }
+            step /= 2;
+        }
+        below as u8
     }
 
     /// Centroids repeated to fill 16 entries: entry i = centroid (i mod 2^b), so a SIMD
@@ -111,6 +123,28 @@ impl ScaledCodebook {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The binary search counts the thresholds below y exactly as a scan does: at every
+    /// threshold, its neighbours in f32, between, beyond both ends, ±0, ±∞ and NaN.
+    #[test]
+    fn quantize_counts_thresholds_below() {
+        for bits in 1..=4 {
+            for d in [64, 96, 128] {
+                let cb = ScaledCodebook::new(bits, d);
+                let mut ys = vec![0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e30, -1e30];
+                for &t in &cb.thresholds {
+                    ys.extend([t, t.next_up(), t.next_down(), t * 0.5, t * 2.0]);
+                }
+                for i in -1000..=1000 {
+                    ys.push(i as f32 * 1e-3);
+                }
+                for y in ys {
+                    let scan = cb.thresholds.iter().filter(|&&t| t < y).count() as u8;
+                    assert_eq!(cb.quantize(y), scan, "bits {bits} d {d} y {y}");
+                }
+            }
+        }
+    }
 
     // shared/REFERENCE.md §1 (converged Lloyd-Max values for N(0,1)).
     const REF: [(u32, f64, &[f64], &[f64]); 4] = [

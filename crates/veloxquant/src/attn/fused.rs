@@ -72,8 +72,12 @@ impl<'a> Plan<'a> {
         let q_scaled: Vec<f32> = q.iter().map(|v| v * scale).collect();
         let n_kv = lc.keys.len();
         let n_pages = lc.keys[0].pages().len();
-        let prepared: Vec<QueryState> =
-            (0..n_kv).map(|h| lc.keys[h].format().prepare_query(&q_scaled[h * g * d..(h + 1) * g * d], g)).collect();
+        // No pages yet (a short sequence): only the exact tokens are read, nothing to prepare.
+        let prepared: Vec<QueryState> = if n_pages == 0 {
+            Vec::new()
+        } else {
+            (0..n_kv).map(|h| lc.keys[h].format().prepare_query(&q_scaled[h * g * d..(h + 1) * g * d], g)).collect()
+        };
         let threads = rayon::current_num_threads().max(1);
         let per_task = MIN_PAGES_PER_TASK.max((n_pages * n_kv).div_ceil(threads * 4));
         let tasks = (0..n_kv)
@@ -82,7 +86,7 @@ impl<'a> Plan<'a> {
         Ok(Self { lc, g, d, q_scaled, prepared, tasks })
     }
 
-    /// Per KV head: merge its partials in page order, finish the value format once, merge
+    /// Per KV head: merge its partials in page order, finish the value format once, fold in
     /// the exact fp16 sinks and tail, normalize.
     fn combine(&self, partials: Vec<Partial>) -> Vec<f32> {
         let (g, d, lc) = (self.g, self.d, self.lc);
@@ -90,16 +94,35 @@ impl<'a> Plan<'a> {
         let mut it = self.tasks.iter().zip(partials).peekable();
         for h in 0..lc.keys.len() {
             let vf = lc.values[h].format();
-            let mut acc = Partial::empty(g, vf.acc_width());
+            // The first partial as it is (merging it into an empty one gives the same bits).
+            let mut acc = match it.next_if(|((th, _, _), _)| *th == h) {
+                Some((_, p)) => p,
+                None => Partial::empty(g, vf.acc_width()),
+            };
             while let Some((_, p)) = it.next_if(|((th, _, _), _)| *th == h) {
                 acc.merge(&p);
             }
             vf.finish(&mut acc.acc, g);
             let mut acc = acc.narrowed(d);
-            acc.merge(&tail_partial(&lc.keys[h], &lc.values[h], &self.q_scaled[h * g * d..(h + 1) * g * d], g));
+            absorb_exact(&mut acc, &lc.keys[h], &lc.values[h], &self.q_scaled[h * g * d..(h + 1) * g * d]);
             acc.output(&mut out[h * g * d..(h + 1) * g * d]);
         }
         out
+    }
+}
+
+/// Scores and weights of up to this many (query head, key) pairs live on the stack (a page
+/// of 32 keys for up to 4 query heads per KV head).
+const STACK_SCORES: usize = 128;
+
+/// Runs `f` with two zeroed scratch slices of `n` floats (on the stack when small: a decode
+/// step at a short context makes several per layer and sequence).
+fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+    if n <= STACK_SCORES {
+        let (mut s, mut w) = ([0f32; STACK_SCORES], [0f32; STACK_SCORES]);
+        f(&mut s[..n], &mut w[..n])
+    } else {
+        f(&mut vec![0f32; n], &mut vec![0f32; n])
     }
 }
 
@@ -107,32 +130,35 @@ fn pages_partial(ks: &StreamStore, vs: &StreamStore, qs: &QueryState, p0: usize,
     let (kf, vf) = (ks.format(), vs.format());
     let (g, t) = (qs.n_q, kf.page_tokens());
     let mut part = Partial::empty(g, vf.acc_width());
-    let (mut s, mut w) = (vec![0f32; g * t], vec![0f32; g * t]);
-    for p in p0..p1 {
-        kf.scores(qs, &ks.pages()[p], &mut s);
-        // An open page's unfilled rows are zero bytes (finite); they get weight 0.
-        part.absorb_scores(&s, t, ks.rows_in_page(p), &mut w);
-        vf.accumulate(&w, g, &vs.pages()[p], &mut part.acc);
-    }
+    with_scratch(g * t, |s, w| {
+        for p in p0..p1 {
+            // An open page's unfilled rows are neither scored nor accumulated.
+            let rows = ks.rows_in_page(p);
+            let (s, w) = (&mut s[..g * rows], &mut w[..g * rows]);
+            kf.scores_rows(qs, &ks.pages()[p], rows, s);
+            part.absorb_scores(s, rows, rows, w);
+            vf.accumulate_rows(w, g, &vs.pages()[p], rows, &mut part.acc);
+        }
+    });
     part
 }
 
-/// The exact fp16 tokens (sinks, then the tail), scored with the fp16 row kernels.
-fn tail_partial(ks: &StreamStore, vs: &StreamStore, q: &[f32], g: usize) -> Partial {
-    let d = ks.format().head_dim();
-    let mut part = Partial::empty(g, d);
+/// Folds the exact fp16 tokens (sinks, then the tail) into `part`, scored with the fp16 row
+/// kernels.
+fn absorb_exact(part: &mut Partial, ks: &StreamStore, vs: &StreamStore, q: &[f32]) {
+    let (g, d) = (part.g, ks.format().head_dim());
     for (k, v) in [(ks.sink(), vs.sink()), (ks.tail(), vs.tail())] {
         let n = k.len() / d;
         if n == 0 {
             continue;
         }
         let layout = RowLayout::new(RowKind::F16, d, n);
-        let (mut s, mut w) = (vec![0f32; g * n], vec![0f32; g * n]);
-        layout.scores(q, g, f16_bytes(k), &mut s);
-        part.absorb_scores(&s, n, n, &mut w);
-        layout.accumulate(&w, g, f16_bytes(v), &mut part.acc);
+        with_scratch(g * n, |s, w| {
+            layout.scores(q, g, f16_bytes(k), s);
+            part.absorb_scores(s, n, n, w);
+            layout.accumulate(w, g, f16_bytes(v), &mut part.acc);
+        });
     }
-    part
 }
 
 fn f16_bytes(x: &[half::f16]) -> &[u8] {

@@ -25,7 +25,7 @@ pub(crate) fn check_query(cache: &PagedCache, layer: usize, q: &[f32], n_heads: 
     if q.len() != n_heads * cfg.head_dim {
         return Err(VqError::ShapeMismatch { op: "decode query", expected: n_heads * cfg.head_dim, got: q.len() });
     }
-    if q.iter().any(|v| !v.is_finite()) {
+    if !crate::format::all_finite(q) {
         let i = q.iter().position(|v| !v.is_finite()).unwrap_or(0);
         return Err(VqError::NonFinite { what: "query", token: i / cfg.head_dim, channel: i % cfg.head_dim });
     }

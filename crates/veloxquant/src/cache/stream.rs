@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 
 use super::Page;
 use crate::error::{Result, VqError};
@@ -196,13 +197,13 @@ impl StreamStore {
         let cap_tokens = self.recent + if self.row_mode { 1 } else { t };
         let room = (self.n_sink * d).saturating_sub(self.sink.len()).min(x.len());
         grow(&mut self.sink, room, self.n_sink * d);
-        self.sink.extend(x[..room].iter().map(|&v| f16::from_f32(v)));
+        extend_f16(&mut self.sink, &x[..room]);
         let mut rest = &x[room..];
         while !rest.is_empty() {
             let room = cap_tokens - self.tail_tokens();
             let take = room.min(rest.len() / d);
             grow(&mut self.tail, take * d, cap_tokens * d);
-            self.tail.extend(rest[..take * d].iter().map(|&v| f16::from_f32(v)));
+            extend_f16(&mut self.tail, &rest[..take * d]);
             rest = &rest[take * d..];
             self.flush()?;
         }
@@ -212,8 +213,9 @@ impl StreamStore {
     fn flush(&mut self) -> Result<()> {
         let (d, t) = (self.format.head_dim(), self.format.page_tokens());
         if self.row_mode {
+            let mut x = vec![0f32; d];
             while self.tail_tokens() > self.recent {
-                let x: Vec<f32> = self.tail[..d].iter().map(|v| v.to_f32()).collect();
+                self.tail[..d].convert_to_f32_slice(&mut x);
                 if self.open_rows == 0 {
                     self.pages.push(vec![0u8; self.format.page_bytes()].into());
                 }
@@ -231,7 +233,8 @@ impl StreamStore {
         }
         while self.tail_tokens() >= self.recent + t {
             // Pages are encoded from the f16 values decode would have stored.
-            let x: Vec<f32> = self.tail[..t * d].iter().map(|v| v.to_f32()).collect();
+            let mut x = vec![0f32; t * d];
+            self.tail[..t * d].convert_to_f32_slice(&mut x);
             let mut page = vec![0u8; self.format.page_bytes()];
             self.format.encode_page(&x, &mut page)?;
             self.pages.push(page.into());
@@ -269,6 +272,14 @@ pub(crate) fn check_window(recent: usize, n_sink: usize) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+/// Appends `x` rounded to f16 (round to nearest even, as `f16::from_f32`; F16C where the
+/// CPU has it).
+fn extend_f16(v: &mut Vec<f16>, x: &[f32]) {
+    let old = v.len();
+    v.resize(old + x.len(), f16::ZERO);
+    v[old..].convert_from_f32_slice(x);
 }
 
 /// Room for `extra` more values: capacity doubles, but never past `cap` (the buffer's full

@@ -568,6 +568,34 @@ pub trait Format: Send + Sync + fmt::Debug {
         }
     }
 
+    /// [`scores`](Self::scores) of the page's first `rows` keys only, `out[h·rows + t]`
+    /// (an open page's filled rows). Default: the whole page scored, the rows copied out.
+    fn scores_rows(&self, qs: &QueryState, page: &[u8], rows: usize, out: &mut [f32]) {
+        let t = self.page_tokens();
+        if rows == t {
+            return self.scores(qs, page, out);
+        }
+        let mut full = vec![0f32; qs.n_q * t];
+        self.scores(qs, page, &mut full);
+        for h in 0..qs.n_q {
+            out[h * rows..(h + 1) * rows].copy_from_slice(&full[h * t..h * t + rows]);
+        }
+    }
+
+    /// [`accumulate`](Self::accumulate) with weights for the page's first `rows` keys only,
+    /// `w[h·rows + t]`. Default: the weights padded with zeros to the whole page.
+    fn accumulate_rows(&self, w: &[f32], n_q: usize, page: &[u8], rows: usize, acc: &mut [f32]) {
+        let t = self.page_tokens();
+        if rows == t {
+            return self.accumulate(w, n_q, page, acc);
+        }
+        let mut full = vec![0f32; n_q * t];
+        for h in 0..n_q {
+            full[h * t..h * t + rows].copy_from_slice(&w[h * rows..(h + 1) * rows]);
+        }
+        self.accumulate(&full, n_q, page, acc)
+    }
+
     /// Bring n_q accumulators (n_q × `acc_width()`) back from the format's domain (e.g. one
     /// inverse rotation); afterwards the first n_q × d floats hold the results.
     fn finish(&self, _acc: &mut [f32], _n_q: usize) {}
@@ -581,10 +609,20 @@ pub trait Format: Send + Sync + fmt::Debug {
 
 /// Reject NaN/Inf before anything is encoded (policy: reject, never encode garbage).
 pub fn check_finite(what: &'static str, x: &[f32], d: usize) -> Result<()> {
+    if all_finite(x) {
+        return Ok(());
+    }
     match x.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
         Some(i) => Err(VqError::NonFinite { what, token: i / d.max(1), channel: i % d.max(1) }),
     }
+}
+
+/// Whether no value is NaN or ±∞ (exponent bits all ones): an OR over the whole slice, so
+/// it vectorizes where a search for the first one does not.
+pub fn all_finite(x: &[f32]) -> bool {
+    const EXP: u32 = 0x7F80_0000;
+    x.chunks(64).all(|c| c.iter().fold(0u32, |bad, v| bad | u32::from(v.to_bits() & EXP == EXP)) == 0)
 }
 
 /// `encode_page`'s argument checks: T × d finite values into a whole page.

@@ -152,6 +152,13 @@ impl RowLayout {
         Self { kind, d, t, row_bytes, scales_at, scale: RowScale::F16 }
     }
 
+    /// A view of a page's first `rows` ≤ T rows (the scales stay where the page has them):
+    /// what the kernels read for an open page, whose other rows hold nothing.
+    pub fn first_rows(&self, rows: usize) -> Self {
+        assert!(rows <= self.t, "{rows} rows of a {}-row page", self.t);
+        Self { t: rows, ..self.clone() }
+    }
+
     /// The same layout with `scale`-coded per-token scales.
     pub fn with_scale(mut self, scale: RowScale) -> Self {
         self.scale = scale;
@@ -354,10 +361,18 @@ impl RowFormat {
 
     /// Rotate and encode one checked row into its bytes and scale slot.
     fn encode_row_unchecked(&self, x: &[f32], page: &mut [u8], i: usize) {
-        let mut row = x.to_vec();
-        self.rotate_rows(&mut row);
+        let d = self.layout.d;
+        let (mut stack, mut heap) = ([0f32; 256], Vec::new());
+        let row = if d <= stack.len() {
+            &mut stack[..d]
+        } else {
+            heap.resize(d, 0.0);
+            &mut heap[..]
+        };
+        row.copy_from_slice(&x[..d]);
+        self.rotate_rows(row);
         let rb = self.layout.row_bytes;
-        let s = (self.row_encoder)(self, &row, &mut page[i * rb..(i + 1) * rb]);
+        let s = (self.row_encoder)(self, row, &mut page[i * rb..(i + 1) * rb]);
         self.layout.set_row_scale(page, i, s);
     }
 
@@ -438,6 +453,14 @@ impl Format for RowFormat {
 
     fn accumulate(&self, w: &[f32], n_q: usize, page: &[u8], acc: &mut [f32]) {
         self.layout.accumulate(w, n_q, page, acc)
+    }
+
+    fn scores_rows(&self, qs: &QueryState, page: &[u8], rows: usize, out: &mut [f32]) {
+        self.layout.first_rows(rows).scores(&qs.q, qs.n_q, page, out)
+    }
+
+    fn accumulate_rows(&self, w: &[f32], n_q: usize, page: &[u8], rows: usize, acc: &mut [f32]) {
+        self.layout.first_rows(rows).accumulate(w, n_q, page, acc)
     }
 
     fn finish(&self, acc: &mut [f32], n_q: usize) {

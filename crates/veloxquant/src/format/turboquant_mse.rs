@@ -13,7 +13,7 @@ use super::rows::{RowFormat, RowKind};
 use super::{FormatDesc, NormMode};
 use crate::codebook::ScaledCodebook;
 use crate::pack;
-use crate::reduce::{dot_canonical, sum_sq_canonical};
+use crate::reduce::{sum_canonical_by, sum_sq_canonical};
 
 pub static DESC: FormatDesc = FormatDesc {
     name: "turboquant_mse",
@@ -33,16 +33,34 @@ pub static DESC: FormatDesc = FormatDesc {
 };
 
 fn encode_row(f: &RowFormat, r: &[f32], out: &mut [u8]) -> f32 {
+    // Stack buffers for the usual head sizes: a decode step encodes every token leaving the
+    // window, one row at a time (three heap buffers a row were a third of its cost).
+    let d = r.len();
+    if d <= STACK_DIM {
+        let (mut y, mut codes) = ([0f32; STACK_DIM], [0u8; STACK_DIM]);
+        encode_row_in(f, r, out, &mut y[..d], &mut codes[..d])
+    } else {
+        encode_row_in(f, r, out, &mut vec![0f32; d], &mut vec![0u8; d])
+    }
+}
+
+/// Head sizes up to this encode with stack buffers.
+const STACK_DIM: usize = 256;
+
+/// [`encode_row`] with scratch `y` and `codes` of r's length (y zeroed).
+fn encode_row_in(f: &RowFormat, r: &[f32], out: &mut [u8], y: &mut [f32], codes: &mut [u8]) -> f32 {
     let cb = f.codebook.as_ref().expect("Codes layouts carry a codebook");
     let norm = sum_sq_canonical(r).sqrt();
-    let y: Vec<f32> = if norm > 0.0 { r.iter().map(|v| v / norm).collect() } else { vec![0.0; r.len()] };
-    let codes: Vec<u8> = y.iter().map(|&v| cb.quantize(v)).collect();
-    pack::pack(&codes, cb.bits, out).expect("row buffer sized by the layout");
+    if norm > 0.0 {
+        y.iter_mut().zip(r).for_each(|(y, v)| *y = v / norm);
+    }
+    codes.iter_mut().zip(y.iter()).for_each(|(c, &v)| *c = cb.quantize(v));
+    pack::pack(codes, cb.bits, out).expect("row buffer sized by the layout");
     match f.spec.norm {
         NormMode::Plain => norm,
         NormMode::Eden => {
-            let yhat: Vec<f32> = codes.iter().map(|&c| cb.centroids[c as usize]).collect();
-            let ip = dot_canonical(&y, &yhat);
+            // ⟨y, ŷ⟩ in the canonical order, ŷ the codes' centroids.
+            let ip = sum_canonical_by(y.len(), |i| y[i] * cb.centroids[codes[i] as usize]);
             if ip > 0.0 {
                 norm / ip
             } else {
