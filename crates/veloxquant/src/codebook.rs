@@ -71,6 +71,28 @@ pub fn gaussian(bits: u32) -> &'static GaussianCodebook {
     BOOKS[bits as usize - 1].get_or_init(|| lloyd_max(bits))
 }
 
+/// Thresholds of the widest (4-bit) codebook.
+const MAX_THRESHOLDS: usize = 15;
+
+/// How many of `t` lie strictly below y: a fixed count of compares, no branches, so a loop
+/// over values vectorizes (NaN is below none: 0).
+#[inline(always)]
+fn count_below(t: &[f32; MAX_THRESHOLDS], y: f32) -> u8 {
+    t.iter().map(|&t| u8::from(t < y)).sum()
+}
+
+#[inline(always)]
+fn count_below_each(t: &[f32; MAX_THRESHOLDS], y: &[f32], codes: &mut [u8]) {
+    codes.iter_mut().zip(y).for_each(|(c, &v)| *c = count_below(t, v));
+}
+
+/// [`count_below_each`] compiled for AVX-512. Safety: the CPU has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn count_below_avx512(t: &[f32; MAX_THRESHOLDS], y: &[f32], codes: &mut [u8]) {
+    count_below_each(t, y, codes)
+}
+
 /// A codebook scaled by 1/√d, in f32: what encoders compare against and decoders emit.
 #[derive(Clone, Debug)]
 pub struct ScaledCodebook {
@@ -96,21 +118,28 @@ impl ScaledCodebook {
     }
 
     /// Index of the cell holding y: the number of thresholds strictly below y (NaN: 0).
-    /// The thresholds ascend and number 2^b − 1, so a binary search of b steps counts them
-    /// (a decode step encodes each token leaving the window; counting all 15 at b = 4 was
-    /// most of a row's encode).
     #[inline]
     pub fn quantize(&self, y: f32) -> u8 {
-        let t = &self.thresholds;
-        debug_assert!((t.len() + 1).is_power_of_two() && t.is_sorted());
-        let (mut below, mut step) = (0, t.len().div_ceil(2));
-        while step > 0 {
-            if t[below + step - 1] < y {
-                below += step;
-            }
-            step /= 2;
+        count_below(&self.padded_thresholds(), y)
+    }
+
+    /// [`quantize`](Self::quantize) of every value of `y` into `codes` (AVX-512 where the
+    /// CPU has it: a decode step encodes each token leaving the window, and a scalar search
+    /// per value was most of a row's encode).
+    pub fn quantize_into(&self, y: &[f32], codes: &mut [u8]) {
+        assert_eq!(y.len(), codes.len(), "quantize_into: one code per value");
+        let t = self.padded_thresholds();
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::simd_level() == crate::cpu::SimdLevel::Avx512 {
+            // SAFETY: AVX-512F was detected at run time.
+            return unsafe { count_below_avx512(&t, y, codes) };
         }
-        below as u8
+        count_below_each(&t, y, codes)
+    }
+
+    /// The thresholds, then +∞ up to 15 (which no value is below).
+    fn padded_thresholds(&self) -> [f32; MAX_THRESHOLDS] {
+        std::array::from_fn(|i| self.thresholds.get(i).copied().unwrap_or(f32::INFINITY))
     }
 
     /// Centroids repeated to fill 16 entries: entry i = centroid (i mod 2^b), so a SIMD
@@ -124,7 +153,7 @@ impl ScaledCodebook {
 mod tests {
     use super::*;
 
-    /// The binary search counts the thresholds below y exactly as a scan does: at every
+    /// The branch-free counts equal a scan of the thresholds below y: at every
     /// threshold, its neighbours in f32, between, beyond both ends, ±0, ±∞ and NaN.
     #[test]
     fn quantize_counts_thresholds_below() {
@@ -138,9 +167,12 @@ mod tests {
                 for i in -1000..=1000 {
                     ys.push(i as f32 * 1e-3);
                 }
-                for y in ys {
+                let mut codes = vec![0u8; ys.len()];
+                cb.quantize_into(&ys, &mut codes);
+                for (&y, &c) in ys.iter().zip(&codes) {
                     let scan = cb.thresholds.iter().filter(|&&t| t < y).count() as u8;
                     assert_eq!(cb.quantize(y), scan, "bits {bits} d {d} y {y}");
+                    assert_eq!(c, scan, "quantize_into: bits {bits} d {d} y {y}");
                 }
             }
         }

@@ -191,7 +191,7 @@ pub(super) unsafe fn accumulate_k<const K: u8, const B: u32, const BL: u32>(
 ) {
     let (tb, tb2) = tabs(l);
     let [s0, s1] = segments(l);
-    let mut ws = Scratch::<{ MAX_G * 32 }>::new(MAX_G * l.t);
+    let mut ws = Scratch::<{ MAX_G * 32 }>::new(n_q.min(MAX_G) * l.t);
     let ws = ws.get();
     let mut scales = Scratch::<32>::new(l.t);
     let scales = scales.get();

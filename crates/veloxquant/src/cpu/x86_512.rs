@@ -131,7 +131,7 @@ unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
         return super::x86::scores_k::<K, B, BL>(l, q, n_q, page, out);
     }
     let tb = tabs(l);
-    let mut park = Scratch::<{ MAX_G * 32 * 8 }>::new(MAX_G * l.t * 8);
+    let mut park = Scratch::<{ MAX_G * 32 * 8 }>::new(n_q.min(MAX_G) * l.t * 8);
     let park = park.get();
     let mut scales = Scratch::<32>::new(l.t);
     let scales = scales.get();
@@ -224,7 +224,7 @@ unsafe fn accumulate_k<const K: u8, const B: u32, const BL: u32>(
         return super::x86::accumulate_k::<K, B, BL>(l, w, n_q, page, acc);
     }
     let tb = tabs(l);
-    let mut ws = Scratch::<{ MAX_G * 32 }>::new(MAX_G * l.t);
+    let mut ws = Scratch::<{ MAX_G * 32 }>::new(n_q.min(MAX_G) * l.t);
     let ws = ws.get();
     let mut scales = Scratch::<32>::new(l.t);
     let scales = scales.get();

@@ -54,7 +54,7 @@ fn encode_row_in(f: &RowFormat, r: &[f32], out: &mut [u8], y: &mut [f32], codes:
     if norm > 0.0 {
         y.iter_mut().zip(r).for_each(|(y, v)| *y = v / norm);
     }
-    codes.iter_mut().zip(y.iter()).for_each(|(c, &v)| *c = cb.quantize(v));
+    cb.quantize_into(y, codes);
     pack::pack(codes, cb.bits, out).expect("row buffer sized by the layout");
     match f.spec.norm {
         NormMode::Plain => norm,
