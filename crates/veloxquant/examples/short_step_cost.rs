@@ -2,7 +2,9 @@
 //! caches of SmolLM2-135M's shape (30 layers, 3 KV heads, 9 query heads, d 64), each step
 //! one token appended and one decode attention per layer, `steps` steps from empty:
 //! `cargo run --release -p veloxquant --example short_step_cost [K/V@R+S] [B] [steps] [reps]`.
-//! Prints µs per (sequence, layer) for the appends and the attentions apart, medians of reps.
+//! Prints µs per (sequence, layer) for the appends and the attentions apart, and the wall
+//! time of a step with the sequences of each layer in parallel (as a batched forward runs
+//! them), medians of reps.
 
 use std::time::Instant;
 use veloxquant::attn::decode_attention;
@@ -25,6 +27,9 @@ fn main() {
     let mut vec = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect() };
     let (kx, vx, q) = (vec(n_kv * d), vec(n_kv * d), vec(n_q * d));
     let (mut t_app, mut t_att) = (Vec::new(), Vec::new());
+    let t = Instant::now();
+    drop(std::hint::black_box(PagedCache::new(cfg.clone()).unwrap()));
+    println!("one empty cache built in {:.1} µs", t.elapsed().as_secs_f64() * 1e6);
     for _ in 0..reps {
         let mut caches: Vec<PagedCache> = (0..b).map(|_| PagedCache::new(cfg.clone()).unwrap()).collect();
         let (mut a, mut s) = (0.0, 0.0);
@@ -48,5 +53,27 @@ fn main() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    println!("{method}: append {:.2} µs, attention {:.2} µs per (sequence, layer)", med(&mut t_app), med(&mut t_att));
+    // The same steps as a batched forward runs them: per layer, the sequences in parallel.
+    let mut t_par = Vec::new();
+    for _ in 0..reps {
+        use rayon::prelude::*;
+        let mut caches: Vec<PagedCache> = (0..b).map(|_| PagedCache::new(cfg.clone()).unwrap()).collect();
+        let t = Instant::now();
+        for _ in 0..steps {
+            for l in 0..layers {
+                caches.par_iter_mut().for_each(|c| {
+                    c.append(l, &kx, &vx, 1).unwrap();
+                    std::hint::black_box(decode_attention(c, l, &q, n_q).unwrap());
+                });
+            }
+        }
+        t_par.push(t.elapsed().as_secs_f64() * 1e3 / steps as f64);
+    }
+    println!(
+        "{method}: append {:.2} µs, attention {:.2} µs per (sequence, layer); {b} in parallel: {:.3} ms per step ({} threads)",
+        med(&mut t_app),
+        med(&mut t_att),
+        med(&mut t_par),
+        rayon::current_num_threads()
+    );
 }
