@@ -157,3 +157,38 @@ fn append_rejects_bad_input_without_storing() {
         Err(VqError::UnsupportedHeadDim { .. })
     ));
 }
+
+/// Caches of one configuration share their (uncalibrated) format instances — one rotation
+/// and codebook per (layer, head, stream) for all of a server's sequences — and attend
+/// exactly as a cache alone would; another seed or spec builds its own.
+#[test]
+fn caches_of_one_configuration_share_format_instances() {
+    let a = PagedCache::new(cfg("turboquant_mse:4:eden", "turboquant_mse:3", 4)).unwrap();
+    let mut b = PagedCache::new(cfg("turboquant_mse:4:eden", "turboquant_mse:3", 4)).unwrap();
+    let mut other_seed = cfg("turboquant_mse:4:eden", "turboquant_mse:3", 4);
+    other_seed.seed ^= 1;
+    let c = PagedCache::new(other_seed).unwrap();
+    let d = PagedCache::new(cfg("turboquant_mse:3", "turboquant_mse:3", 4)).unwrap();
+    fn fmt(p: &PagedCache, l: usize) -> *const u8 {
+        (p.layer(l).unwrap().keys[1].format() as *const dyn veloxquant::Format).cast()
+    }
+    for l in 0..2 {
+        assert!(std::ptr::eq(fmt(&a, l), fmt(&b, l)), "layer {l}: not shared");
+        assert!(!std::ptr::eq(fmt(&a, l), fmt(&c, l)), "layer {l}: another seed shared");
+        assert!(!std::ptr::eq(fmt(&a, l), fmt(&d, l)), "layer {l}: another spec shared");
+    }
+    assert!(!std::ptr::eq(fmt(&a, 0), fmt(&a, 1)), "layers share a rotation");
+    // Alone (a fresh one after every other is gone) and shared, the same bits.
+    let mut rng = veloxquant::rng::SplitMix64::new(5);
+    let (k, v, q) = (rng.gaussian_vec(3 * 40 * 64), rng.gaussian_vec(3 * 40 * 64), rng.gaussian_vec(6 * 64));
+    b.append(0, &k, &v, 40).unwrap();
+    let shared = veloxquant::attn::decode_attention(&b, 0, &q, 6).unwrap();
+    drop((a, b, c, d));
+    let mut alone = PagedCache::new(cfg("turboquant_mse:4:eden", "turboquant_mse:3", 4)).unwrap();
+    alone.append(0, &k, &v, 40).unwrap();
+    let fresh = veloxquant::attn::decode_attention(&alone, 0, &q, 6).unwrap();
+    assert_eq!(
+        shared.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+        fresh.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+    );
+}

@@ -216,6 +216,37 @@ pub struct PagedCache {
     row_mode: bool,
 }
 
+/// What fixes an uncalibrated format instance: its spec and context.
+type FormatKey = (String, usize, usize, u8, u64);
+
+/// The live uncalibrated format instances, by what they were built from.
+static SHARED_FORMATS: std::sync::Mutex<Option<HashMap<FormatKey, std::sync::Weak<dyn crate::Format>>>> =
+    std::sync::Mutex::new(None);
+
+/// `spec.build(ctx)`, shared with every live cache that built the same instance: a format
+/// is immutable once built and determined by its spec and context unless it is calibrated
+/// or restored from saved state, so caches of one configuration (a server's sequences) hold
+/// one copy of each rotation and codebook instead of one per sequence — fewer bytes, and
+/// fewer cold cache lines per decode step.
+fn shared_format(spec: &FormatSpec, ctx: &FormatCtx) -> Result<Arc<dyn crate::Format>> {
+    if ctx.calibration.is_some() || ctx.query_moments.is_some() || ctx.state.is_some() {
+        return spec.build(ctx);
+    }
+    let key = (format!("{spec:?}"), ctx.head_dim, ctx.page_tokens, ctx.stream as u8, ctx.seed);
+    let mut guard = SHARED_FORMATS.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let map = guard.get_or_insert_with(HashMap::new);
+    if let Some(f) = map.get(&key).and_then(std::sync::Weak::upgrade) {
+        return Ok(f);
+    }
+    let f = spec.build(ctx)?;
+    // Entries of dropped instances go when the map would double (amortized O(1) per build).
+    if map.len() >= 1024 && map.len().is_power_of_two() {
+        map.retain(|_, w| w.strong_count() > 0);
+    }
+    map.insert(key, Arc::downgrade(&f));
+    Ok(f)
+}
+
 impl PagedCache {
     pub fn new(cfg: CacheConfig) -> Result<Self> {
         cfg.validate()?;
@@ -247,7 +278,7 @@ impl PagedCache {
                         ctx.calibration = cfg.calibration.as_ref().and_then(|c| c.get(l, h, stream));
                         ctx.query_moments = cfg.calibration.as_ref().and_then(|c| c.query_moments(l, h));
                         ctx.state = state(l, h, stream);
-                        spec.build(&ctx)
+                        shared_format(spec, &ctx)
                     })
                     .collect()
             };
