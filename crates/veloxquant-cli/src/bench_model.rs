@@ -230,41 +230,47 @@ fn run_test(model: &Llama, test: Test, stores: &mut [Box<dyn BatchStore>], ids: 
     Ok(t.elapsed().as_secs_f64())
 }
 
-/// Tokens/s of each rep and the tokens the caches gained over all reps.
+/// Tokens/s of each rep and the tokens the caches gained over all reps, for each batch size
+/// of `batches`: after one warm-up each, the reps alternate between the batch sizes (rep r
+/// of every size, then rep r + 1), so a drift in the machine's speed reaches all sizes
+/// alike and their ratio stays fair.
 fn measure(
     model: &Llama,
     m: &Method,
     base: &Filled,
     depth: usize,
     test: Test,
-    b: usize,
+    batches: &[usize],
     reps: usize,
-) -> AnyResult<(Vec<f64>, usize)> {
+) -> AnyResult<Vec<(Vec<f64>, usize)>> {
     let (n, nv) = (test.n_tokens(), model.config.n_vocab);
-    let ids_per_run = match test {
+    let ids_per_run = |b: usize| match test {
         Test::Prefill(_) => n,
         Test::Decode(_) => n * b,
     };
-    let seed = |rep: u64| derive_seed(FILL_SEED, &[depth as u64, n as u64, b as u64, rep]);
-    // Warm-up on empty caches: the N prompt tokens, or one decode step.
-    let (warm_test, warm_ids) = match test {
-        Test::Prefill(_) => (test, n),
-        Test::Decode(_) => (Test::Decode(1), b),
-    };
+    let seed = |b: usize, rep: u64| derive_seed(FILL_SEED, &[depth as u64, n as u64, b as u64, rep]);
     let empty = Filled::empty(m, &model.config, n)?;
-    let mut warm: Vec<Box<dyn BatchStore>> = (0..b).map(|_| empty.copy(n)).collect::<AnyResult<_>>()?;
-    run_test(model, warm_test, &mut warm, &random_ids(&mut SplitMix64::new(seed(u64::MAX)), warm_ids, nv))?;
-    drop(warm);
-    let (mut rates, mut counted) = (Vec::with_capacity(reps), 0);
-    for rep in 0..reps {
-        let mut stores: Vec<Box<dyn BatchStore>> = (0..b).map(|_| base.copy(n)).collect::<AnyResult<_>>()?;
-        let ids = random_ids(&mut SplitMix64::new(seed(rep as u64)), ids_per_run, nv);
-        let secs = run_test(model, test, &mut stores, &ids)?;
-        let gained: usize = stores.iter().map(|s| s.len(0) - depth).sum();
-        counted += gained;
-        rates.push(gained as f64 / secs);
+    for &b in batches {
+        // Warm-up on empty caches: the N prompt tokens, or one decode step.
+        let (warm_test, warm_ids) = match test {
+            Test::Prefill(_) => (test, n),
+            Test::Decode(_) => (Test::Decode(1), b),
+        };
+        let mut warm: Vec<Box<dyn BatchStore>> = (0..b).map(|_| empty.copy(n)).collect::<AnyResult<_>>()?;
+        run_test(model, warm_test, &mut warm, &random_ids(&mut SplitMix64::new(seed(b, u64::MAX)), warm_ids, nv))?;
     }
-    Ok((rates, counted))
+    let mut out: Vec<(Vec<f64>, usize)> = batches.iter().map(|_| (Vec::with_capacity(reps), 0)).collect();
+    for rep in 0..reps {
+        for (&b, (rates, counted)) in batches.iter().zip(out.iter_mut()) {
+            let mut stores: Vec<Box<dyn BatchStore>> = (0..b).map(|_| base.copy(n)).collect::<AnyResult<_>>()?;
+            let ids = random_ids(&mut SplitMix64::new(seed(b, rep as u64)), ids_per_run(b), nv);
+            let secs = run_test(model, test, &mut stores, &ids)?;
+            let gained: usize = stores.iter().map(|s| s.len(0) - depth).sum();
+            *counted += gained;
+            rates.push(gained as f64 / secs);
+        }
+    }
+    Ok(out)
 }
 
 /// (median, min, max); the median of an even count is the mean of the middle two.
@@ -314,8 +320,8 @@ fn run_in_pool(a: &ModelBenchArgs, p: &ModelBenchPlan, model_path: &Path) -> Any
             let base = fill(&model, m, depth, room)?;
             for &test in &p.tests {
                 let batches: &[usize] = if matches!(test, Test::Decode(_)) { &a.batch } else { &[1] };
-                for &b in batches {
-                    let (rates, tokens) = measure(&model, m, &base, depth, test, b, a.reps)?;
+                let measured = measure(&model, m, &base, depth, test, batches, a.reps)?;
+                for (&b, (rates, tokens)) in batches.iter().zip(measured) {
                     let (med, lo, hi) = median_min_max(&rates);
                     let name = if depth > 0 { format!("{test} @ d{depth}") } else { test.to_string() };
                     let row = vec![
