@@ -2,8 +2,8 @@
 // - encode_rows: one warp per token row (grid: ceil(rows/8) blocks of 256 threads). Lane l
 //   holds elements l, l+32, … (the canonical reduction order of reduce.rs). Used for fp16,
 //   for pages of T != 32 tokens, and for the rare rows the fast kernels hand back.
-// - encode_pages_tpr: one warp per 32-token page, one lane per row (q8_0, q4_0; codes when
-//   encode_pages_tpr2 is off).
+// - encode_pages_tpr: one warp per 32-token page, one lane per row (q8_0, q4_0, rabitq,
+//   turboquant_rvq; codes when encode_pages_tpr2 is off).
 // - encode_pages_tpr2: two lanes per row (turboquant_mse codes).
 // Defines: D, T, KIND (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 4 qjl signs, 5 turboquant_prod, 6 rabitq, 7
 // turboquant_rvq, 8 kivi: 4-8 encode_rows only), BITS, BITS2, GRP, PERCH, ROT, EDEN, IN_KIND
@@ -36,7 +36,7 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
 }
 
 // ---------------------------------------------------------------------------------------
-// Thread-per-row encode (T == 32; KIND 1, 2, 3): one warp per page, lane t encodes row t of
+// Thread-per-row encode (T == 32; KIND 1, 2, 3, 6, 7): one warp per page, lane t encodes row t of
 // the page wholly in its registers, so the canonical reductions, the Hadamard butterflies and
 // the packing need no shuffles. The page's 32 input rows are staged through shared memory
 // (coalesced 16 B loads, rows padded by 16 B so each lane's row read is conflict-free), and the
@@ -47,7 +47,8 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
 // comes from a table of bins of width 1/QS over y holding at most one threshold each
 // (built and checked on the host: code = base + (thr < y)), replicated per lane group so the
 // lookups are free of bank conflicts. Extra defines: WARPS (warps per block), QK (bins).
-#if T == 32 && KIND != 0 && KIND < 4
+// Only for D ≤ 128, the sizes the host runs them at (a row in one lane's registers).
+#if T == 32 && D <= 128 && KIND != 0 && (KIND < 4 || KIND == 6 || KIND == 7)
 #define IN_B (IN_KIND == 0 ? 4 : 2)
 #define ROW_IN (D * IN_B)
 #define RS (ROW_IN + 16)
@@ -72,10 +73,63 @@ __device__ __forceinline__ u32 smem_addr(const void* p) {
 }
 
 #if ROT
-#define SG_BYTES (D * 4)
+#define SG_BYTES (TW * 4)
 #else
 #define SG_BYTES 0
 #endif
+// Helpers of the one-lane-per-row kernels: the row's D values in v, element j in v[j].
+
+// The canonical unnormalized FWHT, stages h = 1, 2, 4, … as the CPU's fwht.
+__device__ __forceinline__ void fwht_tpr(float* v) {
+#pragma unroll
+    for (int sh = 0; (1 << sh) < D; sh++) {
+#pragma unroll
+        for (int m = 0; m < D / 2; m++) {
+            const int j = ((m >> sh) << (sh + 1)) | (m & ((1 << sh) - 1));
+            float a = v[j], b = v[j + (1 << sh)];
+            v[j] = a + b;
+            v[j + (1 << sh)] = a - b;
+        }
+    }
+}
+
+#if KIND == 6 || KIND == 7
+// ‖v‖ in the canonical order (reduce.rs): lane chains l, l + 32, … then the xor-butterfly.
+__device__ __forceinline__ float norm_tpr(const float* v) {
+    float ss[32];
+#pragma unroll
+    for (int l = 0; l < 32; l++) ss[l] = 0.0f + v[l] * v[l];
+#pragma unroll
+    for (int k = 1; k < D / 32; k++) {
+#pragma unroll
+        for (int l = 0; l < 32; l++) ss[l] = ss[l] + v[32 * k + l] * v[32 * k + l];
+    }
+#pragma unroll
+    for (int lv = 4; lv >= 0; lv--) {
+#pragma unroll
+        for (int l = 0; l < 16; l++)
+            if (l < (1 << lv)) ss[l] = ss[l] + ss[l + (1 << lv)];
+    }
+    return sqrtf(ss[0]);
+}
+
+// Code j of B bits into the row's words (cells never overlap: + is |).
+template <int B>
+__device__ __forceinline__ void put_code(u32* W, int j, u32 code) {
+    const int w = (j * B) >> 5, sh = (j * B) & 31;
+    W[w] += code << sh;
+    if (sh + B > 32) W[w + 1] += code >> (32 - sh);
+}
+
+// This lane's two f16 side values (rows' first, then second) into the page image, and the
+// page's padding after them zeroed.
+__device__ __forceinline__ void side_tpr(u8* st, int lane, float a, float b) {
+    ((u16*)(st + 32 * ROW_BYTES))[lane] = f2h(a);
+    ((u16*)(st + 32 * ROW_BYTES))[32 + lane] = f2h(b);
+    for (int o = 32 * ROW_BYTES + 128 + 4 * lane; o < PAGE_BYTES; o += 128) *(u32*)(st + o) = 0;
+}
+#endif
+
 // One prefetch buffer: the 32 rows (padded to RS bytes), then the page's rotation signs.
 #define BUF (STAGE + SG_BYTES)
 
@@ -92,7 +146,7 @@ __device__ __forceinline__ void stage_rows_async(const void* x, int job, const f
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sl + i * (32 / CPR) * RS), "l"(sp + 512 * i)
                      : "memory");
 #if ROT
-    for (int c = lane; c < D / 4; c += 32)
+    for (int c = lane; c < TW / 4; c += 32)
         asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(sb + STAGE + 16 * c), "l"(sg + 4 * c)
                      : "memory");
 #endif
@@ -106,6 +160,16 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
     const float* __restrict__ centroids, u32 tab_bias, u32 tab_mul) {
     extern __shared__ __align__(16) u8 dsm[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#if KIND == 7
+    // Both stages' thresholds and stage 1's centroids, in registers.
+    float thr1[NTHR], cen1[NTHR + 1], thr2[NTHR2];
+#pragma unroll
+    for (int j = 0; j < NTHR; j++) thr1[j] = thresholds[j];
+#pragma unroll
+    for (int j = 0; j <= NTHR; j++) cen1[j] = centroids[j];
+#pragma unroll
+    for (int j = 0; j < NTHR2; j++) thr2[j] = thresholds[NTHR + j];
+#endif
 #if KIND == 3
     u32* tab = (u32*)dsm;
     for (int i = threadIdx.x; i < NB * COPIES; i += WARPS * 32) {
@@ -126,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
     u8* const st0 = dsm + TAB_BYTES + warp * 2 * BUF;
     const int stride = gridDim.x * WARPS;
     int job = blockIdx.x * WARPS + warp;
-    if (job < n_jobs) stage_rows_async(x, job, signs + (size_t)(ROT ? head_idx[job] : 0) * D, st0, lane);
+    if (job < n_jobs) stage_rows_async(x, job, signs + (size_t)(ROT ? head_idx[job] : 0) * TW, st0, lane);
     int h_next = (ROT && job + stride < n_jobs) ? head_idx[job + stride] : 0;
     // Block-uniform trip count, so LOCKSTEP can keep a block's warps on the same code (the
     // loop body is tens of KiB of straight-line code: warps sharing an SM sub-partition then
@@ -139,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
         u8* const st = st0 + (it & 1) * BUF;
         const int pg = page_idx[job];
         if (job + stride < n_jobs) {
-            stage_rows_async(x, job + stride, signs + (size_t)h_next * D, st0 + ((it + 1) & 1) * BUF, lane);
+            stage_rows_async(x, job + stride, signs + (size_t)h_next * TW, st0 + ((it + 1) & 1) * BUF, lane);
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -190,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 #if PF
             const vec4u* sg = (const vec4u*)(st + STAGE);
 #else
-            const vec4u* sg = (const vec4u*)(signs + (size_t)head_idx[job] * D);
+            const vec4u* sg = (const vec4u*)(signs + (size_t)head_idx[job] * TW);
 #endif
 #pragma unroll
             for (int i = 0; i < D / 4; i++) {
@@ -201,16 +265,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
                 v[4 * i + 3] = v[4 * i + 3] * __uint_as_float(s.w);
             }
         }
-#pragma unroll
-        for (int sh = 0; (1 << sh) < D; sh++) {  // stages h = 1, 2, 4, … as the CPU's fwht
-#pragma unroll
-            for (int m = 0; m < D / 2; m++) {
-                const int j = ((m >> sh) << (sh + 1)) | (m & ((1 << sh) - 1));
-                float a = v[j], b = v[j + (1 << sh)];
-                v[j] = a + b;
-                v[j + (1 << sh)] = a - b;
-            }
-        }
+        fwht_tpr(v);
 #pragma unroll
         for (int j = 0; j < D; j++) v[j] = v[j] * rot_scale;
 #endif
@@ -263,6 +318,56 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
                 PUTB(W, 18 * k + 2 + i, (u32)(q0 & 0xF) | ((u32)(q1 & 0xF) << 4));
             }
         }
+#elif KIND == 6
+        // rabitq (rabitq_row_warp, one lane per row): the sign bits of R·x, ‖R·x‖ and
+        // x0 = ‖R·x‖₁ / (‖R·x‖·√d), the L1 norm summed in f64 in element order.
+#pragma unroll
+        for (int j = 0; j < D; j++) W[j >> 5] |= (v[j] >= 0.0f ? 1u : 0u) << (j & 31);
+        const float norm = norm_tpr(v);
+        double l1 = 0.0;
+#pragma unroll
+        for (int j = 0; j < D; j++) l1 = __dadd_rn(l1, (double)fabsf(v[j]));
+        const float x0 = norm > 0.0f ? (float)__ddiv_rn(l1, __dmul_rn((double)norm, sqrt((double)D))) : 0.0f;
+        side_tpr(st, lane, norm, x0);
+#elif KIND == 7
+        // turboquant_rvq (rvq_row_warp, one lane per row): y = v·(1/n₁), stage-1 codes, the
+        // residual e = y − ŷ₁ (0 for a zero row), z = R₂·(e·(1/n₂)), stage-2 codes after
+        // stage 1's words.
+        const float n1 = norm_tpr(v);
+        {
+            const float inv = n1 > 0.0f ? 1.0f / n1 : 0.0f;
+#pragma unroll
+            for (int j = 0; j < D; j++) {
+                const float y = v[j] * inv;
+                const u32 c = lloyd_code<NTHR>(y, thr1);
+                put_code<BITS>(W, j, c);
+                float cy = cen1[0];  // cen1[c] by selects: the array stays in registers
+#pragma unroll
+                for (int i = 1; i <= NTHR; i++) cy = c == (u32)i ? cen1[i] : cy;
+                v[j] = n1 > 0.0f ? y - cy : 0.0f;
+            }
+        }
+        const float n2 = norm_tpr(v);
+        {
+            const float inv = n2 > 0.0f ? 1.0f / n2 : 0.0f;
+#if PF
+            const vec4u* sg = (const vec4u*)(st + STAGE) + D / 4;
+#else
+            const vec4u* sg = (const vec4u*)(signs + (size_t)head_idx[job] * TW + D);
+#endif
+#pragma unroll
+            for (int i = 0; i < D / 4; i++) {
+                vec4u s = sg[i];
+                v[4 * i] = v[4 * i] * inv * __uint_as_float(s.x);
+                v[4 * i + 1] = v[4 * i + 1] * inv * __uint_as_float(s.y);
+                v[4 * i + 2] = v[4 * i + 2] * inv * __uint_as_float(s.z);
+                v[4 * i + 3] = v[4 * i + 3] * inv * __uint_as_float(s.w);
+            }
+            fwht_tpr(v);
+#pragma unroll
+            for (int j = 0; j < D; j++) put_code<BITS2>(W + MSE_BYTES / 4, j, lloyd_code<NTHR2>(v[j] * rot_scale, thr2));
+        }
+        side_tpr(st, lane, n1, n2);
 #else
         float ss[32];
 #pragma unroll
@@ -399,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 }
 #endif
 
-#if T == 32 && KIND == 3 && PF
+#if T == 32 && D <= 128 && KIND == 3 && PF
 // ---------------------------------------------------------------------------------------
 // Two threads per row (turboquant_mse codes): a warp encodes 16 rows (half a page; unit u is
 // rows 16(u&1)… of page u>>1). Lane (r, s) = (lane & 15, lane >> 4) holds the elements e of

@@ -1,9 +1,9 @@
 //! Fused encode on the GPU: norm → rotation → quantize → pack → side info, bit-identical to
-//! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0 and
-//! turboquant_mse codes use the thread-per-row kernel (`encode_pages_tpr`: one warp per
-//! page, one lane per row, all in registers); fp16, qjl, turboquant_prod, rabitq, turboquant_rvq
-//! and other page sizes use one warp per row (`encode_rows`), kivi one warp per page (the
-//! warp of the page's first row).
+//! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0, rabitq,
+//! turboquant_rvq and turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
+//! one warp per page, one lane per row, all in registers; two lanes per row for the codes);
+//! fp16, qjl, turboquant_prod and other page sizes use one warp per row (`encode_rows`), kivi
+//! one warp per page (the warp of the page's first row).
 
 use std::sync::Arc;
 
@@ -79,13 +79,8 @@ impl GpuEncoder {
         let use_tpr = fmt.t == 32
             && fmt.d <= 128
             && match fmt.kind {
-                KernelKind::F16
-                | KernelKind::Sketch
-                | KernelKind::Prod
-                | KernelKind::Rabitq
-                | KernelKind::Rvq
-                | KernelKind::Kivi => false,
-                KernelKind::Q8_0 | KernelKind::Q4_0 => true,
+                KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod | KernelKind::Kivi => false,
+                KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Rabitq | KernelKind::Rvq => true,
                 KernelKind::Codes => fmt.bins.is_some(),
             };
         let tpr = if use_tpr {
@@ -100,7 +95,9 @@ impl GpuEncoder {
             let table_bytes = if fmt.kind == KernelKind::Codes { (2 * BIN_QK as usize + 3) * 128 } else { 0 };
             let stages = if pf != 0 { 2 } else { 1 };
             // With the prefetch, each stage also holds the page's rotation signs.
-            let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.d } else { 0 };
+            // (turboquant_rvq: both rotations' signs.)
+            let per_head = if fmt.kind == KernelKind::Rvq { 2 * fmt.d } else { fmt.d };
+            let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * per_head } else { 0 };
             let smem = (table_bytes + warps * stages * (stage + signs_bytes)) as u32;
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -170,18 +170,16 @@ fn every_kernel_configuration_compiles() {
         "turboquant_rvq:4:2",
         "turboquant_rvq:4:4",
     ];
-    let mut built: Vec<String> = Vec::new();
+    // Every distinct module first, then compiled on all cores (one at a time took ~30 min).
+    let mut jobs: Vec<(String, Family, Vec<(String, i64)>, &'static str)> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
     for (arch, cc) in archs {
         let mut compile = |fam: Family, defs: Vec<(String, i64)>| {
             let d: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
             let key = format!("{arch}/{}", veloxquant_cuda::device::module_key(fam, &d));
-            if built.contains(&key) {
-                return;
+            if seen.insert(key.clone()) {
+                jobs.push((key, fam, defs, arch));
             }
-            if let Err(e) = compile_ptx(fam, &d, arch) {
-                panic!("{key}: {e}");
-            }
-            built.push(key);
         };
         let owned = |d: &[(&str, i64)]| d.iter().map(|(k, v)| (k.to_string(), *v)).collect::<Vec<_>>();
         compile(Family::Model, Vec::new());
@@ -293,7 +291,38 @@ fn every_kernel_configuration_compiles() {
             }
         }
     }
-    eprintln!("compiled {} module configurations:\n{}", built.len(), built.join("\n"));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let mut done: Vec<(String, f64)> = std::thread::scope(|sc| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut mine = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some((key, fam, defs, arch)) = jobs.get(i) else { return mine };
+                        let d: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+                        let t = std::time::Instant::now();
+                        if let Err(e) = compile_ptx(*fam, &d, arch) {
+                            panic!("{key}: {e}");
+                        }
+                        mine.push((key.clone(), t.elapsed().as_secs_f64()));
+                    }
+                })
+            })
+            .collect();
+        workers.into_iter().flat_map(|w| w.join().expect("a compile worker panicked")).collect()
+    });
+    assert_eq!(done.len(), jobs.len());
+    done.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let total: f64 = done.iter().map(|d| d.1).sum();
+    eprintln!(
+        "compiled {} module configurations on {threads} threads ({total:.0} s of compiles; slowest first):",
+        done.len()
+    );
+    for (key, secs) in &done {
+        eprintln!("{secs:6.2} s  {key}");
+    }
 }
 
 /// The GPU's reading of the sign and two-segment formats, on the CPU's bytes: a qjl page as
