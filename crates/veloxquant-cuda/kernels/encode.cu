@@ -93,7 +93,7 @@ __device__ __forceinline__ void fwht_tpr(float* v) {
     }
 }
 
-#if KIND == 6 || KIND == 7
+#if KIND == 3 || KIND == 6 || KIND == 7
 // ‖v‖ in the canonical order (reduce.rs): lane chains l, l + 32, … then the xor-butterfly.
 __device__ __forceinline__ float norm_tpr(const float* v) {
     float ss[32];
@@ -112,7 +112,9 @@ __device__ __forceinline__ float norm_tpr(const float* v) {
     }
     return sqrtf(ss[0]);
 }
+#endif
 
+#if KIND == 6 || KIND == 7
 // Code j of B bits into the row's words (cells never overlap: + is |).
 template <int B>
 __device__ __forceinline__ void put_code(u32* W, int j, u32 code) {
@@ -369,21 +371,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
         }
         side_tpr(st, lane, n1, n2);
 #else
-        float ss[32];
-#pragma unroll
-        for (int l = 0; l < 32; l++) ss[l] = 0.0f + v[l] * v[l];
-#pragma unroll
-        for (int k = 1; k < D / 32; k++) {
-#pragma unroll
-            for (int l = 0; l < 32; l++) ss[l] = ss[l] + v[32 * k + l] * v[32 * k + l];
-        }
-#pragma unroll
-        for (int lv = 4; lv >= 0; lv--) {  // the xor-butterfly over offsets 16, 8, 4, 2, 1
-#pragma unroll
-            for (int l = 0; l < 16; l++)
-                if (l < (1 << lv)) ss[l] = ss[l] + ss[l + (1 << lv)];
-        }
-        const float norm = sqrtf(ss[0]);
+        const float norm = norm_tpr(v);
 #if IN_KIND == 1
         const float mn = norm;  // f16 input: see encode_pages_tpr2
 #else
