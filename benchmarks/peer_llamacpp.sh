@@ -97,11 +97,15 @@ else
   done
 fi
 echo "veloxquant tg$TG at depths $DEPTHS, pp$PP at depths $PP_DEPTHS"
+# Depth 0 with batched decode, 16 sequences per step (llama-bench has no such test): the
+# reps alternate between B = 1 and B = 16, so their ratio is measured under the same load.
 "$BIN" bench model --model "$MODEL" --threads "$THREADS" --reps "$REPS" \
-  --tests tg$TG --depths "$DEPTHS" --batch 1 --json "$TMP/ours-tg.json"
-# Batched decode: 16 sequences per step at depth 0 (llama-bench has no such test).
-"$BIN" bench model --model "$MODEL" --threads "$THREADS" --reps "$REPS" \
-  --tests tg$TG --depths 0 --batch 16 --json "$TMP/ours-tg-b16.json"
+  --tests tg$TG --depths 0 --batch 1,16 --json "$TMP/ours-tg-d0.json"
+DEEPER=$(echo "$DEPTHS" | tr ',' '\n' | grep -vx 0 | paste -sd, || true)
+if [ -n "$DEEPER" ]; then
+  "$BIN" bench model --model "$MODEL" --threads "$THREADS" --reps "$REPS" \
+    --tests tg$TG --depths "$DEEPER" --batch 1 --json "$TMP/ours-tg.json"
+fi
 if [ -n "$PP_DEPTHS" ]; then
   "$BIN" bench model --model "$MODEL" --threads "$THREADS" --reps "$REPS" \
     --tests pp$PP --depths "$PP_DEPTHS" --json "$TMP/ours-pp.json"
