@@ -171,7 +171,9 @@ fn every_kernel_configuration_compiles() {
         "turboquant_rvq:4:4",
     ];
     // Every distinct module first, then compiled on all cores (one at a time took ~30 min).
-    let mut jobs: Vec<(String, Family, Vec<(String, i64)>, &'static str)> = Vec::new();
+    // (module key, family, defines, target)
+    type Job = (String, Family, Vec<(String, i64)>, &'static str);
+    let mut jobs: Vec<Job> = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for (arch, cc) in archs {
         let mut compile = |fam: Family, defs: Vec<(String, i64)>| {
