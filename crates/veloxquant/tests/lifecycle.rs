@@ -581,3 +581,35 @@ fn save_and_load_stream_through_a_socket() {
     let q = SplitMix64::new(4).gaussian_vec(N_HEADS * D);
     assert_eq!(decode_attention(&back, 0, &q, N_HEADS).unwrap(), decode_attention(&cache, 0, &q, N_HEADS).unwrap());
 }
+
+/// A short context (fewer pages than the batch path hands out) takes the single-sequence
+/// path, which must give the batch path's bits: row and page mode, R and S > 0, every
+/// kind of query preparation, lengths from one token to past two pages.
+#[test]
+fn short_context_attention_equals_the_batch_path() {
+    let methods = [
+        ("turboquant_mse:4:eden", "turboquant_mse:3", 8, 4),
+        ("fp16", "fp16", 0, 0),
+        ("q8_0", "q4_0", 3, 1),
+        ("kivi:2", "kivi:4", 4, 2),
+        ("qjl", "turboquant_mse:2", 0, 2),
+        ("rabitq", "q8_0", 5, 0),
+        ("turboquant_prod:3", "turboquant_rvq:2:2", 2, 3),
+    ];
+    let mut rng = SplitMix64::new(41);
+    for (k, v, recent, sink) in methods {
+        let mut cfg = CacheConfig::new(1, N_KV, D, FormatSpec::parse(k).unwrap(), FormatSpec::parse(v).unwrap());
+        (cfg.recent, cfg.sink) = (recent, sink);
+        let mut a = PagedCache::new(cfg.clone()).unwrap();
+        let mut other = PagedCache::new(cfg).unwrap();
+        append_random(&mut other, 5, &mut rng);
+        for len in 1..=75 {
+            append_random(&mut a, 1, &mut rng);
+            let (q, q2) = (rng.gaussian_vec(N_HEADS * D), rng.gaussian_vec(N_HEADS * D));
+            let alone = decode_attention(&a, 0, &q, N_HEADS).unwrap();
+            let batch = decode_attention_batch(&[(&a, &q), (&other, &q2)], 0, N_HEADS).unwrap();
+            assert_eq!(alone, batch[0], "{k}/{v}@{recent}+{sink} at {len} tokens");
+            assert!(alone.iter().all(|x| x.is_finite()));
+        }
+    }
+}

@@ -27,6 +27,29 @@ pub struct QuantX {
 /// Round half to even by adding and subtracting 1.5·2²³ (|v·inv| ≤ 127; no libm call).
 pub(super) const ROUND_SHIFT: f32 = 12_582_912.0;
 
+/// Blocks of x above which [`QuantX::new`] quantizes in two halves on two threads: a
+/// batched step's 16 rows (288–768 blocks) took 3–9 µs on one, with the other idle.
+#[cfg(target_arch = "x86_64")]
+const PAR_MIN_BLOCKS: usize = 256;
+
+/// [`super::vnni::quantize`] of x, halved over the pool while more than
+/// [`PAR_MIN_BLOCKS`] blocks remain (blocks are independent: the same bits).
+#[cfg(target_arch = "x86_64")]
+fn quantize_split(x: &[f32], q: &mut [i8], scale: &mut [f32], sum: &mut [f32]) {
+    let blocks = scale.len();
+    if blocks <= PAR_MIN_BLOCKS || rayon::current_num_threads() < 2 {
+        // SAFETY: callers reach this only where `has_vnni()` detected AVX512F/BW
+        // (`quantize` checks the lengths).
+        return unsafe { super::vnni::quantize(x, q, scale, sum) };
+    }
+    let half = blocks / 2;
+    let (x0, x1) = x.split_at(half * BLOCK);
+    let (q0, q1) = q.split_at_mut(half * BLOCK);
+    let (s0, s1) = scale.split_at_mut(half);
+    let (m0, m1) = sum.split_at_mut(half);
+    rayon::join(|| quantize_split(x0, q0, s0, m0), || quantize_split(x1, q1, s1, m1));
+}
+
 impl QuantX {
     /// `x`'s length must be a multiple of 32 (every row of x is whole blocks). The same
     /// bits as [`new_ref`](Self::new_ref), 16 values at a time where AVX-512 is detected.
@@ -35,8 +58,7 @@ impl QuantX {
         if super::vnni::has_vnni() {
             let blocks = x.len() / BLOCK;
             let (mut q, mut scale, mut sum) = (vec![0i8; blocks * BLOCK], vec![0f32; blocks], vec![0f32; blocks]);
-            // SAFETY: `has_vnni()` detected AVX512F/BW (`quantize` checks the lengths).
-            unsafe { super::vnni::quantize(x, &mut q, &mut scale, &mut sum) };
+            quantize_split(x, &mut q, &mut scale, &mut sum);
             return Self { q, scale, sum };
         }
         Self::new_ref(x)

@@ -244,7 +244,9 @@ fn vnni_batched_kernel_matches_reference_for_every_batch_size() {
 
 #[test]
 fn int8_quantization_is_the_reference_bit_for_bit() {
-    let mut x = SplitMix64::new(11).gaussian_vec(64 * BLOCK);
+    // 1,031 blocks: more than one thread's share, split unevenly (a batched step's x).
+    let mut x = SplitMix64::new(11).gaussian_vec(1031 * BLOCK);
+    x[1000 * BLOCK + 3] = f32::NAN;
     x[BLOCK..2 * BLOCK].fill(0.0);
     // Ties: max|x| = 127 gives inv = 1, so k + 0.5 rounds to even.
     for (i, v) in x[2 * BLOCK..3 * BLOCK].iter_mut().enumerate() {

@@ -21,8 +21,39 @@ const MIN_PAGES_PER_TASK: usize = 8;
 
 /// q: `[n_heads][d]` → `[n_heads][d]`. Softmax scale 1/√d.
 pub fn decode_attention(cache: &PagedCache, layer: usize, q: &[f32], n_heads: usize) -> Result<Vec<f32>> {
-    let mut out = decode_attention_batch(&[(cache, q)], layer, n_heads)?;
-    Ok(out.pop().expect("one output per sequence"))
+    let g = check_query(cache, layer, q, n_heads)?;
+    let lc = cache.layer(layer)?;
+    let n_pages = lc.keys[0].pages().len();
+    if n_pages * lc.keys.len() >= MIN_PAGES_PER_TASK {
+        let mut out = decode_attention_batch(&[(cache, q)], layer, n_heads)?;
+        return Ok(out.pop().expect("one output per sequence"));
+    }
+    // Too few pages to hand out (a short context): one item per KV head, run in place, as
+    // the batch path runs them (same bits), without its plans, task lists and a partial per
+    // item (~20 allocations per layer and sequence, ~15 % of a short step's attention).
+    let d = cache.config().head_dim;
+    let q_scaled = scaled(q, d);
+    let mut out = vec![0f32; q.len()];
+    let mut part = Partial::empty(g, d);
+    for (h, (ks, vs)) in lc.keys.iter().zip(&lc.values).enumerate() {
+        let (qh, vf) = (&q_scaled[h * g * d..(h + 1) * g * d], vs.format());
+        part.reset(vf.acc_width());
+        if n_pages > 0 {
+            let qs = ks.format().prepare_query(qh, g);
+            add_pages(&mut part, ks, vs, &qs, 0, n_pages);
+        }
+        vf.finish(&mut part.acc, g);
+        part.narrow(d);
+        absorb_exact(&mut part, ks, vs, qh);
+        part.output(&mut out[h * g * d..(h + 1) * g * d]);
+    }
+    Ok(out)
+}
+
+/// q · 1/√d.
+fn scaled(q: &[f32], d: usize) -> Vec<f32> {
+    let scale = 1.0 / (d as f32).sqrt();
+    q.iter().map(|v| v * scale).collect()
 }
 
 /// One decode step for a batch of sequences of any lengths (say forks of one prompt): every
@@ -68,8 +99,7 @@ impl<'a> Plan<'a> {
         let g = check_query(cache, layer, q, n_heads)?;
         let d = cache.config().head_dim;
         let lc = cache.layer(layer)?;
-        let scale = 1.0 / (d as f32).sqrt();
-        let q_scaled: Vec<f32> = q.iter().map(|v| v * scale).collect();
+        let q_scaled = scaled(q, d);
         let n_kv = lc.keys.len();
         let n_pages = lc.keys[0].pages().len();
         // No pages yet (a short sequence): only the exact tokens are read, nothing to prepare.
@@ -127,9 +157,15 @@ fn with_scratch<R>(n: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
 }
 
 fn pages_partial(ks: &StreamStore, vs: &StreamStore, qs: &QueryState, p0: usize, p1: usize) -> Partial {
+    let mut part = Partial::empty(qs.n_q, vs.format().acc_width());
+    add_pages(&mut part, ks, vs, qs, p0, p1);
+    part
+}
+
+/// Folds pages `p0..p1` of one KV head into `part`.
+fn add_pages(part: &mut Partial, ks: &StreamStore, vs: &StreamStore, qs: &QueryState, p0: usize, p1: usize) {
     let (kf, vf) = (ks.format(), vs.format());
     let (g, t) = (qs.n_q, kf.page_tokens());
-    let mut part = Partial::empty(g, vf.acc_width());
     with_scratch(g * t, |s, w| {
         for p in p0..p1 {
             // An open page's unfilled rows are neither scored nor accumulated.
@@ -140,7 +176,6 @@ fn pages_partial(ks: &StreamStore, vs: &StreamStore, qs: &QueryState, p0: usize,
             vf.accumulate_rows(w, g, &vs.pages()[p], rows, &mut part.acc);
         }
     });
-    part
 }
 
 /// Folds the exact fp16 tokens (sinks, then the tail) into `part`, scored with the fp16 row

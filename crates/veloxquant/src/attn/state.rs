@@ -19,10 +19,24 @@ impl Partial {
     /// Keep the first g × d floats of the accumulator as a d-wide partial (after a value
     /// format's `finish` has brought a wider accumulator back to d).
     pub fn narrowed(mut self, d: usize) -> Self {
+        self.narrow(d);
+        self
+    }
+
+    /// [`narrowed`](Self::narrowed) in place.
+    pub fn narrow(&mut self, d: usize) {
         debug_assert!(d <= self.d);
         self.acc.truncate(self.g * d);
         self.d = d;
-        self
+    }
+
+    /// Back to [`empty`](Self::empty) with a `d`-wide accumulator, reusing the buffers.
+    pub fn reset(&mut self, d: usize) {
+        self.m.fill(f32::NEG_INFINITY);
+        self.l.fill(0.0);
+        self.acc.clear();
+        self.acc.resize(self.g * d, 0.0);
+        self.d = d;
     }
 
     pub fn is_empty(&self) -> bool {

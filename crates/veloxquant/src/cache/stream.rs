@@ -213,11 +213,19 @@ impl StreamStore {
     fn flush(&mut self) -> Result<()> {
         let (d, t) = (self.format.head_dim(), self.format.page_tokens());
         if self.row_mode {
-            let mut x = vec![0f32; d];
+            // One row at a time, on the stack up to d = 256 (a decode step makes one per
+            // stream, head and layer).
+            let (mut stack, mut heap) = ([0f32; 256], Vec::new());
+            let x = if d <= stack.len() {
+                &mut stack[..d]
+            } else {
+                heap.resize(d, 0f32);
+                &mut heap[..]
+            };
             while self.tail_tokens() > self.recent {
-                self.tail[..d].convert_to_f32_slice(&mut x);
+                self.tail[..d].convert_to_f32_slice(x);
                 if self.open_rows == 0 {
-                    self.pages.push(vec![0u8; self.format.page_bytes()].into());
+                    self.pages.push(zeroed_page(self.format.page_bytes()));
                 }
                 let page = self.pages.last_mut().expect("a page was just ensured");
                 // Copy on write if a fork shares this page.
@@ -225,7 +233,7 @@ impl StreamStore {
                     *page = Arc::from(&page[..]);
                 }
                 let buf = Arc::get_mut(page).expect("unique after copy");
-                self.format.encode_row(&x, buf, self.open_rows)?;
+                self.format.encode_row(x, buf, self.open_rows)?;
                 self.open_rows = (self.open_rows + 1) % t;
                 self.tail.drain(..d);
             }
@@ -235,9 +243,9 @@ impl StreamStore {
             // Pages are encoded from the f16 values decode would have stored.
             let mut x = vec![0f32; t * d];
             self.tail[..t * d].convert_to_f32_slice(&mut x);
-            let mut page = vec![0u8; self.format.page_bytes()];
-            self.format.encode_page(&x, &mut page)?;
-            self.pages.push(page.into());
+            let mut page = zeroed_page(self.format.page_bytes());
+            self.format.encode_page(&x, Arc::get_mut(&mut page).expect("a new page is unshared"))?;
+            self.pages.push(page);
             self.tail.drain(..t * d);
         }
         Ok(())
@@ -290,6 +298,12 @@ fn grow(v: &mut Vec<f16>, extra: usize, cap: usize) {
         let target = need.max(v.capacity().saturating_mul(2).min(cap));
         v.reserve_exact(target - v.len());
     }
+}
+
+/// A page of `n` zero bytes, allocated once (an exact-size iterator collects in place; a
+/// `Vec` into an `Arc` allocates and copies again).
+fn zeroed_page(n: usize) -> Page {
+    std::iter::repeat_n(0u8, n).collect()
 }
 
 /// The strong and weak counts in front of each page's bytes.

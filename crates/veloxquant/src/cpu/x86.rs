@@ -128,8 +128,8 @@ pub(super) unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
 ) {
     let (tb, tb2) = tabs(l);
     let [(_, c0, n0), (off1, c1, n1)] = segments(l);
-    let mut scales = Scratch::<32>::new(l.t);
-    let scales = scales.get();
+    let mut scales = Scratch::<32>::new();
+    let scales = scales.zeroed(l.t);
     l.row_scales(page, scales);
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
@@ -191,10 +191,10 @@ pub(super) unsafe fn accumulate_k<const K: u8, const B: u32, const BL: u32>(
 ) {
     let (tb, tb2) = tabs(l);
     let [s0, s1] = segments(l);
-    let mut ws = Scratch::<{ MAX_G * 32 }>::new(n_q.min(MAX_G) * l.t);
-    let ws = ws.get();
-    let mut scales = Scratch::<32>::new(l.t);
-    let scales = scales.get();
+    let mut ws = Scratch::<{ MAX_G * 32 }>::new();
+    let ws = ws.zeroed(n_q.min(MAX_G) * l.t);
+    let mut scales = Scratch::<32>::new();
+    let scales = scales.zeroed(l.t);
     l.row_scales(page, scales);
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);

@@ -131,10 +131,10 @@ unsafe fn scores_k<const K: u8, const B: u32, const BL: u32>(
         return super::x86::scores_k::<K, B, BL>(l, q, n_q, page, out);
     }
     let tb = tabs(l);
-    let mut park = Scratch::<{ MAX_G * 32 * 8 }>::new(n_q.min(MAX_G) * l.t * 8);
-    let park = park.get();
-    let mut scales = Scratch::<32>::new(l.t);
-    let scales = scales.get();
+    let mut park = Scratch::<{ MAX_G * 32 * 8 }>::new();
+    let park = park.zeroed(n_q.min(MAX_G) * l.t * 8);
+    let mut scales = Scratch::<32>::new();
+    let scales = scales.zeroed(l.t);
     page_scales(l, page, scales);
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
@@ -224,10 +224,10 @@ unsafe fn accumulate_k<const K: u8, const B: u32, const BL: u32>(
         return super::x86::accumulate_k::<K, B, BL>(l, w, n_q, page, acc);
     }
     let tb = tabs(l);
-    let mut ws = Scratch::<{ MAX_G * 32 }>::new(n_q.min(MAX_G) * l.t);
-    let ws = ws.get();
-    let mut scales = Scratch::<32>::new(l.t);
-    let scales = scales.get();
+    let mut ws = Scratch::<{ MAX_G * 32 }>::new();
+    let ws = ws.zeroed(n_q.min(MAX_G) * l.t);
+    let mut scales = Scratch::<32>::new();
+    let scales = scales.zeroed(l.t);
     page_scales(l, page, scales);
     for h0 in (0..n_q).step_by(MAX_G) {
         let g = MAX_G.min(n_q - h0);
