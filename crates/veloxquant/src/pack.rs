@@ -31,18 +31,35 @@ pub fn pack(codes: &[u8], bits: u32, out: &mut [u8]) -> Result<()> {
         return Err(VqError::ShapeMismatch { op: "pack", expected: need, got: out.len() });
     }
     let mask = ((1u32 << bits) - 1) as u8;
+    if codes.iter().fold(0u8, |a, &c| a | (c & !mask)) != 0 {
+        return Err(VqError::UnsupportedBits {
+            format: "pack (code too large)".into(),
+            bits,
+            supported: SUPPORTED_BITS,
+        });
+    }
     out.fill(0);
-    for (i, &c) in codes.iter().enumerate() {
-        if c & !mask != 0 {
-            return Err(VqError::UnsupportedBits {
-                format: "pack (code too large)".into(),
-                bits,
-                supported: SUPPORTED_BITS,
-            });
-        }
+    // Eight codes fill exactly `bits` bytes: one little-endian word per group (a decode step
+    // packs a row per stream, head and layer); `put` places the codes after the last group.
+    match bits {
+        1 => pack_groups::<1>(codes, out),
+        2 => pack_groups::<2>(codes, out),
+        3 => pack_groups::<3>(codes, out),
+        4 => pack_groups::<4>(codes, out),
+        _ => pack_groups::<8>(codes, out),
+    }
+    for (i, &c) in codes.iter().enumerate().skip(codes.len() / 8 * 8) {
         put(out, i, bits, c);
     }
     Ok(())
+}
+
+/// The whole groups of eight `B`-bit codes into `out` (a fixed-size copy per group).
+fn pack_groups<const B: usize>(codes: &[u8], out: &mut [u8]) {
+    for (group, dst) in codes.chunks_exact(8).zip(out.chunks_exact_mut(B)) {
+        let word = group.iter().enumerate().fold(0u64, |w, (j, &c)| w | (c as u64) << (j * B));
+        dst.copy_from_slice(&word.to_le_bytes()[..B]);
+    }
 }
 
 /// Unpack `n` codes from `packed`.

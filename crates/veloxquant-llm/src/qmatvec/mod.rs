@@ -353,7 +353,12 @@ impl PackedMatrix {
         if self.q8_x && n <= MAX_N_Q8 && Int8Kernel::best() == Int8Kernel::Vnni {
             let qx = QuantX::new(x);
             let (il, x_off) = (self.interleave(), interleaved::x_offsets(self.format, &qx));
-            self.by_row_tiles_into(ys, |rows, out| {
+            // SAFETY: the kernel writes only f32 values through these views.
+            let mut ys: Vec<&mut [std::mem::MaybeUninit<f32>]> = ys
+                .iter_mut()
+                .map(|y| unsafe { &mut *(&mut **y as *mut [f32] as *mut [std::mem::MaybeUninit<f32>]) })
+                .collect();
+            self.by_row_tiles_into(&mut ys, |rows, out| {
                 // SAFETY: `best()` is Vnni only where `has_vnni()` detected AVX512F/BW/VL,
                 // VNNI and F16C (`rows` checks the extents).
                 unsafe { vnni::rows(il, rows, &qx, &x_off, out) }
@@ -388,8 +393,8 @@ impl PackedMatrix {
         let n_blocks = self.cols / BLOCK;
         #[cfg(target_arch = "x86_64")]
         if kernel == Int8Kernel::Vnni {
-            // The tasks zero their own parts of y (a batched step's outputs are ~10 MB, which
-            // one thread's `calloc` zeroed in ~0.5 ms of a 15 ms step before the products).
+            // y is not zeroed first: the kernel writes all of it (a batched step's outputs are
+            // ~10 MB, which one thread's `calloc` zeroed in ~0.5 ms of a 15 ms step).
             let mut y: Vec<f32> = Vec::with_capacity(n * self.rows);
             let spare = &mut y.spare_capacity_mut()[..n * self.rows];
             for (xs, ys) in x.chunks(MAX_N_Q8 * self.cols).zip(spare.chunks_mut(MAX_N_Q8 * self.rows)) {
@@ -397,14 +402,13 @@ impl PackedMatrix {
                 let (il, x_off) = (self.interleave(), interleaved::x_offsets(self.format, &qx));
                 let mut parts: Vec<&mut [std::mem::MaybeUninit<f32>]> = ys.chunks_mut(self.rows).collect();
                 self.by_row_tiles_into(&mut parts, |rows, out| {
-                    let mut out: Vec<&mut [f32]> = out.iter_mut().map(|o| zeroed(o)).collect();
                     // SAFETY: `available()` lists Vnni only where `has_vnni()` detected
                     // AVX512F/BW/VL, VNNI and F16C (`rows` checks the extents).
-                    unsafe { vnni::rows(il, rows, &qx, &x_off, &mut out) }
+                    unsafe { vnni::rows(il, rows, &qx, &x_off, out) }
                 });
             }
-            // SAFETY: the chunks cover the first n·rows elements, and by_row_tiles_into's
-            // tasks cover every row of each chunk's outputs, each zeroing its parts first.
+            // SAFETY: the chunks cover the first n·rows elements, by_row_tiles_into's tasks
+            // cover every row of each chunk's outputs, and `vnni::rows` writes all of its.
             unsafe { y.set_len(n * self.rows) };
             return Ok(y);
         }
@@ -505,13 +509,6 @@ impl PackedMatrix {
             }
         }
     }
-}
-
-/// `part` filled with zeros, as initialized floats.
-fn zeroed(part: &mut [std::mem::MaybeUninit<f32>]) -> &mut [f32] {
-    part.fill(std::mem::MaybeUninit::new(0.0));
-    // SAFETY: every element was just initialized; MaybeUninit<f32> has f32's layout.
-    unsafe { &mut *(part as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) }
 }
 
 #[cfg(test)]

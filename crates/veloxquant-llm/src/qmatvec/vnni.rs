@@ -10,6 +10,7 @@
 //! so a row's result is the same bits at every batch size.
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use super::int8::{QuantX, ROUND_SHIFT};
@@ -246,9 +247,16 @@ unsafe fn run<const F: u8>(t: Task, first: usize, rows_end: usize, n: usize) {
 
 /// `out[j][r − rows.start] = W_r · x̂_j` for the weight rows `rows` (starting on a tile)
 /// and the `out.len()` ≤ 16 rows of quantized x, `x_off` from
-/// [`super::interleaved::x_offsets`].
+/// [`super::interleaved::x_offsets`]. Writes every element of every `out[j]` (so `out`
+/// may start uninitialized: a batched step's outputs are ~10 MB, not worth zeroing first).
 /// Safety: the CPU has AVX512F/BW/VL, AVX512-VNNI and F16C ([`has_vnni`]).
-pub unsafe fn rows(il: &Interleaved, rows: Range<usize>, x: &QuantX, x_off: &[i32], out: &mut [&mut [f32]]) {
+pub unsafe fn rows(
+    il: &Interleaved,
+    rows: Range<usize>,
+    x: &QuantX,
+    x_off: &[i32],
+    out: &mut [&mut [MaybeUninit<f32>]],
+) {
     let (n, nb) = (out.len(), il.n_blocks());
     assert!((1..=MAX_N_Q8).contains(&n) && rows.start.is_multiple_of(TILE) && rows.end <= il.rows());
     assert!(out.iter().all(|o| o.len() == rows.len()));
@@ -257,7 +265,7 @@ pub unsafe fn rows(il: &Interleaved, rows: Range<usize>, x: &QuantX, x_off: &[i3
     assert!(il.lines().len() >= il.rows().div_ceil(TILE) * nb * lines_per_block(il.format()));
     let mut ptrs = [std::ptr::null_mut(); MAX_N_Q8];
     for (p, o) in ptrs.iter_mut().zip(out.iter_mut()) {
-        *p = o.as_mut_ptr();
+        *p = o.as_mut_ptr().cast::<f32>();
     }
     let t = Task {
         lines: il.lines().as_ptr(),
@@ -270,7 +278,9 @@ pub unsafe fn rows(il: &Interleaved, rows: Range<usize>, x: &QuantX, x_off: &[i3
     };
     // SAFETY: the asserts bound every line (tiles of `rows` lie within the matrix's), every
     // block of x and offset read, and every output written (tile starts `at` < rows.len(),
-    // `valid` clipped to rows.end); the caller vouches for the features.
+    // `valid` clipped to rows.end); the caller vouches for the features. `run` walks every
+    // tile of `rows` and every row of x, so each output is written once (the last tile's
+    // mask keeps exactly its `valid` lanes).
     match il.format() {
         PackedFormat::Q4_0 => run::<Q4_0>(t, rows.start, rows.end, n),
         PackedFormat::Q4_1 => run::<Q4_1>(t, rows.start, rows.end, n),

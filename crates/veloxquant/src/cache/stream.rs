@@ -214,10 +214,13 @@ impl StreamStore {
         let (d, t) = (self.format.head_dim(), self.format.page_tokens());
         if self.row_mode {
             // One row at a time, on the stack up to d = 256 (a decode step makes one per
-            // stream, head and layer).
-            let (mut stack, mut heap) = ([0f32; 256], Vec::new());
-            let x = if d <= stack.len() {
-                &mut stack[..d]
+            // stream, head and layer; only the d floats used are zeroed).
+            let (mut stack, mut heap) = ([std::mem::MaybeUninit::<f32>::uninit(); 256], Vec::new());
+            let x: &mut [f32] = if d <= stack.len() {
+                let part = &mut stack[..d];
+                part.fill(std::mem::MaybeUninit::new(0.0));
+                // SAFETY: the d elements were just initialized; MaybeUninit<f32> has f32's layout.
+                unsafe { &mut *(part as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) }
             } else {
                 heap.resize(d, 0f32);
                 &mut heap[..]
@@ -290,12 +293,18 @@ fn extend_f16(v: &mut Vec<f16>, x: &[f32]) {
     v[old..].convert_from_f32_slice(x);
 }
 
+/// Values a window reserves at once when it first grows (16 tokens of d = 128).
+const SMALL_WINDOW: usize = 2048;
+
 /// Room for `extra` more values: capacity doubles, but never past `cap` (the buffer's full
-/// size), so a full window holds exactly its size and an unfilled one only what it holds.
+/// size), so a full window holds exactly its size and an unfilled one at most twice what
+/// it holds, or [`SMALL_WINDOW`] values.
 fn grow(v: &mut Vec<f16>, extra: usize, cap: usize) {
     let need = v.len() + extra;
     if need > v.capacity() {
-        let target = need.max(v.capacity().saturating_mul(2).min(cap));
+        // Small windows at once (a decode step appends one token: 1, 2, 4, 8 tokens were
+        // four reallocations and copies per stream of a short sequence).
+        let target = need.max(v.capacity().saturating_mul(2).min(cap)).max(cap.min(SMALL_WINDOW));
         v.reserve_exact(target - v.len());
     }
 }
