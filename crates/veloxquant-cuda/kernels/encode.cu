@@ -1,7 +1,8 @@
 // Fused encode, three kernels, all bit-identical to the CPU (--fmad=false):
-// - encode_rows: one warp per token row (grid: ceil(rows/8) blocks of 256 threads). Lane l
-//   holds elements l, l+32, … (the canonical reduction order of reduce.rs). Used for fp16,
-//   for pages of T != 32 tokens, and for the rare rows the fast kernels hand back.
+// - encode_rows: one warp per token row (grid: ceil(rows/8) blocks of 256 threads; kivi:
+//   one warp per page). Lane l holds elements l, l+32, … (the canonical reduction order of
+//   reduce.rs). Used for fp16, for pages of T != 32 tokens, and for the rare rows the fast
+//   kernels hand back.
 // - encode_pages_tpr: one warp per 32-token page, one lane per row (q8_0, q4_0, rabitq,
 //   turboquant_rvq; codes when encode_pages_tpr2 is off).
 // - encode_pages_tpr2: two lanes per row (turboquant_mse codes).
@@ -13,21 +14,25 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
     const void* __restrict__ x, int n_rows, const int* __restrict__ page_idx,
     const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
     float rot_scale, const float* __restrict__ thresholds, const float* __restrict__ centroids) {
-    int row_id = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
     int lane = threadIdx.x & 31;
-    if (row_id >= n_rows) return;
-    int job = row_id / T, t = row_id % T;
 #if KIND == 8
-    // kivi: the warp of the page's first row encodes the page.
-    if (t == 0) {
+    // kivi: one warp per page (the launch has n_rows / T warps; a warp per row, all but the
+    // page's first idle, kept 1 in 32 of them busy: 7 % of copy bandwidth).
+    {
+        const int job = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+        if (job >= n_rows / T) return;
+        const size_t row0 = (size_t)job * T;
         auto load = [&](int i, float* v) {
 #pragma unroll
-            for (int k = 0; k < EPL; k++) v[k] = load_in(x, (size_t)(row_id + i) * D + lane + 32 * k);
+            for (int k = 0; k < EPL; k++) v[k] = load_in(x, (row0 + i) * D + lane + 32 * k);
         };
         kivi_page_warp(load, pool + (size_t)page_idx[job] * PAGE_BYTES, lane);
+        return;
     }
-    return;
 #endif
+    int row_id = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    if (row_id >= n_rows) return;
+    int job = row_id / T, t = row_id % T;
     float v[EPL];
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = load_in(x, (size_t)row_id * D + lane + 32 * k);

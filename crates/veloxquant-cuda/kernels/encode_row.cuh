@@ -108,26 +108,26 @@ __device__ __forceinline__ void sketch_signs_warp(const float* v, u8* row, const
 
 #if KIND == 3 || KIND == 5 || KIND == 7 || KIND == 8
 // The warp's codes (lane l: codes l, l+32, …) packed into `row`: chunk k (codes 32k..32k+31)
-// is exactly words k*NB .. k*NB+NB-1.
+// is exactly words k*NB .. k*NB+NB-1. Word w is the OR of each lane's part of it (code c sits
+// at bits c·NB − 32w, a 3-bit code straddling two words gives each its part): one warp
+// OR-reduction (redux.sync, sm_80+) per word: NB per chunk, where gathering the codes by
+// shuffles took 32/NB + 2 (and their shifts), which bound kivi's encode.
 template <int NB>
 __device__ __forceinline__ void pack_codes_warp(const u32* code, u8* row, int lane) {
     u32* words = (u32*)row;
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
-        u32 word = 0;
-        int w = lane < NB ? lane : 0;
-        int c0 = (32 * w) / NB;
+        u32 mine = 0;
 #pragma unroll
-        for (int q = 0; q < 32 / NB + 2; q++) {
-            int c = c0 + q;
-            u32 cv = __shfl_sync(FULL_MASK, code[k], c & 31);
-            int sh = c * NB - 32 * w;
-            if (c < 32) {
-                if (sh >= 0 && sh < 32) word |= cv << sh;
-                else if (sh < 0 && sh > -NB) word |= cv >> (-sh);
-            }
+        for (int w = 0; w < NB; w++) {
+            const int sh = lane * NB - 32 * w;
+            u32 part = 0;
+            if (sh >= 0 && sh < 32) part = code[k] << sh;
+            else if (sh < 0 && sh > -NB) part = code[k] >> (-sh);
+            const u32 word = __reduce_or_sync(FULL_MASK, part);
+            if (lane == w) mine = word;
         }
-        if (lane < NB) words[k * NB + lane] = word;
+        if (lane < NB) words[k * NB + lane] = mine;
     }
 }
 
@@ -289,6 +289,8 @@ __device__ __forceinline__ void kivi_page_warp(Load load, u8* page, int lane) {
         float lo[EPL], hi[EPL];
 #pragma unroll
         for (int k = 0; k < EPL; k++) { lo[k] = __int_as_float(0x7f800000); hi[k] = -lo[k]; }
+        // Unrolled so that several tokens' loads are in flight at once.
+#pragma unroll 8
         for (int i = g0; i < g0 + GRP; i++) {
             load(i, v);
 #pragma unroll
@@ -297,6 +299,7 @@ __device__ __forceinline__ void kivi_page_warp(Load load, u8* page, int lane) {
         float2 sz[EPL];
 #pragma unroll
         for (int k = 0; k < EPL; k++) sz[k] = kivi_group(page, (g0 / GRP) * D + lane + 32 * k, lo[k], hi[k], true);
+#pragma unroll 4
         for (int i = g0; i < g0 + GRP; i++) {
             load(i, v);
 #pragma unroll
@@ -305,6 +308,7 @@ __device__ __forceinline__ void kivi_page_warp(Load load, u8* page, int lane) {
         }
     }
 #else
+#pragma unroll 4
     for (int i = 0; i < T; i++) {
         load(i, v);
 #pragma unroll

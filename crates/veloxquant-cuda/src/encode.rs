@@ -3,7 +3,7 @@
 //! turboquant_rvq and turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
 //! one warp per page, one lane per row, all in registers; two lanes per row for the codes);
 //! fp16, qjl, turboquant_prod and other page sizes use one warp per row (`encode_rows`), kivi
-//! one warp per page (the warp of the page's first row).
+//! one warp per page (the same kernel, launched with a warp per page).
 
 use std::sync::Arc;
 
@@ -192,8 +192,9 @@ impl GpuEncoder {
             unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
             return Ok(());
         }
-        let cfg =
-            LaunchConfig { grid_dim: ((n_rows as u32).div_ceil(8), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // A warp per row; kivi's a warp per page (its kernel reads n_rows / T pages).
+        let warps = if self.fmt.kind == KernelKind::Kivi { n_jobs } else { n_rows as usize };
+        let cfg = LaunchConfig { grid_dim: (warps.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.dev.stream.launch_builder(&self.func);
         b.arg(x)
             .arg(&n_rows)
