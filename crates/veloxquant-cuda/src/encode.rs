@@ -194,7 +194,8 @@ impl GpuEncoder {
         }
         // A warp per row; kivi's a warp per page (its kernel reads n_rows / T pages).
         let warps = if self.fmt.kind == KernelKind::Kivi { n_jobs } else { n_rows as usize };
-        let cfg = LaunchConfig { grid_dim: (warps.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg =
+            LaunchConfig { grid_dim: (warps.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.dev.stream.launch_builder(&self.func);
         b.arg(x)
             .arg(&n_rows)
