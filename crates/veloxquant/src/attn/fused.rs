@@ -25,7 +25,9 @@ pub fn decode_attention(cache: &PagedCache, layer: usize, q: &[f32], n_heads: us
     let lc = cache.layer(layer)?;
     let n_pages = lc.keys[0].pages().len();
     if n_pages * lc.keys.len() >= MIN_PAGES_PER_TASK {
-        let mut out = decode_attention_batch(&[(cache, q)], layer, n_heads)?;
+        let plan = Plan::checked(cache, layer, q, g)?;
+        let mut out = run_plans(vec![plan]);
+        // run_plans returns one output per plan.
         return Ok(out.pop().expect("one output per sequence"));
     }
     // Too few pages to hand out (a short context): one item per KV head, run in place, as
@@ -36,18 +38,25 @@ pub fn decode_attention(cache: &PagedCache, layer: usize, q: &[f32], n_heads: us
     let mut out = vec![0f32; q.len()];
     let mut part = Partial::empty(g, d);
     for (h, (ks, vs)) in lc.keys.iter().zip(&lc.values).enumerate() {
-        let (qh, vf) = (&q_scaled[h * g * d..(h + 1) * g * d], vs.format());
-        part.reset(vf.acc_width());
+        let qh = &q_scaled[h * g * d..(h + 1) * g * d];
+        part.reset(vs.format().acc_width());
         if n_pages > 0 {
             let qs = ks.format().prepare_query(qh, g);
             add_pages(&mut part, ks, vs, &qs, 0, n_pages);
         }
-        vf.finish(&mut part.acc, g);
-        part.narrow(d);
-        absorb_exact(&mut part, ks, vs, qh);
-        part.output(&mut out[h * g * d..(h + 1) * g * d]);
+        finish_head(&mut part, ks, vs, qh, &mut out[h * g * d..(h + 1) * g * d]);
     }
     Ok(out)
+}
+
+/// One KV head's pages merged in `part`: finish the value format once, fold in the exact
+/// fp16 sinks and tail, normalize into `out`.
+fn finish_head(part: &mut Partial, ks: &StreamStore, vs: &StreamStore, q: &[f32], out: &mut [f32]) {
+    let d = ks.format().head_dim();
+    vs.format().finish(&mut part.acc, part.g);
+    part.narrow(d);
+    absorb_exact(part, ks, vs, q);
+    part.output(out);
 }
 
 /// q · 1/√d.
@@ -60,7 +69,16 @@ fn scaled(q: &[f32], d: usize) -> Vec<f32> {
 /// sequence's (KV head, page run) items run in one parallel pass. Each output equals
 /// [`decode_attention`] on that sequence alone, bit for bit.
 pub fn decode_attention_batch(seqs: &[(&PagedCache, &[f32])], layer: usize, n_heads: usize) -> Result<Vec<Vec<f32>>> {
-    let plans = seqs.iter().map(|&(cache, q)| Plan::new(cache, layer, q, n_heads)).collect::<Result<Vec<_>>>()?;
+    let plans = seqs
+        .iter()
+        .map(|&(cache, q)| Plan::checked(cache, layer, q, check_query(cache, layer, q, n_heads)?))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(run_plans(plans))
+}
+
+/// The plans' items in one pass (in parallel when there are enough pages), then each
+/// sequence's heads combined: one output per plan, in order.
+fn run_plans(plans: Vec<Plan<'_>>) -> Vec<Vec<f32>> {
     let tasks: Vec<(usize, usize, usize, usize)> =
         plans.iter().enumerate().flat_map(|(b, p)| p.tasks.iter().map(move |&(h, p0, p1)| (b, h, p0, p1))).collect();
     let run = |&(b, h, p0, p1): &(usize, usize, usize, usize)| {
@@ -80,7 +98,7 @@ pub fn decode_attention_batch(seqs: &[(&PagedCache, &[f32])], layer: usize, n_he
         outs.push(pl.combine(mine));
     }
     outs.reverse();
-    Ok(outs)
+    outs
 }
 
 /// One sequence's share of a decode step: prepared queries and its work items.
@@ -95,8 +113,8 @@ struct Plan<'a> {
 }
 
 impl<'a> Plan<'a> {
-    fn new(cache: &'a PagedCache, layer: usize, q: &[f32], n_heads: usize) -> Result<Self> {
-        let g = check_query(cache, layer, q, n_heads)?;
+    /// The plan of a query `check_query` accepted with `g` query heads per KV head.
+    fn checked(cache: &'a PagedCache, layer: usize, q: &[f32], g: usize) -> Result<Self> {
         let d = cache.config().head_dim;
         let lc = cache.layer(layer)?;
         let q_scaled = scaled(q, d);
@@ -116,26 +134,23 @@ impl<'a> Plan<'a> {
         Ok(Self { lc, g, d, q_scaled, prepared, tasks })
     }
 
-    /// Per KV head: merge its partials in page order, finish the value format once, fold in
-    /// the exact fp16 sinks and tail, normalize.
+    /// Per KV head: merge its partials in page order, then [`finish_head`].
     fn combine(&self, partials: Vec<Partial>) -> Vec<f32> {
         let (g, d, lc) = (self.g, self.d, self.lc);
         let mut out = vec![0f32; lc.keys.len() * g * d];
         let mut it = self.tasks.iter().zip(partials).peekable();
         for h in 0..lc.keys.len() {
-            let vf = lc.values[h].format();
+            let (ks, vs) = (&lc.keys[h], &lc.values[h]);
             // The first partial as it is (merging it into an empty one gives the same bits).
             let mut acc = match it.next_if(|((th, _, _), _)| *th == h) {
                 Some((_, p)) => p,
-                None => Partial::empty(g, vf.acc_width()),
+                None => Partial::empty(g, vs.format().acc_width()),
             };
             while let Some((_, p)) = it.next_if(|((th, _, _), _)| *th == h) {
                 acc.merge(&p);
             }
-            vf.finish(&mut acc.acc, g);
-            let mut acc = acc.narrowed(d);
-            absorb_exact(&mut acc, &lc.keys[h], &lc.values[h], &self.q_scaled[h * g * d..(h + 1) * g * d]);
-            acc.output(&mut out[h * g * d..(h + 1) * g * d]);
+            let qh = &self.q_scaled[h * g * d..(h + 1) * g * d];
+            finish_head(&mut acc, ks, vs, qh, &mut out[h * g * d..(h + 1) * g * d]);
         }
         out
     }

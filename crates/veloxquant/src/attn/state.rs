@@ -18,12 +18,6 @@ impl Partial {
 
     /// Keep the first g × d floats of the accumulator as a d-wide partial (after a value
     /// format's `finish` has brought a wider accumulator back to d).
-    pub fn narrowed(mut self, d: usize) -> Self {
-        self.narrow(d);
-        self
-    }
-
-    /// [`narrowed`](Self::narrowed) in place.
     pub fn narrow(&mut self, d: usize) {
         debug_assert!(d <= self.d);
         self.acc.truncate(self.g * d);

@@ -214,17 +214,9 @@ impl StreamStore {
         let (d, t) = (self.format.head_dim(), self.format.page_tokens());
         if self.row_mode {
             // One row at a time, on the stack up to d = 256 (a decode step makes one per
-            // stream, head and layer; only the d floats used are zeroed).
-            let (mut stack, mut heap) = ([std::mem::MaybeUninit::<f32>::uninit(); 256], Vec::new());
-            let x: &mut [f32] = if d <= stack.len() {
-                let part = &mut stack[..d];
-                part.fill(std::mem::MaybeUninit::new(0.0));
-                // SAFETY: the d elements were just initialized; MaybeUninit<f32> has f32's layout.
-                unsafe { &mut *(part as *mut [std::mem::MaybeUninit<f32>] as *mut [f32]) }
-            } else {
-                heap.resize(d, 0f32);
-                &mut heap[..]
-            };
+            // stream, head and layer).
+            let mut row = crate::cpu::Scratch::<256>::new();
+            let x = row.zeroed(d);
             while self.tail_tokens() > self.recent {
                 self.tail[..d].convert_to_f32_slice(x);
                 if self.open_rows == 0 {
@@ -247,6 +239,7 @@ impl StreamStore {
             let mut x = vec![0f32; t * d];
             self.tail[..t * d].convert_to_f32_slice(&mut x);
             let mut page = zeroed_page(self.format.page_bytes());
+            // A page just made has no other reference, so get_mut cannot fail.
             self.format.encode_page(&x, Arc::get_mut(&mut page).expect("a new page is unshared"))?;
             self.pages.push(page);
             self.tail.drain(..t * d);

@@ -65,20 +65,18 @@ fn scale_weights(l: &RowLayout, scales: &[f32], w: &[f32], g: usize, ws: &mut [f
 /// Built uninitialized and zeroed in place by [`Scratch::zeroed`], only the floats asked
 /// for: an array built initialized and then moved into the struct was copied on every call
 /// (up to 8 KiB, 6 % of a short-context decode step in `memcpy`).
-#[cfg(target_arch = "x86_64")]
-struct Scratch<const N: usize> {
+pub(crate) struct Scratch<const N: usize> {
     stack: [std::mem::MaybeUninit<f32>; N],
     heap: Vec<f32>,
 }
 
-#[cfg(target_arch = "x86_64")]
 impl<const N: usize> Scratch<N> {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self { stack: [std::mem::MaybeUninit::uninit(); N], heap: Vec::new() }
     }
 
     /// `n` zeroed floats.
-    fn zeroed(&mut self, n: usize) -> &mut [f32] {
+    pub(crate) fn zeroed(&mut self, n: usize) -> &mut [f32] {
         if n > N {
             self.heap = vec![0.0; n];
             return &mut self.heap;
