@@ -396,22 +396,34 @@ __device__ __forceinline__ void plut4(u32 lb, u32 w, int k, u32& lo, u32& hi) {
         : "=r"(lo), "=r"(hi) : "r"(w), "r"(lb), "r"(0x7604u | ((u32)k << 4)));
 }
 #if K3 || V3
-// NW words from any 2-byte-aligned address p of shared memory, the byte at p first: the
-// aligned words around p, funnel-shifted. Reads up to 4 bytes past them (still inside the
-// page slot: the norms follow the rows).
-template <int NW>
-__device__ __forceinline__ void ldu(const u8* p, u32* w) {
-    const size_t a = (size_t)p;
-    // p stepped back to its word as pointer arithmetic (not an integer mask), so the
-    // compiler still sees a shared-memory address: LDS, not generic 64-bit loads.
-    const u32* wp = (const u32*)(p - (a & 3));
-    const u32 sh = (u32)(a & 3) * 8u;
+// A lane's window into a page's rows: its byte offset within a row split once, outside the
+// page loop, into the aligned word offset and the funnel shift (the rows are whole words,
+// checked below), so each page's window costs its loads and shifts alone.
+struct Win {
+    int wo;
+    u32 sh;
+};
+__device__ __forceinline__ Win win_of(int off) { return Win{off & ~3, (u32)(off & 3) * 8u}; }
+// NW words of the window in the row at `row` (word-aligned, shared memory), its first byte
+// first. Reads up to 4 bytes past them (still inside the page slot: the norms follow the
+// rows). SH0: the window is word-aligned for every lane (no shift).
+template <int NW, bool SH0>
+__device__ __forceinline__ void ldw(const u8* row, Win w, u32* out) {
+    const u32* wp = (const u32*)(row + w.wo);
+    if (SH0) {
+#pragma unroll
+        for (int i = 0; i < NW; i++) out[i] = wp[i];
+        return;
+    }
     u32 raw[NW + 1];
 #pragma unroll
     for (int i = 0; i <= NW; i++) raw[i] = wp[i];
 #pragma unroll
-    for (int i = 0; i < NW; i++) w[i] = __funnelshift_r(raw[i], raw[i + 1], sh);
+    for (int i = 0; i < NW; i++) out[i] = __funnelshift_r(raw[i], raw[i + 1], w.sh);
 }
+#if (K3 && (K_ROW_BYTES % 4 || K_MSE_BYTES % 4)) || (V3 && V_ROW_BYTES % 4)
+#error "3-bit FAST rows are whole words (d = 64, 128)"
+#endif
 // x with bit s of the window at bit `to` (a constant shift either way, s and to constant).
 __device__ __forceinline__ u32 at_bit(u32 x, int s, int to) { return s >= to ? x >> (s - to) : x << (to - s); }
 #endif
@@ -428,21 +440,18 @@ __device__ __forceinline__ u32 lut6(u32 lbk, const u32* w, int m) {
 }
 #endif
 #if V3
-// The f16x2 (centroid of a's code, of b's code) for the 3-bit codes at bit s of two value
-// windows: V table entry (a code) | (b code) << 3 (lbv: the table's lane base for V).
-template <int NW>
-__device__ __forceinline__ u32 lut3(u32 lbv, const u32* a, const u32* b, int s) {
-    const int wi = s >> 5, o = s & 31;
-    u32 xa, xb;
-    if (o <= 29 || wi + 1 >= NW) {
-        xa = at_bit(a[wi], o, 8);
-        xb = at_bit(b[wi], o, 11);
-    } else {
-        xa = at_bit(__funnelshift_r(a[wi], a[wi + 1], o), 0, 8);
-        xb = at_bit(__funnelshift_r(b[wi], b[wi + 1], o), 0, 11);
-    }
+// Two value windows a, b (rows A, B; code i at bit 3i) zipped for the V table: e holds at bit
+// 6m the entry (A's code 2m, B's code 2m) of codes 0-9, o the same for codes 2m + 1 — one shift
+// and one bit select each, so a lookup is then one shift, one mask and the load.
+#define M3EVEN 0x071C71C7u  // the 3-bit groups 0, 2, 4, 6, 8
+__device__ __forceinline__ void zip3(u32 a, u32 b, u32& e, u32& o) {
+    e = (a & M3EVEN) | ((b << 3) & ~M3EVEN);
+    o = ((a >> 3) & M3EVEN) | (b & ~M3EVEN);
+}
+// The V table's f16x2 for the entry at bit 6m of x (lbv: the table's lane base for V).
+__device__ __forceinline__ u32 lut_at(u32 lbv, u32 x, int m) {
     u32 r;
-    asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"((xa & 0x700u) | (xb & 0x3800u) | lbv));
+    asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"((at_bit(x, 6 * m, 8) & 0x3F00u) | lbv));
     return r;
 }
 #endif
@@ -837,6 +846,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // first value row and of the other row relative to it.
     const int vsw = (t >> 1) & 1;
     const int v_lane = (2 * t + vsw) * V_ROW_BYTES + g * VRB, v_other = (1 - 2 * vsw) * V_ROW_BYTES;
+#if V3
+    const int v_row0 = (2 * t + vsw) * V_ROW_BYTES;
+    const Win vwin = win_of(g * VRB);
+#endif
+#if K3
+    const Win kwin = win_of(t * KRB);
+#endif
     const u32 vn_rot = 16u * vsw;
     int slot = 0, fslot = STAGES - 1;
     for (int j = 0; j < nmine; j++) {
@@ -864,8 +880,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             u32 ka[KS * 2], kb[KS * 2];
             u32 kra[KRW], krb[KRW];
 #if K3
-            ldu<KRW>(kst + ((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
-            ldu<KRW>(kst + ((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
+            ldw<KRW, KRB % 4 == 0>(kst + (16 * mt + g) * K_ROW_BYTES, kwin, kra);
+            ldw<KRW, KRB % 4 == 0>(kst + (16 * mt + g + 8) * K_ROW_BYTES, kwin, krb);
 #else
             ldraw<KRB>(kst + ((16 * mt + g) * K_ROW_BYTES + t * KRB), kra);
             ldraw<KRB>(kst + ((16 * mt + g + 8) * K_ROW_BYTES + t * KRB), krb);
@@ -879,11 +895,12 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                 // + n₂·⟨q₂, second segment⟩: turboquant_prod's γ·⟨c·S·R·q, ±1⟩ over the sign bits,
                 // turboquant_rvq's n₂·⟨R₂·R₁·q, ẑ⟩ over the stage-2 codes (dequantized as the first).
 #if K2SAME
-                const u8* sr = kst + K_MSE_BYTES + t * KRB;
 #if K3
-                ldu<KRW>(sr + (16 * mt + g) * K_ROW_BYTES, kra);
-                ldu<KRW>(sr + (16 * mt + g + 8) * K_ROW_BYTES, krb);
+                const u8* sr = kst + K_MSE_BYTES;
+                ldw<KRW, KRB % 4 == 0>(sr + (16 * mt + g) * K_ROW_BYTES, kwin, kra);
+                ldw<KRW, KRB % 4 == 0>(sr + (16 * mt + g + 8) * K_ROW_BYTES, kwin, krb);
 #else
+                const u8* sr = kst + K_MSE_BYTES + t * KRB;
                 ldraw<KRB>(sr + (16 * mt + g) * K_ROW_BYTES, kra);
                 ldraw<KRB>(sr + (16 * mt + g + 8) * K_ROW_BYTES, krb);
 #endif
@@ -1008,10 +1025,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             u32 vr[4][VRW];
             const u8* const vl = vst + v_lane + 16 * kk * V_ROW_BYTES;
 #if V3
-            ldu<VRW>(vl, vr[0]);
-            ldu<VRW>(vl + v_other, vr[1]);
-            ldu<VRW>(vl + 8 * V_ROW_BYTES, vr[2]);
-            ldu<VRW>(vl + 8 * V_ROW_BYTES + v_other, vr[3]);
+            const u8* const vw = vst + v_row0 + 16 * kk * V_ROW_BYTES;
+            ldw<VRW, VRB % 4 == 0>(vw, vwin, vr[0]);
+            ldw<VRW, VRB % 4 == 0>(vw + v_other, vwin, vr[1]);
+            ldw<VRW, VRB % 4 == 0>(vw + 8 * V_ROW_BYTES, vwin, vr[2]);
+            ldw<VRW, VRB % 4 == 0>(vw + 8 * V_ROW_BYTES + v_other, vwin, vr[3]);
 #else
             ldraw<VRB>(vl, vr[0]);
             ldraw<VRB>(vl + v_other, vr[1]);
@@ -1039,10 +1057,22 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #elif V3
             // Rows A, B (this lane's token pair) and C, D (the pair 8 tokens on): code i of the
             // lane's window at bit 3i; the A operand's halves pair one dim of two tokens.
+            // Segments of 10 codes: 0-9 in word 0, 10-15 (d = 128) from bit 30.
+            constexpr int NSEG = (VC + 9) / 10;
+            u32 eab[NSEG], oab[NSEG], ecd[NSEG], ocd[NSEG];
+#pragma unroll
+            for (int sg = 0; sg < NSEG; sg++) {
+                u32 x[4];
+#pragma unroll
+                for (int r = 0; r < 4; r++) x[r] = sg == 0 ? vr[r][0] : __funnelshift_r(vr[r][0], vr[r][VRW - 1], 30);
+                zip3(x[0], x[1], eab[sg], oab[sg]);
+                zip3(x[2], x[3], ecd[sg], ocd[sg]);
+            }
 #pragma unroll
             for (int mt = 0; mt < KS; mt++) {
-                mma16816(acc[mt], lut3<VRW>(lbv, vr[0], vr[1], 6 * mt), lut3<VRW>(lbv, vr[0], vr[1], 6 * mt + 3),
-                         lut3<VRW>(lbv, vr[2], vr[3], 6 * mt), lut3<VRW>(lbv, vr[2], vr[3], 6 * mt + 3), b0, b1);
+                const int sg = mt / 5, m = mt % 5;
+                mma16816(acc[mt], lut_at(lbv, eab[sg], m), lut_at(lbv, oab[sg], m), lut_at(lbv, ecd[sg], m),
+                         lut_at(lbv, ocd[sg], m), b0, b1);
             }
 #elif V2L
             const u32 vA = vr[0][0], vB = vr[1][0];
