@@ -854,8 +854,10 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const Win kwin = win_of(t * KRB);
 #endif
     const u32 vn_rot = 16u * vsw;
-    int slot = 0, fslot = STAGES - 1;
+    // Unrolled by the ring's depth, the slots are constants in each copy of the body.
+#pragma unroll STAGES
     for (int j = 0; j < nmine; j++) {
+        const int slot = j % STAGES, fslot = (j + STAGES - 1) % STAGES;
         float s[2][4];
         {
             const int f = j + STAGES - 1;
@@ -873,8 +875,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         const u8* const vst = kst + KSL;
         const u16* const knp = (const u16*)(kst + T * K_ROW_BYTES);
         const u16* const vnp = (const u16*)(vst + T * V_ROW_BYTES);
-        slot = slot + 1 == STAGES ? 0 : slot + 1;
-        fslot = fslot + 1 == STAGES ? 0 : fslot + 1;
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
             u32 ka[KS * 2], kb[KS * 2];
