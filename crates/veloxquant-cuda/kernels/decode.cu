@@ -845,10 +845,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // This lane reads value-token pairs (2t, 2t+1) in swapped order when t >= 2: offsets of its
     // first value row and of the other row relative to it.
     const int vsw = (t >> 1) & 1;
-    const int v_lane = (2 * t + vsw) * V_ROW_BYTES + g * VRB, v_other = (1 - 2 * vsw) * V_ROW_BYTES;
+    const int v_row0 = (2 * t + vsw) * V_ROW_BYTES, v_other = (1 - 2 * vsw) * V_ROW_BYTES;
 #if V3
-    const int v_row0 = (2 * t + vsw) * V_ROW_BYTES;
-    const Win vwin = win_of(g * VRB);
+    const Win vwin = win_of(g * VRB);  // 3-bit windows are not byte-aligned per lane
+#else
+    const int v_lane = v_row0 + g * VRB;
 #endif
 #if K3
     const Win kwin = win_of(t * KRB);
@@ -1023,7 +1024,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
 #if FAST
             u32 vr[4][VRW];
-            const u8* const vl = vst + v_lane + 16 * kk * V_ROW_BYTES;
 #if V3
             const u8* const vw = vst + v_row0 + 16 * kk * V_ROW_BYTES;
             ldw<VRW, VRB % 4 == 0>(vw, vwin, vr[0]);
@@ -1031,6 +1031,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             ldw<VRW, VRB % 4 == 0>(vw + 8 * V_ROW_BYTES, vwin, vr[2]);
             ldw<VRW, VRB % 4 == 0>(vw + 8 * V_ROW_BYTES + v_other, vwin, vr[3]);
 #else
+            const u8* const vl = vst + v_lane + 16 * kk * V_ROW_BYTES;
             ldraw<VRB>(vl, vr[0]);
             ldraw<VRB>(vl + v_other, vr[1]);
             ldraw<VRB>(vl + 8 * V_ROW_BYTES, vr[2]);
