@@ -233,6 +233,13 @@ fn e2e(a: &crate::gpu::E2eArgs, ctx: &Ctx) -> Result<(), ArgError> {
     }
     methods("methods", &a.methods, veloxquant::cache::MAX_WINDOW_TOKENS, false, false)?;
     count("iters", a.iters, 1..=100_000)?;
+    let window = veloxquant::cache::MAX_WINDOW_TOKENS;
+    count("prefill-tokens", a.prefill_tokens, 0..=window)?;
+    count("prefill-seqs", a.prefill_seqs, 1..=1 << 12)?;
+    count("prefill-chunk", a.prefill_chunk, 1..=window)?;
+    if let Some(r) = a.prefill_rows {
+        count("prefill-rows", r, a.prefill_chunk.min(a.prefill_tokens.max(1))..=1 << 20)?;
+    }
     if let Some(f) = a.fit.filter(|f| !(f.is_finite() && *f > 0.0)) {
         return Err(bad("fit", f, "must be a positive number of GiB"));
     }

@@ -99,7 +99,10 @@ fn argv() -> impl Strategy<Value = Vec<String>> {
             &["--context", "--formats", "--shapes", "--reps", "--ref-reps", "--recent", "--json", "--md"],
         ),
         (&["bench", "model"], &["--methods", "--tests", "--depths", "--batch", "--reps", "--threads", "--json"]),
-        (&["bench", "e2e"], &["--batch", "--context", "--methods", "--iters", "--fit", "--json"]),
+        (
+            &["bench", "e2e"],
+            &["--batch", "--context", "--methods", "--iters", "--fit", "--json", "--prefill-chunk", "--prefill-rows"],
+        ),
         (&["bench", "e2e-report"], &["--ours", "--hf", "--json", "--md", "--svg", "--svg-context"]),
         (&["generate", "--device", "cuda"], &["--prompt", "--method", "--max-tokens"]),
         (&["eval", "--device", "cuda"], &["--text", "--ctx", "--batch", "--methods"]),

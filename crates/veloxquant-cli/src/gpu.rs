@@ -47,6 +47,13 @@ pub struct E2eArgs {
     /// prefill steps), each with its own --prefill-tokens prompt.
     #[arg(long, default_value_t = 1)]
     pub prefill_seqs: usize,
+    /// Tokens of one sequence per prefill forward (the server's `--prefill-chunk`).
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Tokens over all sequences per prefill forward (the server's `--step-prefill-tokens`;
+    /// default: one chunk from each sequence).
+    #[arg(long)]
+    pub prefill_rows: Option<usize>,
     /// Prefill attention kernels timed (`flash`, `gemm`; default: the best for each method).
     #[arg(long, value_delimiter = ',')]
     pub prefill_kernels: Vec<String>,
@@ -218,27 +225,29 @@ mod imp {
         method: &Method,
         kernel: Option<PrefillKernel>,
         seqs: usize,
+        (chunk, rows): (usize, Option<usize>),
     ) -> AnyResult<Value> {
         let c = &model.config;
-        if n + 1 > c.n_ctx_train || seqs == 0 {
+        if n + 1 > c.n_ctx_train || seqs == 0 || chunk == 0 || rows.is_some_and(|r| r < chunk.min(n)) {
             return Err(format!(
-                "--prefill-tokens {n} exceeds the model's context {} (or no sequences)",
+                "--prefill-tokens {n} exceeds the model's context {} (or no sequences, a zero chunk, rows below a chunk)",
                 c.n_ctx_train
             )
             .into());
         }
         let mut cfg = EngineConfig::new(gpu_method(method)?, seqs + 1, n + 1);
-        cfg.prefill_chunk = 512.min(n.max(1));
-        cfg.prefill_rows = cfg.prefill_chunk * seqs;
+        cfg.prefill_chunk = chunk.min(n.max(1));
+        cfg.prefill_rows = rows.unwrap_or(cfg.prefill_chunk * seqs);
         cfg.logits_rows = 1;
         cfg.prefill_kernel = kernel;
+        let (cfg_chunk, cfg_rows) = (cfg.prefill_chunk, cfg.prefill_rows);
         let mut e = GpuEngine::new(model.clone(), cfg)?;
         let kernel = e.prefill_kernel();
         let mut rng = veloxquant::rng::SplitMix64::new(23);
         let toks: Vec<u32> = (0..n).map(|_| (rng.next_u64() % c.n_vocab as u64) as u32).collect();
         // One untimed chunk first: kernels compile on first use.
         let w = e.add_sequence()?;
-        let nw = n.min(512);
+        let nw = n.min(cfg_chunk);
         e.prefill(&[(w, &toks[..nw], nw - 1)])?;
         e.remove_sequence(w)?;
         let slots: Vec<usize> = (0..seqs).map(|_| e.add_sequence()).collect::<Result<_, _>>()?;
@@ -253,7 +262,7 @@ mod imp {
         );
         Ok(json!({"kind": "prefill", "model": name, "weights": model.weights, "method": method.to_string(),
                   "kernel": format!("{kernel:?}").to_lowercase(), "sequences": seqs,
-                  "prefill_tokens": n, "seconds": secs, "tokens_per_s": total as f64 / secs,
+                  "prefill_tokens": n, "chunk": cfg_chunk, "rows": cfg_rows, "seconds": secs, "tokens_per_s": total as f64 / secs,
                   "workspace_bytes": e.device_bytes().workspace}))
     }
 
@@ -309,7 +318,15 @@ mod imp {
         };
         if a.prefill_tokens > 0 {
             for (m, k) in methods.iter().flat_map(|m| kernels.iter().map(move |k| (m, *k))) {
-                match run_prefill(&model, &name, a.prefill_tokens, m, k, a.prefill_seqs) {
+                match run_prefill(
+                    &model,
+                    &name,
+                    a.prefill_tokens,
+                    m,
+                    k,
+                    a.prefill_seqs,
+                    (a.prefill_chunk, a.prefill_rows),
+                ) {
                     Ok(v) => prefill.push(v),
                     Err(e) => {
                         eprintln!("prefill {m}: {e}");

@@ -101,16 +101,42 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
     const size_t xrow = (size_t)((slot < 0 ? 0 : slot) * n_kv + hkv) * xs;
     const u16* const kt = kx + xrow * D;
     const u16* const vt = vx + xrow * D;
+    // The exact tokens' share (max mt, weight sum lx, value ax of this thread's dim), all of it
+    // before the wait: with PDL it overlaps decode_pages' last blocks. One thread per token
+    // scores a whole key row (D/8 independent 16-byte loads), so a step costs one round trip
+    // per D tokens, not one per token.
+    float mt = NEG_INF, lx = 0.0f, ax = 0.0f;
     if (nt > 0) {
         qs[tid] = q[((size_t)b * n_q + hq) * D + tid] * (LOG2E / sqrtf((float)D));
         __syncthreads();
-        for (int i = warp; i < nt; i += D / 32) {
+        for (int i = tid; i < nt; i += D) {
             const int sl = i < ns ? i : n_sink + (w0 + i - ns - n_sink) % ring_cap;
-            float a = 0.0f;
-            for (int e = lane; e < D; e += 32) a += qs[e] * h2f(kt[(size_t)sl * D + e]);
+            // 16-byte aligned: rows of D halves (D % 8 == 0) from an aligned allocation.
+            const vec4u* kr = reinterpret_cast<const vec4u*>(kt + (size_t)sl * D);
+            vec4u w[D / 8];
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(FULL_MASK, a, off);
-            if (lane == 0) ts[i] = a;
+            for (int c = 0; c < D / 8; c++) w[c] = kr[c];
+            float a0 = 0.0f, a1 = 0.0f;
+#pragma unroll
+            for (int c = 0; c < D / 8; c++) {
+                const u32 h[4] = {w[c].x, w[c].y, w[c].z, w[c].w};
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    a0 += qs[8 * c + 2 * j] * h2f((u16)(h[j] & 0xffff));
+                    a1 += qs[8 * c + 2 * j + 1] * h2f((u16)(h[j] >> 16));
+                }
+            }
+            ts[i] = a0 + a1;
+        }
+        __syncthreads();  // every score in ts
+#pragma unroll 8
+        for (int i = 0; i < nt; i++) mt = fmaxf(mt, ts[i]);
+#pragma unroll 8
+        for (int i = 0; i < nt; i++) {
+            const int sl = i < ns ? i : n_sink + (w0 + i - ns - n_sink) % ring_cap;
+            const float w = exp2f(ts[i] - mt);
+            lx += w;
+            ax += w * h2f(vt[(size_t)sl * D + tid]);
         }
     }
 #if PDL
@@ -151,20 +177,13 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
 #if VROT
     A = fwht_block(A, s, tid) * (vsigns[hkv * D + tid] * vrot_scale);
 #endif
-    if (nt > 0) {
-        __syncthreads();  // the exact tokens' scores are in ts
-        float mt = NEG_INF;
-        for (int i = 0; i < nt; i++) mt = fmaxf(mt, ts[i]);
-        const float m2 = fmaxf(M, mt);
+    // The codes' share and the exact tokens', each rescaled to the larger max.
+    const float m2 = fmaxf(M, mt);
+    if (m2 != NEG_INF) {
         const float sc = M == NEG_INF ? 0.0f : exp2f(M - m2);
-        L *= sc;
-        A *= sc;
-        for (int i = 0; i < nt; i++) {
-            const int sl = i < ns ? i : n_sink + (w0 + i - ns - n_sink) % ring_cap;
-            const float w = exp2f(ts[i] - m2);
-            L += w;
-            A += w * h2f(vt[(size_t)sl * D + tid]);
-        }
+        const float sx = mt == NEG_INF ? 0.0f : exp2f(mt - m2);
+        L = L * sc + lx * sx;
+        A = A * sc + ax * sx;
     }
     const float r = L > 0.0f ? A / L : 0.0f;
     const size_t at = ((size_t)b * n_q + hq) * D + tid;

@@ -48,6 +48,33 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm(const float* __restric
     }
 }
 
+// As rmsnorm, one warp per row (8 rows per 256-thread block, h ≤ 32 · RMSW_MAX): for prefill's
+// thousands of rows, where a block per row runs ~7 latency-bound rounds of blocks per SM.
+#define RMSW_MAX 64
+extern "C" __global__ void __launch_bounds__(256) rmsnorm_rows(const float* __restrict__ x, long ld_x,
+                                                              const float* __restrict__ w, int h, float eps,
+                                                              int n_rows, u16* __restrict__ out16) {
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    if (row >= n_rows) return;  // whole warps leave together
+    const float* r = x + (size_t)row * ld_x;
+    float v[RMSW_MAX];
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < RMSW_MAX; k++) {
+        const int i = lane + 32 * k;
+        v[k] = i < h ? r[i] : 0.0f;
+        ss += v[k] * v[k];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(FULL_MASK, ss, o);
+    const float s = rsqrtf(ss / (float)h + eps);
+#pragma unroll
+    for (int k = 0; k < RMSW_MAX; k++) {
+        const int i = lane + 32 * k;
+        if (i < h) out16[(size_t)row * h + i] = f2h(v[k] * s * w[i]);
+    }
+}
+
 // RoPE on the fused QKV rows (llama.cpp's adjacent pairs 2i, 2i+1): q to q32 [t][HQ][D] (f32,
 // decode) or, when q16 is set, to q16 in the prefill GEMM's grouped layout [g][t][G][D]; k to
 // k32 [t][HKV][D]. pos[t] is the row's position; cos/sin [n_ctx][D/2]. Grid: rows; block 256.

@@ -160,14 +160,36 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
-extern "C" __global__ void __launch_bounds__(FW * 32) flash_prefill(BandArgs a, const u16* __restrict__ q16,
-        long q_gstride, const u16* __restrict__ kd, const u16* __restrict__ vd, long kd_ld,
-        const u16* __restrict__ kwin, const u16* __restrict__ vwin, long win_ld, u16* __restrict__ out16, int row0) {
+// One launch serves several sequences' chunks (grid z = item): item z's band, its first row
+// in q16/out16, and its own dense copy ([NKV][kd_ld][D]) and window ([NKV][win_ld][D]).
+struct FlashItem {
+    BandArgs a;
+    int row0;
+    int pad;
+    const u16* kd;
+    const u16* vd;
+    const u16* kwin;
+    const u16* vwin;
+};
+
+extern "C" __global__ void __launch_bounds__(FW * 32) flash_prefill(const FlashItem* __restrict__ items,
+        const u16* __restrict__ q16, long q_gstride, long kd_ld, long win_ld, u16* __restrict__ out16) {
     extern __shared__ __align__(16) u16 fsm[];  // [stage][K, V][FBN][FLD]
     const int g = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int gid = lane >> 2, t4 = lane & 3;
+    const FlashItem& item = items[blockIdx.z];
+    const BandArgs a = item.a;
+    const int row0 = item.row0;
+    const u16* const __restrict__ kd = item.kd;
+    const u16* const __restrict__ vd = item.vd;
+    const u16* const __restrict__ kwin = item.kwin;
+    const u16* const __restrict__ vwin = item.vwin;
     const int rows = a.n_q * G;
-    const int rb = blockIdx.x * FW * 16;
+    // Blocks past this item's rows leave; the rest run last rows first (the causal mask makes
+    // them the longest), so the long blocks start in the first wave.
+    const int nblk = (rows + FW * 16 - 1) / (FW * 16);
+    if ((int)blockIdx.x >= nblk) return;
+    const int rb = (nblk - 1 - (int)blockIdx.x) * FW * 16;
     const int rlast = min(rb + FW * 16, rows) - 1;
     const int pos_last = a.p0 + rlast / G;
     const int dense_end = min(lo_of(pos_last, a.coded0), pos_last + 1);
@@ -186,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(FW * 32) flash_prefill(BandArgs a, 
         dlim[h] = min(lo, pos + 1);
         elo[h] = lo;
         ehi[h] = pos;
-        qrow[h] = q16 + g * q_gstride + (size_t)r * D;
+        qrow[h] = q16 + g * q_gstride + ((size_t)row0 * G + r) * D;
     }
     u32 qa[FKS][4];
 #pragma unroll

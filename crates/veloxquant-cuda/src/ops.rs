@@ -11,6 +11,7 @@ use crate::error::{drv, CudaError, Result};
 pub struct ModelOps {
     f_embed: CudaFunction,
     f_rmsnorm: CudaFunction,
+    f_rmsnorm_rows: CudaFunction,
     f_rope: CudaFunction,
     f_swiglu: CudaFunction,
     f_argmax: CudaFunction,
@@ -26,6 +27,9 @@ fn need(op: &'static str, have: usize, want: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// From this many rows RMSNorm runs a warp per row (prefill) instead of a block per row.
+const RMS_WARP_ROWS: usize = 128;
 
 fn rows_cfg(rows: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
@@ -54,6 +58,7 @@ impl ModelOps {
         Ok(Self {
             f_embed: f("embed")?,
             f_rmsnorm: f("rmsnorm")?,
+            f_rmsnorm_rows: f("rmsnorm_rows")?,
             f_rope: f("rope")?,
             f_swiglu: f("swiglu")?,
             f_argmax: f("argmax_rows")?,
@@ -108,6 +113,18 @@ impl ModelOps {
         need("rmsnorm x", x.len(), (rows - 1) * ld_x + h)?;
         need("rmsnorm out", out16.len(), rows * h)?;
         let (ld, hi) = (ld_x as i64, int(h)?);
+        // Many rows (prefill): a warp per row (model.cu rmsnorm_rows, h ≤ 2048); else a block.
+        if rows >= RMS_WARP_ROWS && h <= 2048 {
+            let n = int(rows)?;
+            let mut l = st.launch_builder(&self.f_rmsnorm_rows);
+            l.arg(x).arg(&ld).arg(w).arg(&hi).arg(&eps).arg(&n).arg(out16);
+            let cfg =
+                LaunchConfig { grid_dim: (rows.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: matches rmsnorm_rows(x, ld_x, w, h, eps, n_rows, out16); rows < n_rows are
+            // read and written, extents checked above.
+            unsafe { l.launch(cfg) }.map_err(drv("rmsnorm_rows"))?;
+            return Ok(());
+        }
         let mut l = st.launch_builder(&self.f_rmsnorm);
         l.arg(x).arg(&ld).arg(w).arg(&hi).arg(&eps).arg(out16);
         // SAFETY: matches rmsnorm(x, ld_x, w, h, eps, out16); extents checked above.

@@ -7,13 +7,15 @@
 //! Per chunk: `window` (the exact values before the append, and the chunk's) → the cache's
 //! append → `dense` → S = Q·K̃ᵀ → band softmax → O = P·Ṽ → band values, out as f16.
 //! [`PrefillKernel::Flash`] replaces the last four steps by one fused kernel (no score
-//! matrix: its workspace is the dense copy and the window alone); the GEMM path remains for
-//! head size 256 and rabitq keys (scored with a second, 4-bit query).
+//! matrix: its workspace is the dense copy and the window alone) that attends the chunks of
+//! up to four sequences in one launch (`run_many`: each a few hundred blocks, too few to fill
+//! the GPU alone); the GEMM path remains for head size 256 and rabitq keys (scored with a
+//! second, 4-bit query).
 
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg,
 };
 
 use crate::blas::{Blas, Mat};
@@ -22,7 +24,7 @@ use crate::device::{Family, GpuDevice};
 use crate::error::{drv, CudaError, Result};
 
 #[repr(C)]
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 struct BandArgs {
     p0: i32,
     n_q: i32,
@@ -35,6 +37,30 @@ struct BandArgs {
 }
 // SAFETY: plain 32-bit fields, `#[repr(C)]`, the layout of prefill.cu's struct BandArgs.
 unsafe impl DeviceRepr for BandArgs {}
+
+/// One sequence's chunk in a flash launch: prefill.cu's struct FlashItem (its band, first
+/// row, and the device addresses of its dense copy and window).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct FlashItem {
+    a: BandArgs,
+    row0: i32,
+    pad: i32,
+    kd: u64,
+    vd: u64,
+    kwin: u64,
+    vwin: u64,
+}
+// SAFETY: plain integer fields, `#[repr(C)]`, the layout of prefill.cu's struct FlashItem
+// (pointers as u64 addresses, 8-aligned after 40 bytes of 32-bit fields).
+unsafe impl DeviceRepr for FlashItem {}
+// SAFETY: all-zero bits are a valid FlashItem (integers only).
+unsafe impl cudarc::driver::ValidAsZeroBits for FlashItem {}
+
+/// Device bytes the flash plan may spend on parallel items' dense copies and windows.
+const FLASH_ITEMS_BYTES: usize = 64 << 20;
+/// Most sequences one flash launch attends.
+const FLASH_ITEMS_MAX: usize = 4;
 
 /// How a chunk's attention is computed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,10 +101,14 @@ pub struct PrefillAttn {
     max_ctx: usize,
     win_ld: usize,
     band_cap: usize,
-    kwin: CudaSlice<u16>,
-    vwin: CudaSlice<u16>,
-    kd: CudaSlice<u16>,
-    vd: CudaSlice<u16>,
+    /// One buffer set per item of a flash launch (one for the GEMM path).
+    kwin: Vec<CudaSlice<u16>>,
+    vwin: Vec<CudaSlice<u16>>,
+    kd: Vec<CudaSlice<u16>>,
+    vd: Vec<CudaSlice<u16>>,
+    items_dev: CudaSlice<FlashItem>,
+    kd_heads: usize,
+    d: usize,
     s: CudaSlice<f32>,
     p: CudaSlice<u16>,
     o: CudaSlice<f32>,
@@ -105,6 +135,11 @@ pub fn prefill_defines(cfg: &crate::GpuCacheConfig, g: usize, row_mode: bool) ->
     ]
 }
 
+/// Items per flash launch for buffer sets of `set_bytes` each.
+fn flash_items(set_bytes: usize) -> usize {
+    (FLASH_ITEMS_BYTES / set_bytes.max(1)).clamp(1, FLASH_ITEMS_MAX)
+}
+
 fn ld_for(n_end: usize) -> usize {
     n_end.div_ceil(16) * 16
 }
@@ -127,7 +162,7 @@ impl PrefillAttn {
         let win_ld = max_chunk + cache.exact_slots();
         let dense = 2 * hk * win_ld * d * 2 + 2 * hk * max_ctx * d * 2;
         if kernel == PrefillKernel::Flash {
-            return dense;
+            return dense * flash_items(dense) + FLASH_ITEMS_MAX * std::mem::size_of::<FlashItem>();
         }
         let band_cap = cache.exact_slots();
         let rows = max_chunk * n_q_heads; // n_q · G per KV head, all heads
@@ -172,6 +207,7 @@ impl PrefillAttn {
         let band_cap = cache.exact_slots();
         // The GEMM path's score, weight and output buffers (one element each with flash).
         let (rows, ld) = if flash { (0, 0) } else { (max_chunk * n_q_heads, ld_for(max_ctx)) };
+        let sets = if flash { flash_items(2 * hk * win_ld * d * 2 + 2 * hk * max_ctx * d * 2) } else { 1 };
         let s = &dev.stream;
         let alloc16 = |n: usize| s.alloc_zeros::<u16>(n.max(1)).map_err(drv("alloc prefill"));
         let alloc32 = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(drv("alloc prefill"));
@@ -183,10 +219,13 @@ impl PrefillAttn {
             max_ctx,
             win_ld,
             band_cap,
-            kwin: alloc16(hk * win_ld * d)?,
-            vwin: alloc16(hk * win_ld * d)?,
-            kd: alloc16(hk * max_ctx * d)?,
-            vd: alloc16(hk * max_ctx * d)?,
+            kwin: (0..sets).map(|_| alloc16(hk * win_ld * d)).collect::<Result<_>>()?,
+            vwin: (0..sets).map(|_| alloc16(hk * win_ld * d)).collect::<Result<_>>()?,
+            kd: (0..sets).map(|_| alloc16(hk * max_ctx * d)).collect::<Result<_>>()?,
+            vd: (0..sets).map(|_| alloc16(hk * max_ctx * d)).collect::<Result<_>>()?,
+            items_dev: s.alloc_zeros::<FlashItem>(sets).map_err(drv("alloc prefill"))?,
+            kd_heads: hk,
+            d,
             s: alloc32(rows * ld)?,
             p: alloc16(rows * ld)?,
             o: alloc32(rows * d)?,
@@ -246,76 +285,197 @@ impl PrefillAttn {
         out16: &mut CudaViewMut<'_, u16>,
         st: &Arc<CudaStream>,
     ) -> Result<()> {
+        self.run_many(blas, cache, layer, std::slice::from_ref(row), row_dev, src, q16, n_rows, out16, st)
+    }
+
+    /// Sequences processed per flash launch (each has its own dense copy and window).
+    pub fn items_per_launch(&self) -> usize {
+        self.kd.len()
+    }
+
+    /// `run` for the chunks of several sequences (distinct slots; `rows[i]`'s device copy at
+    /// `rows_dev[i]`). The flash kernel attends up to [`Self::items_per_launch`] of them in one
+    /// launch, so short launches do not leave the GPU idle one after another.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_many(
+        &mut self,
+        blas: &Blas,
+        cache: &mut GpuKvCache,
+        layer: usize,
+        rows: &[AppendRow],
+        rows_dev: &CudaView<'_, AppendRow>,
+        src: (&AppendSrc<'_>, &AppendSrc<'_>),
+        q16: &CudaView<'_, u16>,
+        n_rows: usize,
+        out16: &mut CudaViewMut<'_, u16>,
+        st: &Arc<CudaStream>,
+    ) -> Result<()> {
         if cache.id != self.cache_id {
             return Err(CudaError::ShapeMismatch { op: "prefill plan used with another cache", expected: 0, got: 1 });
         }
-        let (hk, d, sink) = (cache.cfg.n_kv_heads, cache.cfg.head_dim, cache.cfg.sink);
+        if rows_dev.len() < rows.len() {
+            return Err(CudaError::ShapeMismatch {
+                op: "prefill rows on the device",
+                expected: rows.len(),
+                got: rows_dev.len(),
+            });
+        }
+        let need = n_rows * self.n_q_heads * cache.cfg.head_dim;
+        if q16.len() < need || out16.len() < need {
+            return Err(CudaError::ShapeMismatch {
+                op: "prefill q/out length",
+                expected: need,
+                got: q16.len().min(out16.len()),
+            });
+        }
+        let mut seen = std::collections::HashSet::new();
+        if !rows.iter().all(|r| seen.insert(r.slot)) {
+            return Err(CudaError::ShapeMismatch {
+                op: "prefill rows of distinct slots",
+                expected: rows.len(),
+                got: seen.len(),
+            });
+        }
+        let per = self.items_per_launch();
+        for (c, group) in rows.chunks(per).enumerate() {
+            let mut items = Vec::with_capacity(group.len());
+            for (j, row) in group.iter().enumerate() {
+                let i = c * per + j;
+                let a = self.stage(cache, layer, j, row, &rows_dev.slice(i..i + 1), src, n_rows, st)?;
+                if self.flash.is_some() {
+                    items.push(FlashItem {
+                        a,
+                        row0: row.src_row,
+                        pad: 0,
+                        kd: self.kd[j].device_ptr(st).0,
+                        vd: self.vd[j].device_ptr(st).0,
+                        kwin: self.kwin[j].device_ptr(st).0,
+                        vwin: self.vwin[j].device_ptr(st).0,
+                    });
+                } else {
+                    self.gemms(blas, cache, layer, a, row, q16, n_rows, out16, st)?;
+                }
+            }
+            if !items.is_empty() {
+                self.launch_flash(&items, q16, n_rows, out16, st)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks one chunk against the plan, then stages it in buffer set `j`: the exact window
+    /// (before the append), the append, the dense copy. Returns its band.
+    #[allow(clippy::too_many_arguments)]
+    fn stage(
+        &mut self,
+        cache: &mut GpuKvCache,
+        layer: usize,
+        j: usize,
+        row: &AppendRow,
+        row_dev: &CudaView<'_, AppendRow>,
+        src: (&AppendSrc<'_>, &AppendSrc<'_>),
+        n_rows: usize,
+        st: &Arc<CudaStream>,
+    ) -> Result<BandArgs> {
+        let (d, sink) = (cache.cfg.head_dim, cache.cfg.sink);
         let (n_q, p0) = (row.n as usize, row.pos0 as usize);
         let n_end = p0 + n_q;
-        let (g, hq) = (self.group, self.n_q_heads);
         let r0 = row.src_row as usize;
-        if n_q == 0 || n_q > self.max_chunk || n_end > self.max_ctx || r0 + n_q > n_rows {
+        if n_q == 0 || n_q > self.max_chunk || n_end > self.max_ctx || r0 + n_q > n_rows || row.coded0 < 0 {
             return Err(CudaError::ShapeMismatch {
                 op: "prefill chunk within the plan",
                 expected: self.max_chunk,
                 got: n_q,
             });
         }
-        if q16.len() < n_rows * hq * d || out16.len() < n_rows * hq * d {
-            return Err(CudaError::ShapeMismatch {
-                op: "prefill q/out length",
-                expected: n_rows * hq * d,
-                got: q16.len(),
-            });
-        }
         let win_lo = sink + row.coded0 as usize;
         let width = n_end.saturating_sub(win_lo);
-        cache.launch_window(layer, row_dev, width, src.0, src.1, &mut self.kwin, &mut self.vwin, self.win_ld, st)?;
+        cache.launch_window(
+            layer,
+            row_dev,
+            width,
+            src.0,
+            src.1,
+            &mut self.kwin[j],
+            &mut self.vwin[j],
+            self.win_ld,
+            st,
+        )?;
         let enc = (row.coded1 - row.coded0) as usize;
         cache.launch_append(layer, row_dev, 1, n_q, enc, src.0, src.1, st)?;
-        cache.launch_dense(layer, row.slot as usize, &mut self.kd, &mut self.vd, self.max_ctx, st)?;
-
-        let rows = n_q * g;
-        let ld_s = ld_for(n_end);
-        let q_g = q16.slice(r0 * g * d..);
-        let (qgs, wld) = ((n_rows * g * d) as i64, self.win_ld as i64);
-        let a = BandArgs {
+        cache.launch_dense(layer, row.slot as usize, &mut self.kd[j], &mut self.vd[j], self.max_ctx, st)?;
+        Ok(BandArgs {
             p0: p0 as i32,
             n_q: n_q as i32,
             n_end: n_end as i32,
             coded0: row.coded0,
             win_lo: win_lo as i32,
-            ld_s: ld_s as i32,
+            ld_s: ld_for(n_end) as i32,
             band_cap: self.band_cap as i32,
             scale: 1.0 / (d as f32).sqrt(),
+        })
+    }
+
+    /// One flash launch over staged items (`items[j]` in buffer set j).
+    fn launch_flash(
+        &mut self,
+        items: &[FlashItem],
+        q16: &CudaView<'_, u16>,
+        n_rows: usize,
+        out16: &mut CudaViewMut<'_, u16>,
+        st: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let Some((f, smem, fw)) = &self.flash else {
+            return Err(CudaError::ShapeMismatch { op: "flash launch on a GEMM plan", expected: 1, got: 0 });
         };
-        if let Some((f, smem, fw)) = &self.flash {
-            let grid = LaunchConfig {
-                grid_dim: (rows.div_ceil(16 * fw) as u32, hk as u32, 1),
-                block_dim: (32 * *fw as u32, 1, 1),
-                shared_mem_bytes: *smem,
-            };
-            let (kd_ld, r0i) = (self.max_ctx as i64, r0 as i32);
-            let mut l = st.launch_builder(f);
-            l.arg(&a)
-                .arg(&q_g)
-                .arg(&qgs)
-                .arg(&self.kd)
-                .arg(&self.vd)
-                .arg(&kd_ld)
-                .arg(&self.kwin)
-                .arg(&self.vwin)
-                .arg(&wld)
-                .arg(out16)
-                .arg(&r0i);
-            // SAFETY: matches flash_prefill (kernels/prefill.cu): q_g holds hk groups of
-            // n_rows·G rows from row r0·G (rows = n_q·G read, checked above); kd/vd hold hk
-            // × max_ctx rows and are read below n_end ≤ max_ctx (just written by `dense`);
-            // kwin/vwin hold hk × win_ld rows, read at [0, n_end − win_lo) as the window
-            // launch wrote them; out16 rows r0 .. r0 + n_q ≤ n_rows are written.
-            unsafe { l.launch(grid) }.map_err(drv("flash_prefill"))?;
+        let hk = self.kd_heads;
+        let max_rows = items.iter().map(|it| it.a.n_q as usize * self.group).max().unwrap_or(0);
+        if items.is_empty() || items.len() > self.items_dev.len() || max_rows == 0 {
             return Ok(());
         }
+        st.memcpy_htod(items, &mut self.items_dev.slice_mut(..items.len())).map_err(drv("htod flash items"))?;
+        let grid = LaunchConfig {
+            grid_dim: (max_rows.div_ceil(16 * fw) as u32, hk as u32, items.len() as u32),
+            block_dim: (32 * *fw as u32, 1, 1),
+            shared_mem_bytes: *smem,
+        };
+        let qgs = (n_rows * self.group * self.d) as i64;
+        let (kd_ld, wld) = (self.max_ctx as i64, self.win_ld as i64);
+        let mut l = st.launch_builder(f);
+        l.arg(&self.items_dev).arg(q16).arg(&qgs).arg(&kd_ld).arg(&wld).arg(out16);
+        // SAFETY: matches flash_prefill (kernels/prefill.cu). Each item was checked by `stage`:
+        // its q16 rows row0·G .. (row0 + n_q)·G of each of the hk groups (stride n_rows·G·d)
+        // lie inside q16 (len ≥ n_rows·hq·d, checked in run_many); its kd/vd (hk × max_ctx
+        // rows) and kwin/vwin (hk × win_ld rows) point at this plan's buffer set, live for the
+        // plan, just written by stage and read below n_end ≤ max_ctx and [0, n_end − win_lo);
+        // out16 rows row0 .. row0 + n_q ≤ n_rows are written. items_dev holds items.len()
+        // entries, uploaded above in stream order.
+        unsafe { l.launch(grid) }.map_err(drv("flash_prefill"))?;
+        Ok(())
+    }
+
+    /// The GEMM path for one staged chunk (buffer set 0).
+    #[allow(clippy::too_many_arguments)]
+    fn gemms(
+        &mut self,
+        blas: &Blas,
+        cache: &GpuKvCache,
+        layer: usize,
+        a: BandArgs,
+        row: &AppendRow,
+        q16: &CudaView<'_, u16>,
+        n_rows: usize,
+        out16: &mut CudaViewMut<'_, u16>,
+        st: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let (hk, d) = (cache.cfg.n_kv_heads, cache.cfg.head_dim);
+        let (n_q, n_end) = (row.n as usize, a.n_end as usize);
+        let g = self.group;
+        let r0 = row.src_row as usize;
+        let rows = n_q * g;
+        let ld_s = a.ld_s as usize;
+        let q_g = q16.slice(r0 * g * d..);
+        let (qgs, wld) = ((n_rows * g * d) as i64, self.win_ld as i64);
         if let Some((qbar, f)) = &mut self.qbar {
             let signs = cache.k.layer_signs(layer, hk);
             let rows_i = rows as i32;
@@ -336,7 +496,7 @@ impl PrefillAttn {
             None => Mat::f16(q16, d, st).rows_from(r0 * g),
         };
         let q_stride = if self.qbar.is_some() { rows * d } else { n_rows * g * d };
-        let kd = Mat::f16(&self.kd, d, st);
+        let kd = Mat::f16(&self.kd[0], d, st);
         let sm = Mat::f32(&self.s, ld_s, st);
         blas.gemm_batched(
             rows,
@@ -366,23 +526,23 @@ impl PrefillAttn {
             .arg(&mut self.wband)
             .arg(&q_g)
             .arg(&qgs)
-            .arg(&self.kwin)
+            .arg(&self.kwin[0])
             .arg(&wld)
-            .arg(&self.kd)
+            .arg(&self.kd[0])
             .arg(&kd_ld);
         // SAFETY: matches band_softmax (kernels/prefill.cu): S and P hold hk·rows·ld_s values
         // (rows ≤ max_chunk·G, ld_s ≤ ld_for(max_ctx)), the band ≤ band_cap entries per row lies
         // inside the window [win_lo, n_end) written just above.
         unsafe { l.launch(grid) }.map_err(drv("band_softmax"))?;
         let pm = Mat::f16(&self.p, ld_s, st);
-        let vd = Mat::f16(&self.vd, d, st);
+        let vd = Mat::f16(&self.vd[0], d, st);
         let om = Mat::f32(&self.o, d, st);
         blas.gemm_batched(rows, d, n_end, pm, rows * ld_s, vd, self.max_ctx * d, om, rows * d, hk, 1.0, 0.0, true)?;
         let grid_v =
             LaunchConfig { grid_dim: (rows as u32, hk as u32, 1), block_dim: (d as u32, 1, 1), shared_mem_bytes: 0 };
         let r0i = r0 as i32;
         let mut l = st.launch_builder(&self.f_band_v);
-        l.arg(&a).arg(&self.o).arg(&self.wband).arg(&self.vwin).arg(&wld).arg(out16).arg(&r0i);
+        l.arg(&a).arg(&self.o).arg(&self.wband).arg(&self.vwin[0]).arg(&wld).arg(out16).arg(&r0i);
         // SAFETY: matches band_v; o and wband as written above, out16 holds n_rows·hq·d values
         // and rows r0 .. r0 + n_q < n_rows are written.
         unsafe { l.launch(grid_v) }.map_err(drv("band_v"))?;

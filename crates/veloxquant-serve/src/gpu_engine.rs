@@ -59,7 +59,10 @@ impl GpuServeEngine {
             cache: cpu,
             device: "cuda",
         };
-        let engine = GpuEngine::new(model, ecfg)?;
+        let mut engine = GpuEngine::new(model, ecfg)?;
+        let t0 = std::time::Instant::now();
+        let graphs = engine.capture_all_steps()?;
+        eprintln!("veloxquant serve: {graphs} decode step graphs captured in {:.2} s", t0.elapsed().as_secs_f64());
         Ok(Self { engine, info, bound })
     }
 

@@ -460,13 +460,10 @@ impl GpuEngine {
         let mut attend = |l: usize, bufs: &mut Bufs| -> Result<()> {
             let ksrc = AppendSrc { data: bufs.k32.slice(..), stride: hkv * d };
             let vsrc = AppendSrc { data: bufs.qkv.slice((hq + hkv) * d..), stride: qkv_w };
-            for (i, row) in rows.iter().enumerate() {
-                let rv = pre_rows.slice(i..i + 1);
-                let q = bufs.q16.slice(..);
-                prefill
-                    .run(blas, cache, l, row, &rv, (&ksrc, &vsrc), &q, n, &mut bufs.att.slice_mut(..), &st)
-                    .map_err(gpu)?;
-            }
+            let (rv, q) = (pre_rows.slice(..rows.len()), bufs.q16.slice(..));
+            prefill
+                .run_many(blas, cache, l, &rows, &rv, (&ksrc, &vsrc), &q, n, &mut bufs.att.slice_mut(..), &st)
+                .map_err(gpu)?;
             Ok(())
         };
         forward_layers(model, blas, bufs, &st, n, &pos_v, true, StepPart::All, &mut attend)?;
@@ -587,6 +584,37 @@ impl GpuEngine {
         };
         st.synchronize().map_err(drv("synchronize"))?;
         Ok(StepOut { ids: out[..b].iter().map(|&x| x as u32).collect(), logits })
+    }
+
+    /// Captures now the step graph of every batch bucket and page bucket a step can take, so
+    /// no request waits for a capture (a server's start-up, as graph-replaying servers do).
+    /// Returns how many were captured.
+    pub fn capture_all_steps(&mut self) -> Result<usize> {
+        let max_pages = self.cache.cfg.max_pages_per_seq;
+        let mut n = 0;
+        let mut b = 1usize;
+        loop {
+            let bucket = b.next_power_of_two().min(self.cfg.max_seqs);
+            let mut pages = 1;
+            loop {
+                let covered = self.page_bucket(pages);
+                let key = (bucket, covered, StepPart::All);
+                if !self.graphs.contains_key(&key) {
+                    let g = self.capture(bucket, covered, StepPart::All)?;
+                    self.graphs.insert(key, g);
+                    n += 1;
+                }
+                if covered >= max_pages {
+                    break;
+                }
+                pages = covered + 1;
+            }
+            if bucket >= self.cfg.max_seqs {
+                break;
+            }
+            b = bucket + 1;
+        }
+        Ok(n)
     }
 
     /// Pages covered by the graph for `pages` (power-of-two buckets from 16).
