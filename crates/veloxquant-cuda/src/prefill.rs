@@ -107,7 +107,6 @@ pub struct PrefillAttn {
     kd: Vec<CudaSlice<u16>>,
     vd: Vec<CudaSlice<u16>>,
     items_dev: CudaSlice<FlashItem>,
-    kd_heads: usize,
     d: usize,
     s: CudaSlice<f32>,
     p: CudaSlice<u16>,
@@ -224,7 +223,6 @@ impl PrefillAttn {
             kd: (0..sets).map(|_| alloc16(hk * max_ctx * d)).collect::<Result<_>>()?,
             vd: (0..sets).map(|_| alloc16(hk * max_ctx * d)).collect::<Result<_>>()?,
             items_dev: s.alloc_zeros::<FlashItem>(sets).map_err(drv("alloc prefill"))?,
-            kd_heads: hk,
             d,
             s: alloc32(rows * ld)?,
             p: alloc16(rows * ld)?,
@@ -428,9 +426,16 @@ impl PrefillAttn {
         let Some((f, smem, fw)) = &self.flash else {
             return Err(CudaError::ShapeMismatch { op: "flash launch on a GEMM plan", expected: 1, got: 0 });
         };
-        let hk = self.kd_heads;
+        let hk = self.n_q_heads / self.group;
         let max_rows = items.iter().map(|it| it.a.n_q as usize * self.group).max().unwrap_or(0);
-        if items.is_empty() || items.len() > self.items_dev.len() || max_rows == 0 {
+        if items.len() > self.items_dev.len() {
+            return Err(CudaError::ShapeMismatch {
+                op: "flash items per launch",
+                expected: self.items_dev.len(),
+                got: items.len(),
+            });
+        }
+        if max_rows == 0 {
             return Ok(());
         }
         st.memcpy_htod(items, &mut self.items_dev.slice_mut(..items.len())).map_err(drv("htod flash items"))?;
