@@ -16,10 +16,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let kf = GpuFormat::for_stream(&FormatSpec::parse(&a[0])?, d, 32, 1, Stream::Keys)?;
     let vf = GpuFormat::for_stream(&FormatSpec::parse(&a[1])?, d, 32, 1, Stream::Values)?;
     let arch = arch_name(cc)?;
-    for (fam, defs) in veloxquant_cuda::attn::decode_modules(&kf, &vf, g, cc) {
+    for (i, (fam, defs)) in veloxquant_cuda::attn::decode_modules(&kf, &vf, g, cc).into_iter().enumerate() {
         let d: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let ptx = compile_ptx(fam, &d, arch)?;
-        let path = std::path::Path::new(&a[6]).join(format!("{}.ptx", fam.name()));
+        let path = std::path::Path::new(&a[6]).join(format!("{}-{i}.ptx", fam.name()));
         std::fs::write(&path, ptx.to_src())?;
         println!("{}: {:?}", path.display(), defs);
     }

@@ -2,7 +2,7 @@
 // prep_query: q · log2(e)/√d, rotated once by the key rotation (the rotated-query trick), or
 // projected by the key sketch (KSKETCH: qjl); KPROD / KRVQ add a second query (c·S·R·q,
 // R₂·R₁·q) after the first; KRABITQ quantizes the rotated query to 4 bits as rabitq.rs does.
-// combine: merge the split partials (16 splits per L2 round trip, no block barrier), one
+// combine: merge the split partials (16 per L2 round trip, no block barrier), one
 // inverse value rotation on the merged accumulator,
 // then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, KPROD, KRVQ,
 // KRABITQ, VROT, PDL (combine launched
@@ -24,6 +24,11 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
     __shared__ float s[D];
     const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, n_q = gridDim.x;
     const size_t at = ((size_t)b * n_q + hq) * D + tid;
+#if PDL
+    // decode_pages (launched as a programmatic dependent) may start its set-up now; it waits
+    // for this grid's completion before reading qprep.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 #if KRABITQ
     // rabitq: the 4-bit query of R·q (unscaled), then the scale log2(e)/√d.
     float r = q[at] * ksigns[(size_t)(hq / G) * KTW + tid];
@@ -74,7 +79,7 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
 }
 
 extern "C" __global__ void combine(const float* __restrict__ part_acc, const float* __restrict__ part_ml,
-                                   int n_splits, int n_kv, const float* __restrict__ q,
+                                   const int* __restrict__ part_rows, int n_splits, int n_kv, const float* __restrict__ q,
                                    const u16* __restrict__ kx, const u16* __restrict__ vx,
                                    const int* __restrict__ slot_of, const int* __restrict__ seq_len,
                                    const int* __restrict__ n_coded, int n_sink, int ring_cap,
@@ -87,7 +92,7 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
     const int hkv = hq / G, gi = hq % G;
     const int warp = tid >> 5, lane = tid & 31;
     const int row = b * n_kv + hkv;
-    const size_t base = (size_t)row * n_splits * G + gi;
+
     // The exact tokens of slot_of[b] (cache.rs): the sinks [0, min(S, n)) at slots 0.., the
     // window [S + coded, n) in the ring at slot S + (j − S) mod ring_cap. Their scores first:
     // they need only q and the exact rows, not decode_pages' partials.
@@ -145,13 +150,17 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
     // The partials in chunks of CH splits, each chunk's loads issued at once (this thread's
     // accumulator element and the splits' (m, l), one address across the block): one L2 round
     // trip per chunk and no block barrier; chunks merged online (rescaled to the running max).
+    // The row's partials: its n_splits splits, or (stream grid, part_rows non-null) the
+    // (first, count) decode_pages wrote.
+    const int n_parts = part_rows ? part_rows[2 * row + 1] : n_splits;
+    const size_t base = (size_t)(part_rows ? part_rows[2 * row] : row * n_splits) * G + gi;
     const int CH = 16;
     float M = NEG_INF, L = 0.0f, A = 0.0f;
-    for (int c0 = 0; c0 < n_splits; c0 += CH) {
+    for (int c0 = 0; c0 < n_parts; c0 += CH) {
         float a[CH], m[CH], l[CH];
 #pragma unroll
         for (int i = 0; i < CH; i++) {
-            const bool on = c0 + i < n_splits;
+            const bool on = c0 + i < n_parts;
             const size_t o = base + (size_t)(c0 + i) * G;
             a[i] = on ? part_acc[o * D + tid] : 0.0f;
             m[i] = on ? part_ml[o * 2] : NEG_INF;

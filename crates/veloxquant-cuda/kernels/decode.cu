@@ -603,6 +603,132 @@ __device__ __forceinline__ void mask_rows(float (*s)[4], int valid, int g) {
 // A format's 16 centroids (f16), passed by value: the table build needs no global load.
 struct Tab16 { u16 v[16]; };
 
+// This lane's query operands from prepared rows qb (head hh at qb + hh·D; KK 5: the second
+// query at qb2). ALL: every head; else only lanes of head `only`, whose row is qb itself.
+template <bool ALL>
+__device__ __forceinline__ void q_operands(const float* qb, const float* qb2, int only, int g, int t, u32 (*qh)[2],
+                                           u32 (*ql)[2], u32 (*qh2)[2], u32 (*ql2)[2]) {
+#if QPACK
+    const int head = g < G ? g : g - G;
+    const bool on = g < 2 * G;
+#else
+    const int head = g;
+    const bool on = g < G;
+#endif
+    if (!ALL && !(on && head == only)) return;
+    const float* r = ALL ? qb + head * D : qb;
+#pragma unroll
+    for (int ks = 0; ks < KS; ks++) {
+#pragma unroll
+        for (int hh = 0; hh < 2; hh++) {
+            q_operand(on ? r[kdim(t, ks, 2 * hh)] : 0.0f, on ? r[kdim(t, ks, 2 * hh + 1)] : 0.0f, g, qh[ks][hh],
+                      ql[ks][hh]);
+#if KK == 5
+            // The second segment's map: the first's (K2SAME, and k_second's order on the
+            // generic path), else FAST's 1-bit one.
+            const float* r2 = qb2 + head * D;
+            const bool one = FAST && !K2SAME;
+            const int e0 = one ? kdim1(t, ks, 2 * hh) : kdim(t, ks, 2 * hh);
+            const int e1 = one ? kdim1(t, ks, 2 * hh + 1) : kdim(t, ks, 2 * hh + 1);
+            q_operand(on ? r2[e0] : 0.0f, on ? r2[e1] : 0.0f, g, qh2[ks][hh], ql2[ks][hh]);
+#endif
+        }
+    }
+}
+
+// FUSEQ: one query row (lane i holds dims i + 32k, already scaled by log2(e)/√d) sign-flipped
+// by sg and Hadamard-rotated in place (the butterflies of span < 32 by shuffles, the others
+// within the lane), each butterfly (a + o, a − o) as in prep_query: the same bits.
+__device__ __forceinline__ void fuse_rotate(float* x, const float* sg, float krot_scale, int lane) {
+#if KROT
+#pragma unroll
+    for (int k = 0; k < D / 32; k++) x[k] *= sg[lane + 32 * k];
+#pragma unroll
+    for (int hs = 1; hs < 32; hs <<= 1) {
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) {
+            const float o = __shfl_xor_sync(FULL_MASK, x[k], hs);
+            x[k] = (lane & hs) ? (o - x[k]) : (x[k] + o);
+        }
+    }
+#pragma unroll
+    for (int m = 1; m < D / 32; m <<= 1) {
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) {
+            if (!(k & m)) {
+                const float a = x[k], o = x[k | m];
+                x[k] = a + o;
+                x[k | m] = a - o;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < D / 32; k++) x[k] *= krot_scale;
+#endif
+}
+
+// STREAMK (FAST): a persistent grid of one block per SM slot; the flat list of all (row,
+// page) pairs (rows = (sequence, KV head) in order, each row's coded pages) is cut into equal
+// runs of consecutive pages, one per warp, so every warp streams the same number of pages
+// through its ring with no block barrier after the set-up. A warp writes one partial per row
+// its run touches, at index (global warp + row): unique, and each row's partials contiguous
+// (warps and rows both increase along the list). Block 0 writes each row's (first partial,
+// count) to part_rows for combine. Measured against the split-K grid on the H200 (the
+// serving shape ran 5.8 waves of one block per SM, each with a table build, ring prologue
+// and merge).
+#ifndef STREAMK
+#define STREAMK 0
+#endif
+#if STREAMK && !FAST
+#error "the stream grid is the FAST path's"
+#endif
+#define SKMAXB 512  // sequences per step the stream grid's prefix sums hold (attn.rs SKMAXB)
+#if STREAMK
+// Flat page x's physical page, row and valid tokens (rs: the sequences' page prefix sums;
+// ssl, snc: their slots and coded tokens, in shared memory: one global load per page).
+__device__ __forceinline__ void sk_page(int x, const int* rs, int batch, int n_kv, const int* ssl, const int* snc,
+                                        const int* page_table, int max_pages, int& phys, int& row, int& valid) {
+    int bb = 0;  // the last sequence whose pages start at or before x
+#pragma unroll
+    for (int step = SKMAXB / 2; step > 0; step >>= 1) {
+        if (bb + step < batch && n_kv * rs[bb + step] <= x) bb += step;
+    }
+    const int np = rs[bb + 1] - rs[bb];
+    const int off = x - n_kv * rs[bb];
+    const int h = off / np, p = off - h * np;
+    phys = page_table[(size_t)(ssl[bb] * n_kv + h) * max_pages + p];
+    valid = snc[bb] - p * T;
+    row = bb * n_kv + h;
+}
+// The warp's partial of row pidx − warp: (m, l) per head and the unnormalized accumulator,
+// in the layout of the split-K merge's output.
+__device__ __forceinline__ void sk_flush(int pidx, float m0, float m1, float l0, float l1, const float (*acc)[4],
+                                         int g, int t, float* part_acc, float* part_ml) {
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+        l0 += __shfl_xor_sync(FULL_MASK, l0, off);
+        l1 += __shfl_xor_sync(FULL_MASK, l1, off);
+    }
+    const size_t pb = (size_t)pidx * G;
+    if (g == 0 && 2 * t < G) {
+        part_ml[(pb + 2 * t) * 2] = m0;
+        part_ml[(pb + 2 * t) * 2 + 1] = l0;
+    }
+    if (g == 0 && 2 * t + 1 < G) {
+        part_ml[(pb + 2 * t + 1) * 2] = m1;
+        part_ml[(pb + 2 * t + 1) * 2 + 1] = l1;
+    }
+#pragma unroll
+    for (int mt = 0; mt < KS; mt++) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) {
+            const int hh = 2 * t + (c & 1);
+            if (hh < G) part_acc[(pb + hh) * D + vdim(g, mt, c >> 1)] = acc[mt][c];
+        }
+    }
+}
+#endif
+
 #if FAST && defined(PMINB)
 #undef MINB
 #define MINB PMINB
@@ -618,17 +744,25 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     int max_pages,
     int pages_per_split, int n_splits, int n_kv, const Tab16 ktab_p, const Tab16 vtab_p, const Tab16 k2tab_p,
     float* __restrict__ part_acc, float* __restrict__ part_ml,
-    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale) {
+    const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale, int batch,
+    int* __restrict__ part_rows) {
     __shared__ u16 ktab[16], vtab[16];
 #if KK == 5
     __shared__ u16 k2tab[16];  // the second segment's table
 #endif
-#if FAST
+#if STREAMK
+    __shared__ float qw[NWARPS][FUSEQ ? D : 1];  // FUSEQ: each warp's query row being rotated
+    __shared__ int rs[SKMAXB + 1];  // pages of the sequences before b (rs[batch]: all)
+    __shared__ int ssl[SKMAXB], snc[SKMAXB];  // each sequence's slot and coded tokens
+    __shared__ int ctot[SKMAXB / 32];
+#elif FAST
     __shared__ float qstage[G * D];  // FUSEQ: the group's prepared queries
 #else
     __shared__ float pbuf[NWARPS][32][9];  // softmax weights
 #endif
+#if !STREAMK
     __shared__ float mml[NWARPS][8][2];
+#endif
 #if FAST
     extern __shared__ __align__(128) u8 dsm[];
     const u32 dsm_s = (u32)__cvta_generic_to_shared(dsm);
@@ -638,7 +772,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #else
     __shared__ __align__(16) u32 big[NWARPS * 8 * D];
 #endif
-#if FAST
+#if STREAMK
+    (void)post;
+#elif FAST
     float (*macc)[8][D] = (float (*)[8][D])post;
 #else
     float (*macc)[8][D] = (float (*)[8][D])big;
@@ -649,8 +785,12 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // this grid's completion before reading the partials.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
+#if STREAMK
+    const int gw = blockIdx.x * NWARPS + warp;  // this warp's run of the flat page list
+#else
     const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-#if FUSEQ
+#endif
+#if FUSEQ && !STREAMK
     // This warp's first query head (hh = warp), loaded now: the loads overlap the set-up.
     float q0[D / 32];
     if (warp < G) {
@@ -658,6 +798,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         for (int k = 0; k < D / 32; k++) q0[k] = q[((size_t)(b * n_kv + h) * G + warp) * D + lane + 32 * k];
     }
 #endif
+#if !STREAMK
     // Row b of the step reads cache slot slot_of[b] (< 0: an idle row, no pages); the slot's
     // n_coded tokens fill ⌈n_coded / T⌉ pages, the last one possibly in part (row mode).
     const int cslot = slot_of[b];
@@ -665,6 +806,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const int np = (nc + T - 1) / T;
     const int p0 = split * pages_per_split;
     const int* pt = page_table + (size_t)((cslot < 0 ? 0 : cslot) * n_kv + h) * max_pages;
+#endif
 #if FAST
     // The first pages go in flight before anything else: this warp's pages are first + NWARPS·j,
     // j < nmine; lane i holds the physical index of page j = i (mod 32) of the chunk being
@@ -682,6 +824,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     u8* const ring = dsm + warp * (STAGES * SLOT);
 #endif
     const u32 ring_s = (u32)__cvta_generic_to_shared(ring);
+#if !STREAMK
     const int first = p0 + warp;
     int ptv;
     {
@@ -690,6 +833,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     }
     const int p1 = min(p0 + pages_per_split, np);
     const int nmine = first < p1 ? (p1 - first + NWARPS - 1) / NWARPS : 0;
+#endif
     __shared__ __align__(8) u64 mbar[NWARPS][STAGES];
     const u32 bar_s = (u32)__cvta_generic_to_shared(&mbar[warp][0]);
     if (lane == 0) {
@@ -698,6 +842,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncwarp();
+#if !STREAMK
 #pragma unroll
     for (int f = 0; f < STAGES - 1; f++) {
         if (f < nmine) {
@@ -707,8 +852,20 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                           bar_s + 8 * f);
         }
     }
+#endif
 #else
     const int p1 = min(p0 + pages_per_split, np);
+#endif
+#if STREAMK
+    // Each sequence's pages into rs[1 + b] (the loads overlap the table build below).
+    for (int bb = tid; bb < batch; bb += NWARPS * 32) {
+        const int sl = slot_of[bb];
+        const int nc = sl < 0 ? 0 : n_coded[sl];
+        ssl[bb] = max(sl, 0);
+        snc[bb] = nc;
+        rs[1 + bb] = min((nc + T - 1) / T, max_pages);
+    }
+    if (tid == 0) rs[0] = 0;
 #endif
     if (tid < 16) {
         u16 kx = 0, vx = 0;  // constant indices: the parameters stay in the constant bank
@@ -759,83 +916,100 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     // load: the group's prepared queries as the B operand, split hi + lo for ~f32 accuracy
     // (QPACK: column g < G holds head g's hi part, column G + g its lo part).
     u32 qh[KS][2], ql[KS][2];
-#if KK == 5
-    // The second query (prep_query's second half: turboquant_prod's c·S·R·q, turboquant_rvq's
-    // R₂·R₁·q) for the second segment.
-    u32 qh2[KS][2], ql2[KS][2];
+    // KK 5: the second query (prep_query's second half: turboquant_prod's c·S·R·q,
+    // turboquant_rvq's R₂·R₁·q) for the second segment.
+    u32 qh2[KK == 5 ? KS : 1][2], ql2[KK == 5 ? KS : 1][2];
+#if STREAMK
+    // The sequences' page prefix sums: chunks of 32 scanned by the warps, then the chunks'
+    // totals by warp 0, then added.
+    __syncthreads();
+    for (int c = warp; 32 * c < batch; c += NWARPS) {
+        const int i = 1 + 32 * c + lane;
+        int x = i <= batch ? rs[i] : 0;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int o = __shfl_up_sync(FULL_MASK, x, off);
+            if (lane >= off) x += o;
+        }
+        if (i <= batch) rs[i] = x;
+        if (lane == 31) ctot[c] = x;
+    }
+    __syncthreads();
+    const int nchunk = (batch + 31) / 32;
+    if (warp == 0) {
+        int x = lane < nchunk ? ctot[lane] : 0;
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+            const int o = __shfl_up_sync(FULL_MASK, x, off);
+            if (lane >= off) x += o;
+        }
+        if (lane < nchunk) ctot[lane] = x;  // inclusive
+    }
+    __syncthreads();
+    for (int i = 33 + tid; i <= batch; i += NWARPS * 32) rs[i] += ctot[(i - 1) / 32 - 1];
+    __syncthreads();
+    const int n_pages = n_kv * rs[batch];
+    const int n_warps = gridDim.x * NWARPS;
+    const int ppw = max((n_pages + n_warps - 1) / n_warps, 1);  // pages per warp's run
+    if (blockIdx.x == 0) {
+        // Row r's pages [start, start + np) of the flat list lie in the runs of warps
+        // start / ppw … (start + np − 1) / ppw: its partials are (warp + r) for those warps.
+        for (int r = tid; r < batch * n_kv; r += NWARPS * 32) {
+            const int bb = r / n_kv, hk = r - bb * n_kv;
+            const int np_r = rs[bb + 1] - rs[bb];
+            const int start = n_kv * rs[bb] + hk * np_r;
+            const int wf = start / ppw, wl = (start + np_r - 1) / ppw;
+            part_rows[2 * r] = wf + r;
+            part_rows[2 * r + 1] = np_r > 0 ? wl - wf + 1 : 0;
+        }
+    }
+    const int x0 = gw * ppw;
+    const int nmine = max(min(x0 + ppw, n_pages) - x0, 0);
+    // Lane i: page x0 + 32c + i of the chunk c being fetched (fph, frow, fval), of the next one
+    // (nph, nrow, nval: looked up 16 pages ahead of its first fetch) and of the chunk being
+    // consumed (crow, cval); the fetch runs at most STAGES − 1 < 16 pages ahead.
+    int fph = 0, frow = -1, fval = 0, nph = 0, nrow = -1, nval = 0, crow = -1, cval = 0;
+    if (lane < nmine) sk_page(x0 + lane, rs, batch, n_kv, ssl, snc, page_table, max_pages, fph, frow, fval);
+#pragma unroll
+    for (int f = 0; f < STAGES - 1; f++) {
+        if (f < nmine) {
+            const int ph = __shfl_sync(FULL_MASK, fph, f);
+            if (lane == 0)
+                bulk_page(kpool + (size_t)ph * K_PAGE_BYTES, vpool + (size_t)ph * V_PAGE_BYTES, ring_s + f * SLOT,
+                          bar_s + 8 * f);
+        }
+    }
+    int cur_row = -1;  // the row whose partial the warp accumulates
+#if PDL
+    // prep_query (this grid's programmatic primary) has written qprep: read below.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+#else
 #if FUSEQ
     // prep_query fused: the group's G query rows, scaled by log2(e)/√d, sign-flipped and
-    // Hadamard-rotated (a warp per head: lane i holds dims i + 32k; the butterflies of span
-    // < 32 by shuffles, the others within the lane), each butterfly (a + o, a − o) as in
-    // prep_query, so the result is the same to the bit.
+    // Hadamard-rotated (a warp per head: lane i holds dims i + 32k).
     for (int hh = warp; hh < G; hh += NWARPS) {
         const float sc = LOG2E / sqrtf((float)D);
         float x[D / 32];
 #pragma unroll
-        for (int k = 0; k < D / 32; k++) {
+        for (int k = 0; k < D / 32; k++)
             x[k] = (hh == warp ? q0[k] : q[((size_t)(b * n_kv + h) * G + hh) * D + lane + 32 * k]) * sc;
-#if KROT
-            x[k] *= ksigns[h * D + lane + 32 * k];
-#endif
-        }
-#if KROT
-#pragma unroll
-        for (int hs = 1; hs < 32; hs <<= 1) {
-#pragma unroll
-            for (int k = 0; k < D / 32; k++) {
-                const float o = __shfl_xor_sync(FULL_MASK, x[k], hs);
-                x[k] = (lane & hs) ? (o - x[k]) : (x[k] + o);
-            }
-        }
-#pragma unroll
-        for (int m = 1; m < D / 32; m <<= 1) {
-#pragma unroll
-            for (int k = 0; k < D / 32; k++) {
-                if (!(k & m)) {
-                    const float a = x[k], o = x[k | m];
-                    x[k] = a + o;
-                    x[k | m] = a - o;
-                }
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < D / 32; k++) x[k] *= krot_scale;
-#endif
+        fuse_rotate(x, ksigns + h * D, krot_scale, lane);
 #pragma unroll
         for (int k = 0; k < D / 32; k++) qstage[hh * D + lane + 32 * k] = x[k];
     }
     __syncthreads();
     const float* qb = qstage;
 #else
+#if PDL
+    // prep_query (this grid's programmatic primary, when launched as one) has written qprep.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const float* qb = qprep + ((size_t)(b * n_kv + h) * G) * D;
 #endif
-#if KK == 5
-    const float* qb2 = qb + (size_t)gridDim.z * n_kv * G * D;  // FUSEQ is off for it
+    // FUSEQ is off for KK 5 (the second query comes from prep_query).
+    q_operands<true>(qb, qb + (size_t)batch * n_kv * G * D, 0, g, t, qh, ql, qh2, ql2);
 #endif
-#pragma unroll
-    for (int ks = 0; ks < KS; ks++) {
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-#if QPACK
-            const int head = g < G ? g : g - G;
-            const bool on = g < 2 * G;
-#else
-            const int head = g;
-            const bool on = g < G;
-#endif
-            q_operand(on ? qb[head * D + kdim(t, ks, 2 * hh)] : 0.0f,
-                      on ? qb[head * D + kdim(t, ks, 2 * hh + 1)] : 0.0f, g, qh[ks][hh], ql[ks][hh]);
-#if KK == 5
-            // The second segment's map: the first's (K2SAME, and k_second's order on the
-            // generic path), else FAST's 1-bit one.
-            const bool one = FAST && !K2SAME;
-            const int e0 = one ? kdim1(t, ks, 2 * hh) : kdim(t, ks, 2 * hh);
-            const int e1 = one ? kdim1(t, ks, 2 * hh + 1) : kdim(t, ks, 2 * hh + 1);
-            q_operand(on ? qb2[head * D + e0] : 0.0f, on ? qb2[head * D + e1] : 0.0f, g, qh2[ks][hh], ql2[ks][hh]);
-#endif
-        }
-    }
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     float acc[KS][4];
 #pragma unroll
@@ -862,7 +1036,18 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         float s[2][4];
         {
             const int f = j + STAGES - 1;
+#if STREAMK
+            if ((j & 31) == 0) { crow = frow; cval = fval; }
+            if ((f & 31) == 0 && f < nmine) { fph = nph; frow = nrow; fval = nval; }
+            if ((f & 31) == 16 && f + 16 < nmine) {
+                nph = 0; nrow = -1; nval = 0;
+                if (f + 16 + lane < nmine)
+                    sk_page(x0 + f + 16 + lane, rs, batch, n_kv, ssl, snc, page_table, max_pages, nph, nrow, nval);
+            }
+            const int ptv = fph;
+#else
             if ((f & 31) == 0) ptv = f + lane < nmine ? pt[first + NWARPS * (f + lane)] : 0;
+#endif
             __syncwarp();  // every lane is done with slot fslot (page j - 1)
             if (f < nmine) {
                 const int ph = __shfl_sync(FULL_MASK, ptv, f & 31);
@@ -872,6 +1057,54 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             }
             mbar_wait(bar_s + 8 * slot, (u32)(j / STAGES) & 1u);
         }
+#if STREAMK
+        const int valid = __shfl_sync(FULL_MASK, cval, j & 31);
+        {
+            const int row = __shfl_sync(FULL_MASK, crow, j & 31);
+            if (row != cur_row) {
+                // A new row: the last one's partial out, this one's query operands in.
+                if (cur_row >= 0) sk_flush(gw + cur_row, m0, m1, l0, l1, acc, g, t, part_acc, part_ml);
+                cur_row = row;
+#if FUSEQ
+                // prep_query fused, as the split-K grid does it, by this warp alone: the heads'
+                // rows loaded four at a time (one load round each), rotated and staged one by
+                // one, each lane taking its operands from its own head's row.
+#pragma unroll
+                for (int h0 = 0; h0 < G; h0 += 4) {
+                    float x[4][D / 32];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+#pragma unroll
+                        for (int k = 0; k < D / 32; k++)
+                            x[i][k] = h0 + i < G ? q[((size_t)row * G + h0 + i) * D + lane + 32 * k] * (LOG2E / sqrtf((float)D)) : 0.0f;
+                    }
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        if (h0 + i >= G) break;
+                        fuse_rotate(x[i], ksigns + (row % n_kv) * D, krot_scale, lane);
+                        __syncwarp();  // the last head's operands are read
+#pragma unroll
+                        for (int k = 0; k < D / 32; k++) qw[warp][lane + 32 * k] = x[i][k];
+                        __syncwarp();
+                        q_operands<false>(qw[warp], nullptr, h0 + i, g, t, qh, ql, qh2, ql2);
+                    }
+                }
+#if QPACK
+                if (!(g < 2 * G)) q_operands<true>(qw[warp], nullptr, 0, g, t, qh, ql, qh2, ql2);
+#else
+                if (!(g < G)) q_operands<true>(qw[warp], nullptr, 0, g, t, qh, ql, qh2, ql2);
+#endif
+#else
+                const float* qb = qprep + (size_t)row * G * D;
+                q_operands<true>(qb, qb + (size_t)batch * n_kv * G * D, 0, g, t, qh, ql, qh2, ql2);
+#endif
+                m0 = m1 = NEG_INF;
+                l0 = l1 = 0.0f;
+#pragma unroll
+                for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+            }
+        }
+#endif
         const u8* const kst = ring + slot * SLOT;
         const u8* const vst = kst + KSL;
         const u16* const knp = (const u16*)(kst + T * K_ROW_BYTES);
@@ -926,7 +1159,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
             s[mt][0] = c[0] * n0; s[mt][1] = c[1] * n0; s[mt][2] = c[2] * n1; s[mt][3] = c[3] * n1;
         }
+#if STREAMK
+        mask_rows(s, valid, g);
+#else
         mask_rows(s, nc - (first + NWARPS * j) * T, g);
+#endif
 #else
     for (int p = p0 + warp; p < p1; p += NWARPS) {
         float s[2][4];
@@ -1129,6 +1366,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
     }
 
+#if STREAMK
+    if (cur_row >= 0) sk_flush(gw + cur_row, m0, m1, l0, l1, acc, g, t, part_acc, part_ml);
+#else
     // merge: warps of the block, then one partial per (sequence, KV head, split). Each lane's
     // 4·KS accumulators go to its own row of macc, XOR-swizzled by the lane, so the stores (one
     // value index, all lanes) and the loads (one lane, all its values) hit distinct banks.
@@ -1179,4 +1419,5 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         for (int w = 0; w < NWARPS; w++) A += src[w * 32 * NV] * wsc[w][hh];
         part_acc[(o0 + hh) * D + vdim(ln >> 2, i >> 2, (i >> 1) & 1)] = A;
     }
+#endif
 }

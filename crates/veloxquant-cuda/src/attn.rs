@@ -22,6 +22,9 @@ pub const NWARPS: usize = 4;
 /// Warps per block of the pipelined 2/4-bit path: one block of 12 per SM shares one lookup
 /// table (measured on the H200: 4 and 8 warps per block were slower).
 pub const PIPE_WARPS: usize = 12;
+/// Sequences per step the stream grid takes (decode.cu SKMAXB: its prefix sums in shared
+/// memory); larger batches run split-K.
+const SKMAXB: usize = 512;
 
 /// Splits per (sequence, KV head) row: the fewest that fill the last wave of `target`
 /// resident blocks to ≥ 90 % (a split-K grid of rows·s blocks runs in ⌈rows·s / target⌉
@@ -76,6 +79,8 @@ struct Pipe {
     minb: i64,
     /// prep_query fused into the decode kernel (one launch fewer).
     fuse_q: bool,
+    /// The persistent stream grid (decode.cu STREAMK) instead of split-K blocks.
+    stream: bool,
 }
 
 /// Whether the device runs the Hopper-only parts: the FAST path's bulk copies and mbarrier
@@ -86,16 +91,20 @@ pub fn hopper(cc: (i32, i32)) -> bool {
 }
 
 impl Pipe {
-    fn new(kf: &GpuFormat, vf: &GpuFormat, cc: (i32, i32), generic: bool, t: &Tuning) -> Self {
+    /// `split_k`: no stream grid even where the tuning asks for it.
+    fn new(kf: &GpuFormat, vf: &GpuFormat, cc: (i32, i32), generic: bool, split_k: bool, t: &Tuning) -> Self {
         let fast = fast_path(kf, vf) && hopper(cc) && !generic;
+        let stream = fast && t.decode_stream && !split_k;
         Self {
             fast,
             stages: t.decode_stages,
             warps: if fast { t.decode_warps } else { NWARPS },
             minb: t.decode_minb,
             // The fused prep rotates by Hadamard; a sketch's projection, a second query and
-            // rabitq's quantized query stay in prep_query.
+            // rabitq's quantized query stay in prep_query (then launched as decode_pages'
+            // programmatic primary).
             fuse_q: fast && t.decode_fuse_q && kf.plain_query_prep(),
+            stream,
         }
     }
     /// One warp's ring of page slots (bytes).
@@ -171,6 +180,9 @@ fn decode_defines(
     if pdl {
         defs.push(("PDL".into(), 1));
     }
+    if pipe.stream {
+        defs.push(("STREAMK".into(), 1));
+    }
     if pipe.fast {
         defs.push(("STAGES".into(), pipe.stages as i64));
         if pipe.minb > 0 {
@@ -184,10 +196,19 @@ fn decode_defines(
 /// kernel names), for compile-only checks (CPU-side test).
 pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) -> Vec<(Family, Vec<(String, i64)>)> {
     let t = Tuning::default();
-    let pipe = Pipe::new(kf, vf, cc, false, &t);
+    let pipe = Pipe::new(kf, vf, cc, false, false, &t);
     let var = Variants::new(&t);
     let pdl = hopper(cc) && t.decode_pdl;
-    vec![(Family::Decode, decode_defines(kf, vf, g, &pipe, &var, pdl)), (Family::Attn, attn_defines(kf, vf, g, pdl))]
+    let mut m = vec![
+        (Family::Decode, decode_defines(kf, vf, g, &pipe, &var, pdl)),
+        (Family::Attn, attn_defines(kf, vf, g, pdl)),
+    ];
+    if pipe.stream {
+        // Split-K as well: batches past the stream grid's bound, and `DecodeOptions::split_k`.
+        let split = Pipe::new(kf, vf, cc, false, true, &t);
+        m.push((Family::Decode, decode_defines(kf, vf, g, &split, &var, pdl)));
+    }
+    m
 }
 
 fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(String, i64)> {
@@ -216,13 +237,35 @@ pub struct DecodeOptions {
     /// Take the generic path even where the Hopper-only FAST path applies (what pre-Hopper
     /// GPUs run; tests check it on Hopper).
     pub generic: bool,
+    /// Which grid the FAST path runs (tests check both).
+    pub grid: DecodeGrid,
+    /// At most this many blocks in the stream grid (0: as many as are resident at once);
+    /// tests use a few, so that each warp's run spans many rows.
+    pub max_blocks: usize,
 }
 
 impl Default for DecodeOptions {
     fn default() -> Self {
-        Self { blocks_per_sm: 4, min_pages_per_split: 16, generic: false }
+        Self { blocks_per_sm: 4, min_pages_per_split: 16, generic: false, grid: DecodeGrid::Auto, max_blocks: 0 }
     }
 }
+
+/// The FAST path's grid: split-K blocks of (sequence, KV head, split), or the persistent
+/// stream grid (decode.cu STREAMK).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeGrid {
+    /// The stream grid where split-K would run at least `STREAM_MIN_WAVES` waves of blocks
+    /// (and the tuning enables it), else split-K.
+    Auto,
+    SplitK,
+    Stream,
+}
+
+/// Split-K waves from which the stream grid runs instead. Measured on the H200 (stream vs
+/// split-K, graph replay): 2.9 waves (B = 64, Hkv = 3, S = 4k, d = 64 and 128) and 5.8 (the
+/// serving step, B = 256) faster by 6–13 %; 1.0–1.9 waves (B = 1–32, Hkv = 8, d = 128) slower
+/// by 10–60 % (a warp's run starts after the grid's prefix sums and its first row's query).
+const STREAM_MIN_WAVES: f64 = 2.5;
 
 /// A decode plan with its own query and output buffers (tests, benchmarks); `core` alone
 /// serves callers with their own buffers (the engine).
@@ -285,6 +328,10 @@ pub struct PlanCore {
     pub nwarps: usize,
     smem: u32,
     fuse_q: bool,
+    /// The stream grid's blocks (0: split-K).
+    stream_blocks: u32,
+    /// Stream grid: each row's (first partial, count), written by decode_pages for combine.
+    part_rows: CudaSlice<i32>,
     /// Row b of a step reads cache slot rows[b] (−1: idle); host copy and device copy.
     rows_host: Vec<i32>,
     rows: CudaSlice<i32>,
@@ -295,6 +342,52 @@ pub struct PlanCore {
     f_prep: CudaFunction,
     f_decode: CudaFunction,
     f_combine: CudaFunction,
+}
+
+/// The decode kernel for `first` (the FAST path at the tuned warp count), else with fewer
+/// warps (large pages, e.g. turboquant_rvq 4:4 keys, fill the shared memory with their
+/// rings), else the generic path: the first whose shared memory the device grants, with its
+/// dynamic shared memory size.
+fn pick_decode(
+    dev: &GpuDevice,
+    kf: &GpuFormat,
+    vf: &GpuFormat,
+    g: usize,
+    first: Pipe,
+    var: &Variants,
+    pdl: bool,
+) -> Result<(Pipe, CudaFunction, usize)> {
+    let d = kf.d;
+    let mut candidates = vec![first];
+    if first.fast {
+        candidates.extend([8, 4].iter().filter(|&&w| w < first.warps).map(|&w| Pipe { warps: w, ..first }));
+        candidates.push(Pipe { fast: false, stream: false, fuse_q: false, warps: NWARPS, ..first });
+    }
+    for pipe in candidates {
+        // The warps' accumulators after the loop (split-K: in dynamic shared memory).
+        let post = if pipe.fast && !pipe.stream { pipe.warps * 8 * d * 4 } else { 0 };
+        let defs = decode_defines(kf, vf, g, &pipe, var, pdl);
+        let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
+        let f = dev.function(Family::Decode, &dref, "decode_pages")?;
+        let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
+        let Some(smem) = pipe.smem(kf, vf, static_bytes, post) else { continue };
+        // Past the device's opt-in limit the attribute call fails: not attempted.
+        if smem > 0
+            && (static_bytes + smem > dev.max_smem_optin
+                || f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .is_err())
+        {
+            continue;
+        }
+        return Ok((pipe, f, smem));
+    }
+    Err(CudaError::UnsupportedFormat {
+        format: format!("decode {}/{}", kf.spec, vf.spec),
+        why: "no decode variant's shared memory fits this device",
+    })
 }
 
 /// Where a decode step writes `[batch][n_q_heads][d]`: f32, or f16 (the next matrix
@@ -344,57 +437,47 @@ impl PlanCore {
         let b = batch;
         let max_pages = max_pages.clamp(1, cfg.max_pages_per_seq);
         let pdl = hopper(cc) && t.decode_pdl;
-        // The FAST path at the tuned warp count, else with fewer warps (large pages, e.g.
-        // turboquant_rvq 4:4 keys, fill the shared memory with their rings), else the generic
-        // path: the first whose shared memory the device grants.
-        let first = Pipe::new(kf, vf, cc, opts.generic, &t);
-        let mut candidates = vec![first];
-        if first.fast {
-            candidates.extend([8, 4].iter().filter(|&&w| w < first.warps).map(|&w| Pipe { warps: w, ..first }));
-            candidates.push(Pipe::new(kf, vf, cc, true, &t));
-        }
-        let mut chosen = None;
-        for pipe in candidates {
-            // The warps' accumulators after the loop (in dynamic shared memory on the FAST path).
-            let post = if pipe.fast { pipe.warps * 8 * d * 4 } else { 0 };
-            let defs = decode_defines(kf, vf, g, &pipe, &var, pdl);
-            let dref: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
-            let f = dev.function(Family::Decode, &dref, "decode_pages")?;
-            let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
-            let Some(smem) = pipe.smem(kf, vf, static_bytes, post) else { continue };
-            if smem > 0
-                && f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .is_err()
-            {
-                continue;
+        // The stream grid's prefix sums hold SKMAXB sequences, its page indices are i32.
+        let flat_pages = b.saturating_mul(cfg.n_kv_heads).saturating_mul(cfg.max_pages_per_seq);
+        let no_stream = opts.grid == DecodeGrid::SplitK || b > SKMAXB || flat_pages > i32::MAX as usize / 2;
+        let pick =
+            |split_k: bool| pick_decode(&dev, kf, vf, g, Pipe::new(kf, vf, cc, opts.generic, split_k, &t), &var, pdl);
+        let (mut pipe, mut f_decode, mut smem) = pick(no_stream)?;
+        // Whole waves: as many blocks as fit at once (the kernel's occupancy, capped by
+        // blocks_per_sm), rounded down to a multiple of the (sequence, KV head) rows.
+        let resident_of = |f: &CudaFunction, pipe: &Pipe, smem: usize| {
+            f.occupancy_max_active_blocks_per_multiprocessor((pipe.warps * 32) as u32, smem, None)
+                .map(|n| n as usize)
+                .unwrap_or(opts.blocks_per_sm)
+                .clamp(1, opts.blocks_per_sm.max(1))
+        };
+        let rows = b * cfg.n_kv_heads;
+        let split_layout = |target: usize| {
+            let per_head = splits_for_waves(rows, target, max_pages.div_ceil(opts.min_pages_per_split.max(1)));
+            let pps = opts.min_pages_per_split.max(max_pages.div_ceil(per_head));
+            (max_pages.div_ceil(pps).max(1), pps)
+        };
+        let mut target = dev.sm_count * resident_of(&f_decode, &pipe, smem);
+        if pipe.stream && opts.grid == DecodeGrid::Auto {
+            let (n_splits, _) = split_layout(target);
+            if ((rows * n_splits) as f64) < STREAM_MIN_WAVES * target as f64 {
+                (pipe, f_decode, smem) = pick(true)?;
+                target = dev.sm_count * resident_of(&f_decode, &pipe, smem);
             }
-            chosen = Some((pipe, f, smem));
-            break;
         }
-        let (pipe, f_decode, smem) = chosen.ok_or(CudaError::UnsupportedFormat {
-            format: format!("decode {}/{}", kf.spec, vf.spec),
-            why: "no decode variant's shared memory fits this device",
-        })?;
         let adefs = attn_defines(kf, vf, g, pdl);
         let adefs: Vec<(&str, i64)> = adefs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
         let f_prep = dev.function(Family::Attn, &adefs, "prep_query")?;
         let f_combine = dev.function(Family::Attn, &adefs, "combine")?;
 
-        // Whole waves: as many blocks as fit at once (the kernel's occupancy, capped by
-        // blocks_per_sm), rounded down to a multiple of the (sequence, KV head) rows.
-        let resident = f_decode
-            .occupancy_max_active_blocks_per_multiprocessor((pipe.warps * 32) as u32, smem, None)
-            .map(|n| n as usize)
-            .unwrap_or(opts.blocks_per_sm)
-            .clamp(1, opts.blocks_per_sm.max(1));
-        let target = dev.sm_count * resident;
-        let rows = b * cfg.n_kv_heads;
-        let per_head = splits_for_waves(rows, target, max_pages.div_ceil(opts.min_pages_per_split.max(1)));
-        let pps = opts.min_pages_per_split.max(max_pages.div_ceil(per_head));
-        let n_splits = max_pages.div_ceil(pps).max(1);
+        let stream_blocks = if opts.max_blocks > 0 { target.min(opts.max_blocks) } else { target };
+        let (n_splits, pps, n_parts) = if pipe.stream {
+            // One split covering every page; partials (warp + row) for the grid's warps.
+            (1, max_pages, stream_blocks * pipe.warps + rows)
+        } else {
+            let (n_splits, pps) = split_layout(target);
+            (n_splits, pps, rows * n_splits)
+        };
         let s = &dev.stream;
         let nq = b * n_q_heads * d;
         let rows_host: Vec<i32> = (0..b).map(|i| if i < cfg.max_seqs { i as i32 } else { -1 }).collect();
@@ -408,18 +491,29 @@ impl PlanCore {
             nwarps: pipe.warps,
             smem: smem as u32,
             fuse_q: pipe.fuse_q,
+            stream_blocks: if pipe.stream { stream_blocks as u32 } else { 0 },
+            part_rows: s.alloc_zeros(2 * rows).map_err(drv("alloc"))?,
             rows: s.clone_htod(&rows_host).map_err(drv("htod"))?,
             rows_host,
             cache_id: cache.id,
             // turboquant_prod, turboquant_rvq: a second prepared query after the first.
             qprep: s.alloc_zeros(if cache.k.fmt.two_queries() { 2 * nq } else { nq }).map_err(drv("alloc"))?,
-            part_acc: s.alloc_zeros(rows * n_splits * g * d).map_err(drv("alloc"))?,
-            part_ml: s.alloc_zeros(rows * n_splits * g * 2).map_err(drv("alloc"))?,
+            part_acc: s.alloc_zeros(n_parts * g * d).map_err(drv("alloc"))?,
+            part_ml: s.alloc_zeros(n_parts * g * 2).map_err(drv("alloc"))?,
             f_prep,
             f_decode,
             f_combine,
             dev,
         })
+    }
+
+    /// The grid this plan runs (`Auto` resolved).
+    pub fn grid(&self) -> DecodeGrid {
+        if self.stream_blocks > 0 {
+            DecodeGrid::Stream
+        } else {
+            DecodeGrid::SplitK
+        }
     }
 
     /// Pages per sequence the split layout covers.
@@ -516,9 +610,14 @@ impl PlanCore {
         }
 
         let max_pages = cfg.max_pages_per_seq as i32;
+        let batch = b as i32;
         let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
         let cfg_dec = LaunchConfig {
-            grid_dim: (self.n_splits as u32, hk as u32, b),
+            grid_dim: if self.stream_blocks > 0 {
+                (self.stream_blocks, 1, 1)
+            } else {
+                (self.n_splits as u32, hk as u32, b)
+            },
             block_dim: ((self.nwarps * 32) as u32, 1, 1),
             shared_mem_bytes: self.smem,
         };
@@ -527,29 +626,42 @@ impl PlanCore {
         let table = cache.meta.slice(..cache.n_table());
         let coded = cache.meta.slice(cache.coded_at()..cache.coded_at() + cfg.max_seqs);
         let seq_len = cache.meta.slice(cache.seq_len_at()..cache.seq_len_at() + cfg.max_seqs);
-        let mut l = s.launch_builder(&self.f_decode);
-        l.arg(&self.qprep)
-            .arg(&cache.k.pools[layer])
-            .arg(&cache.v.pools[layer])
-            .arg(&table)
-            .arg(&self.rows)
-            .arg(&coded)
-            .arg(&max_pages)
-            .arg(&pps)
-            .arg(&ns)
-            .arg(&hk)
-            .arg(&ktab)
-            .arg(&vtab)
-            .arg(&k2tab)
-            .arg(&mut self.part_acc)
-            .arg(&mut self.part_ml)
-            .arg(q)
-            .arg(&ksigns)
-            .arg(&cache.k.rot_scale);
-        // SAFETY: matches decode_pages in kernels/decode.cu; the rows name active slots (or −1)
-        // whose table rows hold valid physical pages for their coded tokens (the device tables
-        // are current: no pending deltas), and the split layout covers every row's pages.
-        unsafe { l.launch(cfg_dec) }.map_err(drv("decode_pages"))?;
+        let dptr = |x: &CudaView<'_, i32>| x.device_ptr(&s).0;
+        let (qprep, kpool, vpool) =
+            (self.qprep.device_ptr(&s).0, cache.k.pools[layer].device_ptr(&s).0, cache.v.pools[layer].device_ptr(&s).0);
+        let (tab, rows_d, coded_d) = (dptr(&table), self.rows.device_ptr(&s).0, dptr(&coded));
+        let (pacc, pml) = (self.part_acc.device_ptr_mut(&s).0, self.part_ml.device_ptr_mut(&s).0);
+        let (qd, ksg, prows) = (q.device_ptr(&s).0, ksigns.device_ptr(&s).0, self.part_rows.device_ptr_mut(&s).0);
+        let mut dparams: [*mut c_void; 20] = [
+            arg(&qprep),
+            arg(&kpool),
+            arg(&vpool),
+            arg(&tab),
+            arg(&rows_d),
+            arg(&coded_d),
+            arg(&max_pages),
+            arg(&pps),
+            arg(&ns),
+            arg(&hk),
+            arg(&ktab),
+            arg(&vtab),
+            arg(&k2tab),
+            arg(&pacc),
+            arg(&pml),
+            arg(&qd),
+            arg(&ksg),
+            arg(&cache.k.rot_scale),
+            arg(&batch),
+            arg(&prows),
+        ];
+        // SAFETY: dparams point at live values in decode_pages' parameter order and types
+        // (kernels/decode.cu); the rows name active slots (or −1) whose table rows hold valid
+        // physical pages for their coded tokens (the device tables are current: no pending
+        // deltas), and the split layout covers every row's pages (the stream grid: its
+        // partials, grid warps + rows, are allocated for its blocks). As prep_query's
+        // programmatic dependent (prep_query ran: no FUSEQ), it waits before reading qprep.
+        unsafe { launch_raw(&self.f_decode, cfg_dec, &s, &mut dparams, self.pdl && !self.fuse_q) }
+            .map_err(drv("decode_pages"))?;
 
         let (n_sink, ring) = (cfg.sink as i32, cache.ring_cap() as i32);
         let cfg_comb = LaunchConfig { shared_mem_bytes: cache.exact_slots() as u32 * 4, ..per_q };
@@ -559,15 +671,17 @@ impl PlanCore {
         let qp = vptr(q);
         let vs = vptr(&vsigns);
         let rows = self.rows.device_ptr(&s).0;
+        let part_rows = if self.stream_blocks > 0 { self.part_rows.device_ptr(&s).0 } else { 0u64 };
         let (kx, vx) = (cache.k.exact[layer].device_ptr(&s).0, cache.v.exact[layer].device_ptr(&s).0);
         let (sl, cd) = (seq_len.device_ptr(&s).0, coded.device_ptr(&s).0);
         let (o32, o16) = match out {
             DecodeOut::F32(o) => (o.device_ptr_mut(&s).0, 0u64),
             DecodeOut::F16(o) => (0u64, o.device_ptr_mut(&s).0),
         };
-        let mut params: [*mut c_void; 16] = [
+        let mut params: [*mut c_void; 17] = [
             arg(&acc),
             arg(&ml),
+            arg(&part_rows),
             arg(&ns),
             arg(&hk),
             arg(&qp),
@@ -700,7 +814,7 @@ mod tests {
                 let kf = GpuFormat::new(&FormatSpec::parse(k).unwrap(), d, 32, 1).unwrap();
                 let vf = GpuFormat::new(&FormatSpec::parse(v).unwrap(), d, 32, 2).unwrap();
                 for warps in [4, 8, 12, 16] {
-                    let pipe = Pipe { fast: true, stages: 2, warps, minb: 0, fuse_q: true };
+                    let pipe = Pipe { fast: true, stages: 2, warps, minb: 0, fuse_q: true, stream: false };
                     let ring = pipe.ring(&kf, &vf);
                     let post = warps * 8 * d * 4;
                     for static_bytes in [2048usize, 4096, 4480, 16000] {

@@ -44,7 +44,7 @@ const ENCODE_EXTRA: [&str; 7] =
 const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
-/// EXPFTZ,SLACK,PDL}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}` and
+/// EXPFTZ,SLACK,PDL,STREAM}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}` and
 /// `VELOXQUANT_PREFILL_WARPS`,
 /// PTX kept in `VELOXQUANT_PTX_DIR` (A/B runs of variants; the library reads none of these).
 pub fn bench_device() -> Result<Arc<GpuDevice>> {
@@ -60,6 +60,7 @@ pub fn bench_device() -> Result<Arc<GpuDevice>> {
         decode_expftz: knob("DECODE_EXPFTZ", d.decode_expftz as i64) != 0,
         decode_slack: knob("DECODE_SLACK", d.decode_slack),
         decode_pdl: knob("DECODE_PDL", d.decode_pdl as i64) != 0,
+        decode_stream: knob("DECODE_STREAM", d.decode_stream as i64) != 0,
         encode_warps: knob("ENCODE_WARPS", d.encode_warps as i64) as usize,
         encode_lockstep: knob("ENCODE_LOCKSTEP", d.encode_lockstep as i64) != 0,
         encode_minb: knob("ENCODE_MINB", d.encode_minb),
@@ -112,6 +113,9 @@ pub struct RunArgs {
     /// Rows of the shape table (indices) or probes BxHQxHKVxS, comma-separated.
     #[arg(long)]
     pub shapes: Option<String>,
+    /// The FAST path's grid: auto (by the split-K wave count), split-k or stream.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "split-k", "stream"])]
+    pub grid: String,
     #[arg(long)]
     pub no_decode: bool,
     #[arg(long)]
@@ -390,15 +394,16 @@ fn decode_rows(
             let bytes = caches[0].bytes_read(&slots) as f64;
             let tbps = bytes / us / 1e6;
             eprintln!(
-                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs graph {graph_us:7.1} µs splits={} finite={finite}",
+                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs graph {graph_us:7.1} µs {:?} splits={} finite={finite}",
                 tbps / read_tbps,
+                plans[0].grid(),
                 plans[0].n_splits
             );
             rows.push(json!({
                 "b": b, "hq": hq, "hkv": hkv, "d": D, "s": sl, "format": f,
                 "k_bits": kf.bits_per_value(), "v_bits": vf.bits_per_value(),
                 "ours_us": us, "ours_stream_us": stream_us, "ours_graph_us": graph_us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
-                "n_splits": plans[0].n_splits, "finite": finite, "rotated_caches": n_sets,
+                "n_splits": plans[0].n_splits, "grid": format!("{:?}", plans[0].grid()), "finite": finite, "rotated_caches": n_sets,
                 "rotated_bytes": n_sets * bytes_one,
             }));
         }
@@ -420,6 +425,11 @@ fn run_gpu(a: &RunArgs) -> Result<Value> {
     if let Some(v) = a.min_pages {
         opts.min_pages_per_split = v as usize;
     }
+    opts.grid = match a.grid.as_str() {
+        "split-k" => crate::attn::DecodeGrid::SplitK,
+        "stream" => crate::attn::DecodeGrid::Stream,
+        _ => crate::attn::DecodeGrid::Auto,
+    };
     let dev = bench_device()?;
     eprintln!("device: {dev:?}, {} SMs", dev.sm_count);
     let (read_tbps, copy_tbps) = bandwidth(&dev)?;

@@ -141,6 +141,8 @@ pub struct GpuDevice {
     pub stream: Arc<CudaStream>,
     pub compute_capability: (i32, i32),
     pub sm_count: usize,
+    /// Shared memory one block may opt in to (static + dynamic), bytes.
+    pub max_smem_optin: usize,
     pub name: String,
     /// NVRTC target, `compute_{major}{minor}`.
     pub arch: &'static str,
@@ -197,6 +199,9 @@ impl GpuDevice {
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("attribute"))? as usize;
+        let max_smem_optin = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(drv("attribute"))? as usize;
         let name = ctx.name().map_err(drv("name"))?;
         // One created stream for all work (the legacy default stream cannot be captured
         // into a graph, and one stream orders everything without events).
@@ -207,6 +212,7 @@ impl GpuDevice {
             stream,
             compute_capability: cc,
             sm_count,
+            max_smem_optin,
             name,
             arch,
             tuning: tuning.clamped(),

@@ -20,6 +20,9 @@ pub struct Tuning {
     pub decode_slack: i64,
     /// The merge launched as a programmatic dependent of the decode kernel (sm_90).
     pub decode_pdl: bool,
+    /// FAST decode: a persistent grid, each warp one equal run of all rows' pages (decode.cu
+    /// STREAMK), instead of split-K blocks of (sequence, KV head, split).
+    pub decode_stream: bool,
     /// Thread-per-row encode: warps (pages) per block.
     pub encode_warps: usize,
     /// Keep an encode block's warps in step (one barrier per page).
@@ -50,6 +53,7 @@ impl Default for Tuning {
             decode_expftz: true,
             decode_slack: 8,
             decode_pdl: true,
+            decode_stream: true,
             encode_warps: 4,
             encode_lockstep: false,
             encode_minb: 2,

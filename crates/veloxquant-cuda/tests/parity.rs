@@ -414,10 +414,12 @@ fn decode_d256_matches_cpu_reference() {
 }
 
 /// The pipelined 1/2/3/4-bit path over long ragged rows: 8 rows of up to ~90 pages in splits of 16,
-/// sequences ending inside a split or before it starts (warps and blocks with no pages), G = 8.
+/// sequences ending inside a split or before it starts (warps and blocks with no pages), G = 8;
+/// split-K blocks (the default stream grid is checked by the other decode tests).
 #[test]
 fn decode_long_ragged_rows_match_cpu_reference() {
     let Some(dev) = device() else { return };
+    let opts = attn::DecodeOptions { grid: attn::DecodeGrid::SplitK, ..Default::default() };
     let pairs = [
         ("turboquant_mse:4", "turboquant_mse:4"),
         ("turboquant_mse:2", "turboquant_mse:2"),
@@ -439,7 +441,7 @@ fn decode_long_ragged_rows_match_cpu_reference() {
             for gqa in [1, 8] {
                 let lens: &'static [usize] = if gqa == 1 { &[2900, 700, 1513, 40] } else { &[300, 2900, 1513, 2897] };
                 let c = Case { k, v, d, gqa, recent: 32 * (d / 128), sink: 4, page_mode: false, lens };
-                let e = run_case(&dev, &c, (pi * 100 + d + gqa) as u64);
+                let e = run_case_with(&dev, &c, (pi * 100 + d + gqa) as u64, opts);
                 #[allow(clippy::neg_cmp_op_on_partial_ord)]
                 if !(e <= 2e-3) {
                     bad.push(format!("{k}/{v} d={d} g={gqa} lens={lens:?}: {e:.2e}"));
@@ -449,6 +451,46 @@ fn decode_long_ragged_rows_match_cpu_reference() {
         }
     }
     eprintln!("decode parity, long ragged rows: worst rel err {worst_all:.2e}, failures {}", bad.len());
+    assert!(bad.is_empty(), "decode failures: {bad:#?}");
+}
+
+/// The stream grid with few blocks, so that each warp's run of pages crosses many rows (and
+/// rows with no coded pages, pages filled in part): every row's partials merged, G ∈ {1, 3, 8}.
+#[test]
+fn decode_stream_runs_across_rows_match_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let lens: &'static [usize] = &[1, 17, 33, 300, 900, 40, 700, 64, 513, 5, 200, 96, 31, 400];
+    let mut bad = Vec::new();
+    let mut worst = 0f64;
+    for (pi, &(k, v)) in [
+        ("turboquant_mse:4:eden", "turboquant_mse:3"),
+        ("turboquant_mse:4", "turboquant_mse:4"),
+        ("turboquant_mse:2", "turboquant_mse:2"),
+        ("turboquant_mse:3", "turboquant_mse:3"),
+        ("turboquant_mse:4", "turboquant_mse:2"),
+        ("turboquant_mse:1", "turboquant_mse:3"),
+        ("qjl:orth", "turboquant_mse:2"),
+        ("turboquant_prod:3", "turboquant_mse:2"),
+        ("rabitq", "turboquant_mse:3"),
+        ("turboquant_rvq:2:2", "turboquant_mse:2"),
+    ]
+    .iter()
+    .enumerate()
+    {
+        for (d, gqa) in [(64, 3), (128, 1), (128, 8)] {
+            for max_blocks in [1, 0] {
+                let opts = attn::DecodeOptions { grid: attn::DecodeGrid::Stream, max_blocks, ..Default::default() };
+                let c = Case { k, v, d, gqa, recent: 8, sink: 4, page_mode: false, lens };
+                let e = run_case_with(&dev, &c, (pi * 100 + d + gqa + max_blocks) as u64, opts);
+                #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                if !(e <= 2e-3) {
+                    bad.push(format!("{k}/{v} d={d} g={gqa} blocks={max_blocks}: {e:.2e}"));
+                }
+                worst = worst.max(e);
+            }
+        }
+    }
+    eprintln!("decode parity, stream runs across rows: worst rel err {worst:.2e}, failures {}", bad.len());
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
@@ -610,6 +652,23 @@ fn sanitizer_cases_match_cpu() {
         let opts = attn::DecodeOptions { generic, ..Default::default() };
         let e = run_case_with(&dev, &c, (d + gqa) as u64, opts);
         eprintln!("sanitizer case {k}/{v} d={d} G={gqa} page_mode={page_mode} generic={generic}: {e:.2e}");
+        worst = worst.max(e);
+    }
+    // The FAST path's split-K grid, and the stream grid with one block (runs across rows).
+    for (grid, max_blocks) in [(attn::DecodeGrid::SplitK, 0), (attn::DecodeGrid::Stream, 1)] {
+        let c = Case {
+            k: "turboquant_mse:4:eden",
+            v: "turboquant_mse:3",
+            d: 64,
+            gqa: 3,
+            recent: 8,
+            sink: 4,
+            page_mode: false,
+            lens: &[300, 33, 1],
+        };
+        let opts = attn::DecodeOptions { grid, max_blocks, ..Default::default() };
+        let e = run_case_with(&dev, &c, 7, opts);
+        eprintln!("sanitizer case grid={grid:?} max_blocks={max_blocks}: {e:.2e}");
         worst = worst.max(e);
     }
     assert!(worst <= 2e-3, "{worst:.2e}");
