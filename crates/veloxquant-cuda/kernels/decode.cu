@@ -5,7 +5,8 @@
 // padded to n = 8 = B operand, so one read of the codes serves the group), updates an online
 // softmax in base 2, and accumulates values as O^T += V^T · P^T in the value format's domain
 // (rotated for turboquant_mse). Warps merge in shared memory; blocks write one partial each,
-// merged by combine() in attn.cu.
+// merged by combine() in attn.cu. STREAMK (FAST only, see below): a persistent grid whose
+// warps each stream an equal run of all rows' pages and write one partial per row they touch.
 // Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 8 kivi with KG/VG
 // its group size: keys grouped per channel over tokens, values per token over channels; KK 5 two
 // segments per key row: turboquant_prod's codes then sign bits, turboquant_rvq's stage-1 then

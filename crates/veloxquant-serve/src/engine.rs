@@ -83,6 +83,12 @@ pub trait Engine {
     fn n_tokens(&self, seq: SeqId) -> usize;
     /// One batched forward over distinct sequences; one [`Out`] per work item, in order.
     fn forward(&mut self, work: &[Work<'_>]) -> Result<Vec<Out>>;
+    /// As `forward`, running `during` while the device computes (the GPU engine: between a
+    /// step's launch and its results); an engine that computes on the host runs it first.
+    fn forward_overlapped(&mut self, work: &[Work<'_>], during: &mut dyn FnMut()) -> Result<Vec<Out>> {
+        during();
+        self.forward(work)
+    }
     /// Bytes held by `seqs` together, pages shared between them counted once.
     fn kv_bytes(&self, seqs: &[SeqId]) -> usize;
     /// An upper bound on the bytes one unshared sequence of `n_tokens` holds.

@@ -97,6 +97,10 @@ impl Engine for GpuServeEngine {
     }
 
     fn forward(&mut self, work: &[Work<'_>]) -> Result<Vec<Out>> {
+        self.forward_overlapped(work, &mut || {})
+    }
+
+    fn forward_overlapped(&mut self, work: &[Work<'_>], during: &mut dyn FnMut()) -> Result<Vec<Out>> {
         let mut outs = vec![Out::default(); work.len()];
         let pre: Vec<usize> = (0..work.len()).filter(|&i| work[i].tokens.len() > 1).collect();
         let dec: Vec<usize> = (0..work.len()).filter(|&i| work[i].tokens.len() == 1).collect();
@@ -124,10 +128,14 @@ impl Engine for GpuServeEngine {
                     _ => None,
                 })
                 .collect();
-            let st = self.engine.step_sampled(&toks, &sampling, false).map_err(Self::err)?;
+            let pending = self.engine.step_launch(&toks, &sampling, false).map_err(Self::err)?;
+            during();
+            let st = self.engine.step_collect(pending).map_err(Self::err)?;
             for (j, &i) in dec.iter().enumerate() {
                 outs[i] = Out { token: (work[i].want != Want::Nothing).then(|| st.ids[j]) };
             }
+        } else {
+            during();
         }
         Ok(outs)
     }

@@ -39,14 +39,15 @@ metrics! {
     prefix_cache_tokens_total: "counter", "Prompt tokens taken from the prefix cache instead of computed.";
     steps_total: "counter", "Batched forward passes.";
     step_rows_total: "counter", "Sequences over all forward passes (mean batch = this / steps_total).";
-    forward_micros_total: "counter", "Microseconds spent in the engine's forward passes (the rest of the loop is scheduling).";
+    forward_micros_total: "counter", "Microseconds spent in the engine's forward passes (the rest of the loop is scheduling; includes text_micros_total).";
     forward_micros_max: "gauge", "The slowest forward pass, in microseconds.";
     decode_steps_total: "counter", "Forward passes with no prefill rows (decode alone).";
     decode_step_rows_total: "counter", "Sequences over the decode-only forward passes.";
     decode_micros_total: "counter", "Microseconds in the decode-only forward passes (the rest of forward_micros_total ran prefill).";
     admit_micros_total: "counter", "Microseconds spent admitting requests (budget checks, prefix lookups, eviction).";
-    output_micros_total: "counter", "Microseconds spent after forward passes (sampling, streaming, checkpoints, finishing).";
-    publish_micros_total: "counter", "Microseconds spent updating the KV gauges each turn.";
+    output_micros_total: "counter", "Microseconds spent after forward passes (choosing, checkpoints, finishing).";
+    text_micros_total: "counter", "Microseconds detokenizing and streaming running requests' tokens (during the next forward: overlapped on the GPU).";
+    publish_micros_total: "counter", "Microseconds spent updating the KV gauges (when sequences come or go, else every 20 ms).";
     queue_length: "gauge", "Requests waiting for admission.";
     sequences_running: "gauge", "Sequences being prefilled or decoded.";
     kv_bytes_in_use: "gauge", "KV-cache bytes held by live sequences (shared pages once).";

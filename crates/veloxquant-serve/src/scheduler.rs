@@ -7,7 +7,7 @@
 //! the next prefill chunk of prefilling ones, within a per-step prefill budget so a long
 //! prompt never stalls the others for more than a chunk — and sample, stream, finish.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use std::time::{Duration, Instant};
@@ -103,6 +103,8 @@ struct Active {
     sampler: Sampler,
     detok: Detokenizer,
     stops: StopMatcher,
+    /// The text of a token it was fed met a stop sequence (found while the step ran).
+    text_stopped: bool,
 }
 
 impl Active {
@@ -122,6 +124,8 @@ pub struct Scheduler<E: Engine> {
     prefix: PrefixCache,
     /// When the KV gauges were last published, and the running count then.
     published: (Instant, usize),
+    /// Tokens chosen last step whose text is not yet sent (sent while the next step runs).
+    pending_text: Vec<(SeqId, u32)>,
     slots: Slots,
     stopping: Option<Instant>,
 }
@@ -152,6 +156,7 @@ impl<E: Engine> Scheduler<E> {
             running: Vec::new(),
             prefix,
             published: (Instant::now(), 0),
+            pending_text: Vec::new(),
             slots,
             stopping: None,
         }
@@ -309,10 +314,22 @@ impl<E: Engine> Scheduler<E> {
         if plan.is_empty() {
             return;
         }
-        let singles: Vec<u32> = plan.iter().map(|&(i, _, _)| self.running[i].next.unwrap_or(0)).collect();
+        // The work's tokens owned (prompt chunks copied): the text of the last step's tokens is
+        // handled, borrowing the running requests, while the engine computes this one.
+        let tokens: Vec<Vec<u32>> = plan
+            .iter()
+            .map(|&(i, s, e)| {
+                let a = &self.running[i];
+                if e > s {
+                    a.req.prompt[s..e].to_vec()
+                } else {
+                    vec![a.next.unwrap_or(0)]
+                }
+            })
+            .collect();
         let work: Vec<Work<'_>> = plan
             .iter()
-            .zip(&singles)
+            .zip(&tokens)
             .map(|(&(i, s, e), t)| {
                 let a = &self.running[i];
                 let want = if a.sampler.is_greedy() {
@@ -320,20 +337,30 @@ impl<E: Engine> Scheduler<E> {
                 } else {
                     Want::Sample(a.sampler.params(), a.sampler.draws())
                 };
-                if e > s {
-                    let want = if e == a.req.prompt.len() { want } else { Want::Nothing };
-                    Work { seq: a.seq, tokens: &a.req.prompt[s..e], want }
-                } else {
-                    Work { seq: a.seq, tokens: std::slice::from_ref(t), want }
-                }
+                let want = if e > s && e < a.req.prompt.len() { Want::Nothing } else { want };
+                Work { seq: a.seq, tokens: t, want }
             })
             .collect();
         let rows = work.len();
         let prefilled: usize = plan.iter().map(|&(_, s, e)| e - s).sum();
+        let ctx = OutputCtx {
+            n_ctx: self.engine.info().n_ctx,
+            tok: self.tok.clone(),
+            stop_ids: self.cfg.stop_ids.clone(),
+            metrics: self.metrics.clone(),
+        };
+        let pending = std::mem::take(&mut self.pending_text);
+        let running = &mut self.running;
+        let mut text_micros = 0u64;
         let t0 = Instant::now();
-        let result = self.engine.forward(&work);
+        let result = self.engine.forward_overlapped(&work, &mut || {
+            let t = Instant::now();
+            ctx.stream_pending(running, &pending);
+            text_micros = t.elapsed().as_micros() as u64;
+        });
         let micros = t0.elapsed().as_micros() as u64;
         drop(work);
+        Metrics::add(&self.metrics.text_micros_total, text_micros);
         Metrics::add(&self.metrics.forward_micros_total, micros);
         self.metrics.forward_micros_max.fetch_max(micros, std::sync::atomic::Ordering::Relaxed);
         Metrics::inc(&self.metrics.steps_total);
@@ -360,15 +387,6 @@ impl<E: Engine> Scheduler<E> {
             }
         };
         let t0 = Instant::now();
-        // Detokenizing, stop matching and streaming cost ~3 µs a row, in line: a rayon pool
-        // over the rows was slower on the H200 (waking its threads each ~3 ms step: output
-        // time 0.63 → 1.67 s in the fp16 load test).
-        let ctx = OutputCtx {
-            n_ctx: self.engine.info().n_ctx,
-            tok: self.tok.clone(),
-            stop_ids: self.cfg.stop_ids.clone(),
-            metrics: self.metrics.clone(),
-        };
         let mut done = Vec::new();
         for (&(i, s, e), out) in plan.iter().zip(outs) {
             if e > s {
@@ -380,10 +398,17 @@ impl<E: Engine> Scheduler<E> {
             } else {
                 let a = &mut self.running[i];
                 a.generated.push(a.next.take().unwrap_or(0));
+                if a.text_stopped {
+                    // Its last token's text met a stop sequence while this step ran: the
+                    // step's token for it is dropped.
+                    done.push((i, Finish::Stop));
+                    continue;
+                }
             }
             let n_cached = self.engine.n_tokens(self.running[i].seq);
-            if let Some(f) = ctx.on_output(&mut self.running[i], out, n_cached) {
-                done.push((i, f));
+            match ctx.on_output(&mut self.running[i], out, n_cached) {
+                Some(f) => done.push((i, f)),
+                None => self.pending_text.push((self.running[i].seq, self.running[i].next.unwrap_or(0))),
             }
         }
         done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
@@ -480,7 +505,8 @@ struct OutputCtx {
 
 impl OutputCtx {
     /// The model's output for a sequence's last position (`n_cached` tokens in its cache):
-    /// choose, stream, maybe finish.
+    /// choose, and finish (its text sent now) or go on (its text sent while the next step
+    /// runs: `stream_pending`).
     fn on_output(&self, a: &mut Active, out: Out, n_cached: usize) -> Option<Finish> {
         let Some(id) = out.token else { return Some(Finish::Length) };
         if !a.sampler.is_greedy() {
@@ -490,21 +516,37 @@ impl OutputCtx {
             return Some(Finish::Stop);
         }
         Metrics::inc(&self.metrics.generated_tokens_total);
+        if a.generated.len() + 1 >= a.req.max_tokens || n_cached + 1 >= self.n_ctx {
+            a.generated.push(id);
+            return Some(if self.stream(a, id) { Finish::Stop } else { Finish::Length });
+        }
+        a.next = Some(id);
+        None
+    }
+
+    /// `id`'s text onto the request's, what may be sent sent; true when a stop sequence was met.
+    fn stream(&self, a: &mut Active, id: u32) -> bool {
         let decode = |ids: &[u32]| self.tok.decode(ids).ok();
         let piece = a.detok.push(id, &decode);
         let emit = a.stops.push(&piece);
         if !emit.text.is_empty() {
             let _ = a.req.events.send(Event::Text(emit.text));
         }
-        if emit.stopped {
-            a.generated.push(id);
-            return Some(Finish::Stop);
+        emit.stopped
+    }
+
+    /// The text of last step's tokens, for the requests still running.
+    fn stream_pending(&self, running: &mut [Active], pending: &[(SeqId, u32)]) {
+        if pending.is_empty() {
+            return;
         }
-        if a.generated.len() + 1 >= a.req.max_tokens || n_cached + 1 >= self.n_ctx {
-            a.generated.push(id);
-            return Some(Finish::Length);
+        let at: HashMap<SeqId, usize> = running.iter().enumerate().map(|(i, a)| (a.seq, i)).collect();
+        for &(seq, id) in pending {
+            if let Some(&i) = at.get(&seq) {
+                if self.stream(&mut running[i], id) {
+                    running[i].text_stopped = true;
+                }
+            }
         }
-        a.next = Some(id);
-        None
     }
 }

@@ -145,6 +145,16 @@ pub struct StepOut {
     pub logits: Option<Vec<f32>>,
 }
 
+/// A decode step queued on the device ([`GpuEngine::step_launch`]), its results not yet read.
+#[must_use = "a launched step's tokens are read by step_collect"]
+pub struct PendingStep {
+    b: usize,
+    bucket: usize,
+    /// Rows sampled on the device (the rest greedy), when any is.
+    sampled: Option<Vec<bool>>,
+    want_logits: bool,
+}
+
 pub struct GpuEngine {
     pub model: Arc<GpuModel>,
     pub cfg: EngineConfig,
@@ -522,6 +532,19 @@ impl GpuEngine {
         sampling: &[Option<(SampleParams, u64)>],
         want_logits: bool,
     ) -> Result<StepOut> {
+        let pending = self.step_launch(tokens, sampling, want_logits)?;
+        self.step_collect(pending)
+    }
+
+    /// As [`step_sampled`](Self::step_sampled), up to the device work queued: the caches
+    /// already count the new tokens; [`step_collect`](Self::step_collect) waits for the
+    /// results (the host may do other work between, e.g. a server's streaming).
+    pub fn step_launch(
+        &mut self,
+        tokens: &[(usize, u32)],
+        sampling: &[Option<(SampleParams, u64)>],
+        want_logits: bool,
+    ) -> Result<PendingStep> {
         let b = tokens.len();
         if !sampling.is_empty() && sampling.len() != b {
             return Err(LlmError::InvalidArgument(format!("step: {} sampling entries for {b} rows", sampling.len())));
@@ -551,9 +574,8 @@ impl GpuEngine {
         let pages = self.cache.max_pages(&slots);
         self.launch_step(bucket, pages, &ids, &pos, &rows, &slot_of, StepPart::All)?;
         let st = self.stream.clone();
-        let mut out = vec![0i32; bucket];
-        st.memcpy_dtoh(&self.bufs.ids_out.slice(..bucket), &mut out).map_err(drv("dtoh ids"))?;
-        if sampling.iter().any(Option::is_some) {
+        let sampled = sampling.iter().any(Option::is_some);
+        if sampled {
             let mut words = Vec::with_capacity(4 * b);
             for s in sampling {
                 words.extend(match s {
@@ -566,11 +588,23 @@ impl GpuEngine {
             let (logits, params) = (self.bufs.logits.slice(..b * nv), self.uploads.sample.slice(..4 * b));
             let mut ids = self.bufs.ids_sampled.slice_mut(..b);
             self.model.ops.sample(&st, &logits, b, nv, &params, &mut ids).map_err(gpu)?;
-            let mut sampled = vec![0i32; b];
-            st.memcpy_dtoh(&self.bufs.ids_sampled.slice(..b), &mut sampled).map_err(drv("dtoh sampled"))?;
-            for (i, s) in sampling.iter().enumerate() {
-                if s.is_some() {
-                    out[i] = sampled[i];
+        }
+        let is_sampled = sampling.iter().map(Option::is_some).collect();
+        Ok(PendingStep { b, bucket, sampled: sampled.then_some(is_sampled), want_logits })
+    }
+
+    /// The results of a launched step (waits for the device).
+    pub fn step_collect(&mut self, p: PendingStep) -> Result<StepOut> {
+        let PendingStep { b, bucket, sampled, want_logits } = p;
+        let st = self.stream.clone();
+        let mut out = vec![0i32; bucket];
+        st.memcpy_dtoh(&self.bufs.ids_out.slice(..bucket), &mut out).map_err(drv("dtoh ids"))?;
+        if let Some(is_sampled) = sampled {
+            let mut ids = vec![0i32; b];
+            st.memcpy_dtoh(&self.bufs.ids_sampled.slice(..b), &mut ids).map_err(drv("dtoh sampled"))?;
+            for (i, &s) in is_sampled.iter().enumerate() {
+                if s {
+                    out[i] = ids[i];
                 }
             }
         }

@@ -154,6 +154,7 @@ impl<E: Engine> Scheduler<E> {
             sampler: Sampler::new(r.sampling),
             stops: StopMatcher::new(r.stop.clone()),
             detok: Detokenizer::new(),
+            text_stopped: false,
             req: r,
             seq,
             fed: cached,
