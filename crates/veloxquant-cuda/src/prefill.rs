@@ -139,6 +139,13 @@ fn flash_items(set_bytes: usize) -> usize {
     (FLASH_ITEMS_BYTES / set_bytes.max(1)).clamp(1, FLASH_ITEMS_MAX)
 }
 
+/// Bytes of one buffer set: the window's and the dense context's K and V (f16), all KV heads.
+fn set_bytes(cache: &GpuKvCache, max_chunk: usize, max_ctx: usize) -> usize {
+    let (hk, d) = (cache.cfg.n_kv_heads, cache.cfg.head_dim);
+    let win_ld = max_chunk + cache.exact_slots();
+    2 * hk * win_ld * d * 2 + 2 * hk * max_ctx * d * 2
+}
+
 fn ld_for(n_end: usize) -> usize {
     n_end.div_ceil(16) * 16
 }
@@ -157,9 +164,8 @@ impl PrefillAttn {
         max_ctx: usize,
         kernel: PrefillKernel,
     ) -> usize {
-        let (hk, d) = (cache.cfg.n_kv_heads, cache.cfg.head_dim);
-        let win_ld = max_chunk + cache.exact_slots();
-        let dense = 2 * hk * win_ld * d * 2 + 2 * hk * max_ctx * d * 2;
+        let d = cache.cfg.head_dim;
+        let dense = set_bytes(cache, max_chunk, max_ctx);
         if kernel == PrefillKernel::Flash {
             return dense * flash_items(dense) + FLASH_ITEMS_MAX * std::mem::size_of::<FlashItem>();
         }
@@ -206,7 +212,7 @@ impl PrefillAttn {
         let band_cap = cache.exact_slots();
         // The GEMM path's score, weight and output buffers (one element each with flash).
         let (rows, ld) = if flash { (0, 0) } else { (max_chunk * n_q_heads, ld_for(max_ctx)) };
-        let sets = if flash { flash_items(2 * hk * win_ld * d * 2 + 2 * hk * max_ctx * d * 2) } else { 1 };
+        let sets = if flash { flash_items(set_bytes(cache, max_chunk, max_ctx)) } else { 1 };
         let s = &dev.stream;
         let alloc16 = |n: usize| s.alloc_zeros::<u16>(n.max(1)).map_err(drv("alloc prefill"));
         let alloc32 = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(drv("alloc prefill"));
