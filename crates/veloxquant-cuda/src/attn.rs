@@ -204,7 +204,8 @@ pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) 
         (Family::Attn, attn_defines(kf, vf, g, pdl)),
     ];
     if pipe.stream {
-        // Split-K as well: batches past the stream grid's bound, and `DecodeOptions::split_k`.
+        // Split-K as well: batches past the stream grid's bound, fewer waves than
+        // STREAM_MIN_WAVES, and `DecodeGrid::SplitK`.
         let split = Pipe::new(kf, vf, cc, false, true, &t);
         m.push((Family::Decode, decode_defines(kf, vf, g, &split, &var, pdl)));
     }
@@ -668,12 +669,10 @@ impl PlanCore {
         let ptr = |x: &CudaSlice<f32>| x.device_ptr(&s).0;
         let vptr = |x: &CudaView<'_, f32>| x.device_ptr(&s).0;
         let (acc, ml) = (ptr(&self.part_acc), ptr(&self.part_ml));
-        let qp = vptr(q);
         let vs = vptr(&vsigns);
-        let rows = self.rows.device_ptr(&s).0;
         let part_rows = if self.stream_blocks > 0 { self.part_rows.device_ptr(&s).0 } else { 0u64 };
         let (kx, vx) = (cache.k.exact[layer].device_ptr(&s).0, cache.v.exact[layer].device_ptr(&s).0);
-        let (sl, cd) = (seq_len.device_ptr(&s).0, coded.device_ptr(&s).0);
+        let sl = seq_len.device_ptr(&s).0;
         let (o32, o16) = match out {
             DecodeOut::F32(o) => (o.device_ptr_mut(&s).0, 0u64),
             DecodeOut::F16(o) => (0u64, o.device_ptr_mut(&s).0),
@@ -684,12 +683,12 @@ impl PlanCore {
             arg(&part_rows),
             arg(&ns),
             arg(&hk),
-            arg(&qp),
+            arg(&qd),
             arg(&kx),
             arg(&vx),
-            arg(&rows),
+            arg(&rows_d),
             arg(&sl),
-            arg(&cd),
+            arg(&coded_d),
             arg(&n_sink),
             arg(&ring),
             arg(&vs),

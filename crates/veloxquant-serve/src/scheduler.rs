@@ -7,9 +7,8 @@
 //! the next prefill chunk of prefilling ones, within a per-step prefill budget so a long
 //! prompt never stalls the others for more than a chunk — and sample, stream, finish.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
-
 use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
@@ -124,8 +123,6 @@ pub struct Scheduler<E: Engine> {
     prefix: PrefixCache,
     /// When the KV gauges were last published, and the running count then.
     published: (Instant, usize),
-    /// Tokens chosen last step whose text is not yet sent (sent while the next step runs).
-    pending_text: Vec<(SeqId, u32)>,
     slots: Slots,
     stopping: Option<Instant>,
 }
@@ -156,7 +153,6 @@ impl<E: Engine> Scheduler<E> {
             running: Vec::new(),
             prefix,
             published: (Instant::now(), 0),
-            pending_text: Vec::new(),
             slots,
             stopping: None,
         }
@@ -349,13 +345,12 @@ impl<E: Engine> Scheduler<E> {
             stop_ids: self.cfg.stop_ids.clone(),
             metrics: self.metrics.clone(),
         };
-        let pending = std::mem::take(&mut self.pending_text);
         let running = &mut self.running;
         let mut text_micros = 0u64;
         let t0 = Instant::now();
         let result = self.engine.forward_overlapped(&work, &mut || {
             let t = Instant::now();
-            ctx.stream_pending(running, &pending);
+            ctx.stream_pending(running);
             text_micros = t.elapsed().as_micros() as u64;
         });
         let micros = t0.elapsed().as_micros() as u64;
@@ -406,9 +401,8 @@ impl<E: Engine> Scheduler<E> {
                 }
             }
             let n_cached = self.engine.n_tokens(self.running[i].seq);
-            match ctx.on_output(&mut self.running[i], out, n_cached) {
-                Some(f) => done.push((i, f)),
-                None => self.pending_text.push((self.running[i].seq, self.running[i].next.unwrap_or(0))),
+            if let Some(f) = ctx.on_output(&mut self.running[i], out, n_cached) {
+                done.push((i, f));
             }
         }
         done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
@@ -535,17 +529,12 @@ impl OutputCtx {
         emit.stopped
     }
 
-    /// The text of last step's tokens, for the requests still running.
-    fn stream_pending(&self, running: &mut [Active], pending: &[(SeqId, u32)]) {
-        if pending.is_empty() {
-            return;
-        }
-        let at: HashMap<SeqId, usize> = running.iter().enumerate().map(|(i, a)| (a.seq, i)).collect();
-        for &(seq, id) in pending {
-            if let Some(&i) = at.get(&seq) {
-                if self.stream(&mut running[i], id) {
-                    running[i].text_stopped = true;
-                }
+    /// The text of the tokens the running requests are being fed (chosen last step: a
+    /// request's `next` is sent exactly once, in the step that feeds it).
+    fn stream_pending(&self, running: &mut [Active]) {
+        for a in running.iter_mut() {
+            if let Some(id) = a.next {
+                a.text_stopped = self.stream(a, id);
             }
         }
     }

@@ -589,8 +589,8 @@ impl GpuEngine {
             let mut ids = self.bufs.ids_sampled.slice_mut(..b);
             self.model.ops.sample(&st, &logits, b, nv, &params, &mut ids).map_err(gpu)?;
         }
-        let is_sampled = sampling.iter().map(Option::is_some).collect();
-        Ok(PendingStep { b, bucket, sampled: sampled.then_some(is_sampled), want_logits })
+        let sampled = sampled.then(|| sampling.iter().map(Option::is_some).collect());
+        Ok(PendingStep { b, bucket, sampled, want_logits })
     }
 
     /// The results of a launched step (waits for the device).
