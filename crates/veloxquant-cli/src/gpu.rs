@@ -252,17 +252,30 @@ mod imp {
         e.remove_sequence(w)?;
         let slots: Vec<usize> = (0..seqs).map(|_| e.add_sequence()).collect::<Result<_, _>>()?;
         let items: Vec<(usize, &[u32], usize)> = slots.iter().map(|&s| (s, &toks[..], n - 1)).collect();
+        let before = e.prefill_times;
         let t0 = Instant::now();
         e.prefill(&items)?;
         let secs = t0.elapsed().as_secs_f64();
         let total = n * seqs;
+        let t = e.prefill_times;
+        let ms = |a: u64, b: u64| (a - b) as f64 / 1e3;
+        let split = [
+            ms(t.plan_micros, before.plan_micros),
+            ms(t.queue_micros, before.queue_micros),
+            ms(t.wait_micros, before.wait_micros),
+        ];
         eprintln!(
-            "{name} prefill of {seqs} × {n} tokens, {method}, {kernel:?}: {secs:.3} s ({:.0} tokens/s)",
-            total as f64 / secs
+            "{name} prefill of {seqs} × {n} tokens, {method}, {kernel:?}: {secs:.3} s ({:.0} tokens/s); host: plan {:.1} ms, queue {:.1} ms, wait {:.1} ms over {} forwards",
+            total as f64 / secs,
+            split[0],
+            split[1],
+            split[2],
+            t.forwards - before.forwards
         );
         Ok(json!({"kind": "prefill", "model": name, "weights": model.weights, "method": method.to_string(),
                   "kernel": format!("{kernel:?}").to_lowercase(), "sequences": seqs,
                   "prefill_tokens": n, "chunk": cfg_chunk, "rows": cfg_rows, "seconds": secs, "tokens_per_s": total as f64 / secs,
+                  "host_plan_ms": split[0], "host_queue_ms": split[1], "host_wait_ms": split[2],
                   "workspace_bytes": e.device_bytes().workspace}))
     }
 

@@ -342,10 +342,33 @@ impl PrefillAttn {
         }
         let per = self.items_per_launch();
         for (c, group) in rows.chunks(per).enumerate() {
-            let mut items = Vec::with_capacity(group.len());
+            // Per group: each chunk's exact window (before the append), one append of the
+            // group's rows, each chunk's dense copy, then its attention.
+            let first = c * per;
+            let mut bands = Vec::with_capacity(group.len());
             for (j, row) in group.iter().enumerate() {
-                let i = c * per + j;
-                let a = self.stage(cache, layer, j, row, &rows_dev.slice(i..i + 1), src, n_rows, st)?;
+                let (band, width) = self.band(cache, row, n_rows)?;
+                let row_dev = rows_dev.slice(first + j..first + j + 1);
+                cache.launch_window(
+                    layer,
+                    &row_dev,
+                    width,
+                    src.0,
+                    src.1,
+                    &mut self.kwin[j],
+                    &mut self.vwin[j],
+                    self.win_ld,
+                    st,
+                )?;
+                bands.push(band);
+            }
+            let max_new = group.iter().map(|r| r.n as usize).max().unwrap_or(0);
+            let max_enc = group.iter().map(|r| (r.coded1 - r.coded0) as usize).max().unwrap_or(0);
+            let group_dev = rows_dev.slice(first..first + group.len());
+            cache.launch_append(layer, &group_dev, group.len(), max_new, max_enc, src.0, src.1, st)?;
+            let mut items = Vec::with_capacity(group.len());
+            for (j, (row, &a)) in group.iter().zip(&bands).enumerate() {
+                cache.launch_dense(layer, row.slot as usize, &mut self.kd[j], &mut self.vd[j], self.max_ctx, st)?;
                 if self.flash.is_some() {
                     items.push(FlashItem {
                         a,
@@ -367,25 +390,19 @@ impl PrefillAttn {
         Ok(())
     }
 
-    /// Checks one chunk against the plan, then stages it in buffer set `j`: the exact window
-    /// (before the append), the append, the dense copy. Returns its band.
-    #[allow(clippy::too_many_arguments)]
-    fn stage(
-        &mut self,
-        cache: &mut GpuKvCache,
-        layer: usize,
-        j: usize,
-        row: &AppendRow,
-        row_dev: &CudaView<'_, AppendRow>,
-        src: (&AppendSrc<'_>, &AppendSrc<'_>),
-        n_rows: usize,
-        st: &Arc<CudaStream>,
-    ) -> Result<BandArgs> {
+    /// Checks one chunk against the plan; its band and the width of its exact window.
+    fn band(&self, cache: &GpuKvCache, row: &AppendRow, n_rows: usize) -> Result<(BandArgs, usize)> {
         let (d, sink) = (cache.cfg.head_dim, cache.cfg.sink);
         let (n_q, p0) = (row.n as usize, row.pos0 as usize);
         let n_end = p0 + n_q;
         let r0 = row.src_row as usize;
-        if n_q == 0 || n_q > self.max_chunk || n_end > self.max_ctx || r0 + n_q > n_rows || row.coded0 < 0 {
+        if n_q == 0
+            || n_q > self.max_chunk
+            || n_end > self.max_ctx
+            || r0 + n_q > n_rows
+            || row.coded0 < 0
+            || row.coded1 < row.coded0
+        {
             return Err(CudaError::ShapeMismatch {
                 op: "prefill chunk within the plan",
                 expected: self.max_chunk,
@@ -393,22 +410,7 @@ impl PrefillAttn {
             });
         }
         let win_lo = sink + row.coded0 as usize;
-        let width = n_end.saturating_sub(win_lo);
-        cache.launch_window(
-            layer,
-            row_dev,
-            width,
-            src.0,
-            src.1,
-            &mut self.kwin[j],
-            &mut self.vwin[j],
-            self.win_ld,
-            st,
-        )?;
-        let enc = (row.coded1 - row.coded0) as usize;
-        cache.launch_append(layer, row_dev, 1, n_q, enc, src.0, src.1, st)?;
-        cache.launch_dense(layer, row.slot as usize, &mut self.kd[j], &mut self.vd[j], self.max_ctx, st)?;
-        Ok(BandArgs {
+        let band = BandArgs {
             p0: p0 as i32,
             n_q: n_q as i32,
             n_end: n_end as i32,
@@ -417,7 +419,8 @@ impl PrefillAttn {
             ld_s: ld_for(n_end) as i32,
             band_cap: self.band_cap as i32,
             scale: 1.0 / (d as f32).sqrt(),
-        })
+        };
+        Ok((band, n_end.saturating_sub(win_lo)))
     }
 
     /// One flash launch over staged items (`items[j]` in buffer set j).

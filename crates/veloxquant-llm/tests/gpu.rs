@@ -608,3 +608,60 @@ fn gpu_sampling_matches_the_cpu_reference() {
     assert!(engine.step_sampled(&[(slots[0], 1)], &[None, None], false).is_err(), "sampling entries ≠ rows");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A launched prefill (`prefill_launch`, a decode step queued behind it, then both collected:
+/// the server's step) chooses each prompt's next token as the host would from `prefill`'s
+/// logits of the same forward on a twin engine; the step's logits are the twin's; chunks
+/// past the engine's sizes are typed errors.
+#[test]
+fn gpu_prefill_launch_chooses_what_the_host_would() {
+    use veloxquant_llm::gpu::NextToken;
+    use veloxquant_llm::sample::{sample_token, SampleParams};
+    let Some(dev) = device() else { return };
+    let dir = tmp_dir("prefill-launch");
+    let path = tiny_gguf(&dir, 9);
+    let model = Arc::new(GpuModel::load(&dev, &path).unwrap());
+    let mut cfg = EngineConfig::new(default_method(), 5, 512);
+    cfg.prefill_chunk = 96;
+    cfg.prefill_rows = 256;
+    let (mut a, mut b) = (GpuEngine::new(model.clone(), cfg.clone()).unwrap(), GpuEngine::new(model, cfg).unwrap());
+    let mut rng = SplitMix64::new(31);
+    let prompts: Vec<Vec<u32>> = [70usize, 96, 33, 50]
+        .iter()
+        .map(|&n| (0..n).map(|_| (rng.next_u64() % VOCAB as u64) as u32).collect())
+        .collect();
+    // Slot 0 decodes while slots 1-3 are prefilled.
+    let slots: Vec<usize> = (0..4).map(|_| a.add_sequence().unwrap()).collect();
+    assert_eq!(slots, (0..4).map(|_| b.add_sequence().unwrap()).collect::<Vec<_>>());
+    a.prefill(&[(slots[0], &prompts[0][..], prompts[0].len())]).unwrap();
+    b.prefill(&[(slots[0], &prompts[0][..], prompts[0].len())]).unwrap();
+    // The tiny model's logits are peaked: temperature 8 makes the draw matter.
+    let hot = SampleParams { temperature: 8.0, top_p: 0.95, top_k: 0, seed: 77 };
+    let wants = [NextToken::Greedy, NextToken::Sample(hot, 5), NextToken::None];
+    let items: Vec<(usize, &[u32], NextToken)> = (1..4).map(|i| (slots[i], &prompts[i][..], wants[i - 1])).collect();
+    let pending = a.prefill_launch(&items).unwrap();
+    let step = a.step_launch(&[(slots[0], 7)], &[], true).unwrap();
+    let step = a.step_collect(step).unwrap();
+    let got = a.prefill_collect(pending).unwrap();
+
+    let twin_items: Vec<(usize, &[u32], usize)> =
+        (1..4).map(|i| (slots[i], &prompts[i][..], prompts[i].len() - 1)).collect();
+    let lg = b.prefill(&twin_items).unwrap();
+    let twin_step = b.step(&[(slots[0], 7)], true).unwrap();
+    assert_eq!(got[0], Some(argmax(&lg[0]) as u32), "greedy item");
+    assert_eq!(got[1], Some(sample_token(&lg[1], &hot, 5)), "sampled item");
+    assert_eq!(got[2], None, "an item that wants no token");
+    assert_eq!(step.ids, twin_step.ids, "the decode step queued behind the prefill");
+    assert_eq!(step.logits, twin_step.logits);
+    // Both engines' caches continue alike.
+    let (na, nb) = (a.step(&[(slots[2], 3)], true).unwrap(), b.step(&[(slots[2], 3)], true).unwrap());
+    assert_eq!(na.logits, nb.logits, "after the launched prefill");
+
+    let e = a.add_sequence().unwrap();
+    let long = vec![1u32; 97];
+    assert!(matches!(a.prefill_launch(&[(e, &long[..], NextToken::Greedy)]), Err(LlmError::InvalidArgument(_))));
+    assert!(matches!(a.prefill_launch(&[]), Err(LlmError::InvalidArgument(_))));
+    let twice = [(e, &long[..8], NextToken::None), (e, &long[..8], NextToken::None)];
+    assert!(matches!(a.prefill_launch(&twice), Err(LlmError::InvalidArgument(_))));
+    std::fs::remove_dir_all(&dir).ok();
+}

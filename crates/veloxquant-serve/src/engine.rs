@@ -68,6 +68,17 @@ pub struct EngineInfo {
     pub device: &'static str,
 }
 
+/// Running totals of the prefill forwards' time (microseconds, host clocks).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefillPhases {
+    /// Allocating the chunks' pages and uploading the forward's inputs.
+    pub plan: u64,
+    /// Queuing the forward's kernels.
+    pub queue: u64,
+    /// Waiting for the prompts' first tokens (after the step's decode rows, when it has any).
+    pub wait: u64,
+}
+
 /// Not `Send`: an engine is built on the scheduler's thread and stays there (CUDA graphs
 /// and contexts are bound to it).
 pub trait Engine {
@@ -88,6 +99,10 @@ pub trait Engine {
     fn forward_overlapped(&mut self, work: &[Work<'_>], during: &mut dyn FnMut()) -> Result<Vec<Out>> {
         during();
         self.forward(work)
+    }
+    /// Where the prefill forwards' time went so far (engines that split it; zeros if not).
+    fn prefill_phases(&self) -> PrefillPhases {
+        PrefillPhases::default()
     }
     /// Bytes held by `seqs` together, pages shared between them counted once.
     fn kv_bytes(&self, seqs: &[SeqId]) -> usize;

@@ -6,9 +6,9 @@
 use std::sync::Arc;
 
 use veloxquant::PagedCache;
-use veloxquant_llm::gpu::{EngineConfig, GpuEngine, GpuMethod, GpuModel};
+use veloxquant_llm::gpu::{EngineConfig, GpuEngine, GpuMethod, GpuModel, NextToken};
 
-use crate::engine::{cache_bound, Engine, EngineInfo, Out, SeqId, Want, Work};
+use crate::engine::{cache_bound, Engine, EngineInfo, Out, PrefillPhases, SeqId, Want, Work};
 use crate::error::{Result, ServeError};
 
 pub struct GpuServeEngine {
@@ -104,20 +104,25 @@ impl Engine for GpuServeEngine {
         let mut outs = vec![Out::default(); work.len()];
         let pre: Vec<usize> = (0..work.len()).filter(|&i| work[i].tokens.len() > 1).collect();
         let dec: Vec<usize> = (0..work.len()).filter(|&i| work[i].tokens.len() == 1).collect();
-        if !pre.is_empty() {
-            let items: Vec<(usize, &[u32], usize)> = pre
+        // The prefill's forward, then the decode rows' step, queued back to back: the device
+        // runs both while the host streams text; prompts' first tokens are chosen there.
+        let pending_pre = if pre.is_empty() {
+            None
+        } else {
+            let items: Vec<(usize, &[u32], NextToken)> = pre
                 .iter()
                 .map(|&i| {
                     let w = &work[i];
-                    let from = if w.want == Want::Nothing { w.tokens.len() } else { w.tokens.len() - 1 };
-                    (w.seq, w.tokens, from)
+                    let next = match w.want {
+                        Want::Nothing => NextToken::None,
+                        Want::Greedy => NextToken::Greedy,
+                        Want::Sample(p, draw) => NextToken::Sample(p, draw),
+                    };
+                    (w.seq, w.tokens, next)
                 })
                 .collect();
-            let logits = self.engine.prefill(&items).map_err(Self::err)?;
-            for (&i, lg) in pre.iter().zip(logits) {
-                outs[i] = Out { token: work[i].want.choose(&lg) };
-            }
-        }
+            Some(self.engine.prefill_launch(&items).map_err(Self::err)?)
+        };
         if !dec.is_empty() {
             // Decode rows sample on the device: no logits cross to the host.
             let toks: Vec<(usize, u32)> = dec.iter().map(|&i| (work[i].seq, work[i].tokens[0])).collect();
@@ -128,7 +133,17 @@ impl Engine for GpuServeEngine {
                     _ => None,
                 })
                 .collect();
-            let pending = self.engine.step_launch(&toks, &sampling, false).map_err(Self::err)?;
+            let pending = self.engine.step_launch(&toks, &sampling, false);
+            let pending = match pending {
+                Ok(p) => p,
+                Err(e) => {
+                    // The prefill was queued: read it back so the engine is left consistent.
+                    if let Some(p) = pending_pre {
+                        let _ = self.engine.prefill_collect(p);
+                    }
+                    return Err(Self::err(e));
+                }
+            };
             during();
             let st = self.engine.step_collect(pending).map_err(Self::err)?;
             for (j, &i) in dec.iter().enumerate() {
@@ -137,7 +152,18 @@ impl Engine for GpuServeEngine {
         } else {
             during();
         }
+        if let Some(p) = pending_pre {
+            let ids = self.engine.prefill_collect(p).map_err(Self::err)?;
+            for (&i, id) in pre.iter().zip(ids) {
+                outs[i] = Out { token: id };
+            }
+        }
         Ok(outs)
+    }
+
+    fn prefill_phases(&self) -> PrefillPhases {
+        let t = self.engine.prefill_times;
+        PrefillPhases { plan: t.plan_micros, queue: t.queue_micros, wait: t.wait_micros }
     }
 
     /// Slots' bytes with each shared page group split among its holders, so over a set

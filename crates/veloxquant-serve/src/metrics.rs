@@ -44,6 +44,9 @@ metrics! {
     decode_steps_total: "counter", "Forward passes with no prefill rows (decode alone).";
     decode_step_rows_total: "counter", "Sequences over the decode-only forward passes.";
     decode_micros_total: "counter", "Microseconds in the decode-only forward passes (the rest of forward_micros_total ran prefill).";
+    prefill_plan_micros_total: "counter", "Of the prefill-carrying passes, microseconds allocating pages and uploading the prefill's inputs (GPU engine).";
+    prefill_queue_micros_total: "counter", "Of the prefill-carrying passes, microseconds queuing the prefill's kernels (GPU engine; the device runs meanwhile).";
+    prefill_wait_micros_total: "counter", "Of the prefill-carrying passes, microseconds waiting for prompts' first tokens after the step's decode rows (GPU engine).";
     admit_micros_total: "counter", "Microseconds spent admitting requests (budget checks, prefix lookups, eviction).";
     output_micros_total: "counter", "Microseconds spent after forward passes (choosing, checkpoints, finishing).";
     text_micros_total: "counter", "Microseconds detokenizing and streaming running requests' tokens (during the next forward: overlapped on the GPU).";

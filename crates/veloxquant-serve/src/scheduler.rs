@@ -360,6 +360,12 @@ impl<E: Engine> Scheduler<E> {
         self.metrics.forward_micros_max.fetch_max(micros, std::sync::atomic::Ordering::Relaxed);
         Metrics::inc(&self.metrics.steps_total);
         Metrics::add(&self.metrics.step_rows_total, rows as u64);
+        if prefilled > 0 {
+            let p = self.engine.prefill_phases();
+            Metrics::set(&self.metrics.prefill_plan_micros_total, p.plan);
+            Metrics::set(&self.metrics.prefill_queue_micros_total, p.queue);
+            Metrics::set(&self.metrics.prefill_wait_micros_total, p.wait);
+        }
         Metrics::add(&self.metrics.prefill_tokens_total, prefilled as u64);
         if prefilled == 0 {
             Metrics::inc(&self.metrics.decode_steps_total);

@@ -515,17 +515,14 @@ impl GpuKvCache {
         })
     }
 
-    /// Copy group `from`'s pages (every layer, both streams) to group `to`.
+    /// Copy group `from`'s pages (every layer, both streams) to group `to` (≠ `from`).
     fn copy_group(&mut self, from: u32, to: u32) -> Result<()> {
         let hk = self.cfg.n_kv_heads;
         let st = self.dev.stream.clone();
         for strm in [&mut self.k, &mut self.v] {
             let pb = strm.fmt.page_bytes * hk;
             for pool in strm.pools.iter_mut() {
-                let (a, b) = (from as usize * pb, to as usize * pb);
-                let src = pool.slice(a..a + pb);
-                let tmp = st.clone_dtod(&src).map_err(drv("dtod"))?;
-                st.memcpy_dtod(&tmp, &mut pool.slice_mut(b..b + pb)).map_err(drv("dtod"))?;
+                copy_within(&st, pool, from as usize * pb, to as usize * pb, pb)?;
             }
         }
         Ok(())
@@ -546,8 +543,7 @@ impl GpuKvCache {
         let st = self.dev.stream.clone();
         for strm in [&mut self.k, &mut self.v] {
             for ex in strm.exact.iter_mut() {
-                let tmp = st.clone_dtod(&ex.slice(slot * n..(slot + 1) * n)).map_err(drv("dtod"))?;
-                st.memcpy_dtod(&tmp, &mut ex.slice_mut(dst * n..(dst + 1) * n)).map_err(drv("dtod"))?;
+                copy_within(&st, ex, slot * n, dst * n, n)?;
             }
         }
         self.slots[dst] = Slot { active: true, ..src };
@@ -686,4 +682,28 @@ pub fn encode_deltas(d: &[(i32, i32)]) -> Vec<i32> {
         out.push(v);
     }
     out
+}
+
+/// Copies `len` elements of `buf` at `from` to `to` (disjoint ranges: `from` ≠ `to`, both
+/// multiples of `len`), in stream order, without a temporary buffer.
+fn copy_within<T: DeviceRepr>(
+    st: &Arc<cudarc::driver::CudaStream>,
+    buf: &mut CudaSlice<T>,
+    from: usize,
+    to: usize,
+    len: usize,
+) -> Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    let end = from.max(to) + len;
+    if from.abs_diff(to) < len || end > buf.len() {
+        return Err(CudaError::ShapeMismatch { op: "copy within a buffer", expected: buf.len(), got: end });
+    }
+    let (mut lo, mut hi) = buf.split_at_mut(from.max(to));
+    if from < to {
+        st.memcpy_dtod(&lo.slice(from..from + len), &mut hi.slice_mut(..len)).map_err(drv("dtod"))
+    } else {
+        st.memcpy_dtod(&hi.slice(..len), &mut lo.slice_mut(to..to + len)).map_err(drv("dtod"))
+    }
 }

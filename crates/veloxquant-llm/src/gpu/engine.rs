@@ -111,6 +111,8 @@ struct Bufs {
     ids_out: CudaSlice<i32>,
     /// Sampled ids (rows that sample; the step's argmax stays in ids_out).
     ids_sampled: CudaSlice<i32>,
+    /// A launched prefill's next tokens: argmax rows, then sampled rows (2 × max_seqs).
+    ids_pre: CudaSlice<i32>,
 }
 
 /// Host-written inputs of a forward (graphs hold their addresses too).
@@ -122,6 +124,8 @@ struct Uploads {
     pre_rows: CudaSlice<AppendRow>,
     /// Sampling words, 4 per row (`veloxquant_cuda::ops::sample_params`).
     sample: CudaSlice<u64>,
+    /// The same for a launched prefill's rows.
+    pre_sample: CudaSlice<u64>,
 }
 
 /// What a captured step records (the benchmark times the parts apart).
@@ -145,6 +149,25 @@ pub struct StepOut {
     pub logits: Option<Vec<f32>>,
 }
 
+/// What a prefilled chunk's last position gives back ([`GpuEngine::prefill_launch`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NextToken {
+    None,
+    Greedy,
+    /// `crate::sample::sample_token(logits, params, draw)`, chosen on the device.
+    Sample(SampleParams, u64),
+}
+
+/// A prefill forward queued on the device ([`GpuEngine::prefill_launch`]), its tokens not yet
+/// read.
+#[must_use = "a launched prefill's tokens are read by prefill_collect"]
+pub struct PendingPrefill {
+    n_items: usize,
+    /// Items that want a token, in order (row j of the device's ids).
+    wanted: Vec<usize>,
+    sampled: Vec<bool>,
+}
+
 /// A decode step queued on the device ([`GpuEngine::step_launch`]), its results not yet read.
 #[must_use = "a launched step's tokens are read by step_collect"]
 pub struct PendingStep {
@@ -166,6 +189,21 @@ pub struct GpuEngine {
     graphs: HashMap<(usize, usize, StepPart), StepGraph>,
     max_deltas: usize,
     stream: Arc<CudaStream>,
+    /// Where the prefill forwards' time went (host clocks).
+    pub prefill_times: PrefillTimes,
+}
+
+/// Host-clock split of the prefill forwards: planning and queuing the device work, then
+/// waiting for the device (and the logits' copy).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PrefillTimes {
+    pub forwards: u64,
+    /// Allocating the chunks' pages and uploading the forward's inputs.
+    pub plan_micros: u64,
+    /// Queuing the layers' kernels.
+    pub queue_micros: u64,
+    /// The logits' kernels and copies, and the wait for the device.
+    pub wait_micros: u64,
 }
 
 /// Device bytes of one engine's cache, prefill workspace and activations.
@@ -296,16 +334,29 @@ impl GpuEngine {
             logits: a32(cfg.logits_rows.max(cfg.max_seqs) * c.n_vocab)?,
             ids_out: st.alloc_zeros::<i32>(cfg.max_seqs).map_err(drv("alloc"))?,
             ids_sampled: st.alloc_zeros::<i32>(cfg.max_seqs).map_err(drv("alloc"))?,
+            ids_pre: st.alloc_zeros::<i32>(2 * cfg.max_seqs).map_err(drv("alloc"))?,
         };
         let uploads = Uploads {
             up: st.alloc_zeros::<i32>(8 * cfg.max_seqs + 1 + 2 * max_deltas).map_err(drv("alloc"))?,
             pre_up: st.alloc_zeros::<i32>(2 * cfg.prefill_rows).map_err(drv("alloc"))?,
             pre_rows: st.alloc_zeros::<AppendRow>(cfg.prefill_rows).map_err(drv("alloc"))?,
             sample: st.alloc_zeros::<u64>(4 * cfg.max_seqs).map_err(drv("alloc"))?,
+            pre_sample: st.alloc_zeros::<u64>(4 * cfg.max_seqs).map_err(drv("alloc"))?,
         };
         let blas = Blas::new(&model.dev).map_err(gpu)?;
-        let e =
-            Self { model, cfg, cache, blas, prefill, bufs, uploads, graphs: HashMap::new(), max_deltas, stream: st };
+        let e = Self {
+            model,
+            cfg,
+            cache,
+            blas,
+            prefill,
+            bufs,
+            uploads,
+            graphs: HashMap::new(),
+            max_deltas,
+            stream: st,
+            prefill_times: PrefillTimes::default(),
+        };
         // The decode kernels compile now (one plan's modules serve every batch and page
         // bucket), not inside the first step a request waits for.
         PlanCore::new(&e.cache, c.n_heads, 1, e.page_bucket(1), DecodeOptions::default()).map_err(gpu)?;
@@ -433,24 +484,20 @@ impl GpuEngine {
         Ok(out)
     }
 
-    /// One forward over chunks (item, start, len) of `items`; logits per chunk for its
-    /// positions at or past the item's logits_from.
-    fn prefill_round(
-        &mut self,
-        items: &[(usize, &[u32], usize)],
-        round: &[(usize, usize, usize)],
-    ) -> Result<Vec<Vec<f32>>> {
+    /// Queues the layers of one forward over `chunks` (slot, tokens), appending them to the
+    /// slots' caches; the final hidden states stay in `bufs.x` (chunk after chunk).
+    fn queue_layers(&mut self, chunks: &[(usize, &[u32])]) -> Result<()> {
+        let t0 = std::time::Instant::now();
         let c = self.model.config.clone();
-        let (h, d, hq, hkv, nv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.n_vocab);
+        let (h, d, hq, hkv) = (c.hidden, c.head_dim, c.n_heads, c.n_kv_heads);
         let qkv_w = (hq + 2 * hkv) * d;
         let mut ids = Vec::new();
         let mut pos = Vec::new();
         let mut rows = Vec::new();
-        for &(i, start, len) in round {
-            let (slot, toks, _) = items[i];
+        for &(slot, toks) in chunks {
             let p0 = self.cache.n_tokens(slot).map_err(gpu)?;
-            rows.push(self.cache.plan_append(slot, len, ids.len()).map_err(gpu)?);
-            for (j, &t) in toks[start..start + len].iter().enumerate() {
+            rows.push(self.cache.plan_append(slot, toks.len(), ids.len()).map_err(gpu)?);
+            for (j, &t) in toks.iter().enumerate() {
                 ids.push(t as i32);
                 pos.push((p0 + j) as i32);
             }
@@ -462,10 +509,10 @@ impl GpuEngine {
         ids.extend_from_slice(&pos);
         st.memcpy_htod(&ids, &mut uploads.pre_up.slice_mut(..2 * n)).map_err(drv("htod prefill"))?;
         st.memcpy_htod(&rows, &mut uploads.pre_rows.slice_mut(..rows.len())).map_err(drv("htod prefill"))?;
-        let ops = &model.ops;
+        let planned = t0.elapsed();
         let ids_v = uploads.pre_up.slice(..n);
         let pos_v = uploads.pre_up.slice(n..2 * n);
-        ops.embed(&st, &ids_v, n, &model.embed, h, &mut bufs.x.slice_mut(..)).map_err(gpu)?;
+        model.ops.embed(&st, &ids_v, n, &model.embed, h, &mut bufs.x.slice_mut(..)).map_err(gpu)?;
         let pre_rows = &uploads.pre_rows;
         let mut attend = |l: usize, bufs: &mut Bufs| -> Result<()> {
             let ksrc = AppendSrc { data: bufs.k32.slice(..), stride: hkv * d };
@@ -477,6 +524,29 @@ impl GpuEngine {
             Ok(())
         };
         forward_layers(model, blas, bufs, &st, n, &pos_v, true, StepPart::All, &mut attend)?;
+        let t = &mut self.prefill_times;
+        t.forwards += 1;
+        t.plan_micros += planned.as_micros() as u64;
+        t.queue_micros += (t0.elapsed() - planned).as_micros() as u64;
+        Ok(())
+    }
+
+    /// One forward over chunks (item, start, len) of `items`; logits per chunk for its
+    /// positions at or past the item's logits_from.
+    fn prefill_round(
+        &mut self,
+        items: &[(usize, &[u32], usize)],
+        round: &[(usize, usize, usize)],
+    ) -> Result<Vec<Vec<f32>>> {
+        let chunks: Vec<(usize, &[u32])> =
+            round.iter().map(|&(i, start, len)| (items[i].0, &items[i].1[start..start + len])).collect();
+        self.queue_layers(&chunks)?;
+        let t0 = std::time::Instant::now();
+        let c = self.model.config.clone();
+        let (h, nv) = (c.hidden, c.n_vocab);
+        let st = self.stream.clone();
+        let Self { bufs, model, blas, .. } = self;
+        let ops = &model.ops;
         // Logits of the wanted rows, chunk by chunk (each chunk's rows are contiguous).
         let logits_cap = bufs.logits.len() / nv;
         let mut out = Vec::with_capacity(round.len());
@@ -513,6 +583,117 @@ impl GpuEngine {
             r0 += len;
         }
         st.synchronize().map_err(drv("synchronize"))?;
+        self.prefill_times.wait_micros += t0.elapsed().as_micros() as u64;
+        Ok(out)
+    }
+
+    /// One prefill forward over `items` (slot, tokens, what its last position returns), queued
+    /// on the device with no wait: each item's next token is chosen there (argmax, or
+    /// `crate::sample::sample_token`'s algorithm) and read by
+    /// [`prefill_collect`](Self::prefill_collect); the host may queue a decode step between
+    /// (a server's step). The items must fit one forward: distinct slots, each ≤
+    /// `prefill_chunk` tokens, together ≤ `prefill_rows`.
+    pub fn prefill_launch(&mut self, items: &[(usize, &[u32], NextToken)]) -> Result<PendingPrefill> {
+        let mut seen = std::collections::HashSet::new();
+        let mut rows = 0usize;
+        for &(slot, toks, _) in items {
+            if !seen.insert(slot) {
+                return Err(LlmError::InvalidArgument(format!("prefill: slot {slot} appears twice")));
+            }
+            self.check_tokens(toks, slot, toks.len())?;
+            if toks.is_empty() || toks.len() > self.cfg.prefill_chunk {
+                return Err(LlmError::InvalidArgument(format!(
+                    "prefill_launch: a chunk of {} tokens (1..={})",
+                    toks.len(),
+                    self.cfg.prefill_chunk
+                )));
+            }
+            rows += toks.len();
+        }
+        if items.is_empty() || rows > self.cfg.prefill_rows {
+            return Err(LlmError::InvalidArgument(format!(
+                "prefill_launch: {rows} tokens in {} items (one forward: 1..={} tokens)",
+                items.len(),
+                self.cfg.prefill_rows
+            )));
+        }
+        let chunks: Vec<(usize, &[u32])> = items.iter().map(|&(s, t, _)| (s, t)).collect();
+        self.queue_layers(&chunks)?;
+        let t0 = std::time::Instant::now();
+        let c = self.model.config.clone();
+        let (h, nv) = (c.hidden, c.n_vocab);
+        // The wanted rows' final norms side by side (row k of xn), then one logits GEMM.
+        let mut wanted = Vec::new(); // (item, its row in bufs.x)
+        let mut r0 = 0;
+        for (i, &(_, toks, want)) in items.iter().enumerate() {
+            r0 += toks.len();
+            if want != NextToken::None {
+                wanted.push((i, r0 - 1));
+            }
+        }
+        let k = wanted.len();
+        let st = self.stream.clone();
+        let Self { bufs, model, blas, uploads, .. } = self;
+        let ops = &model.ops;
+        if k > 0 {
+            for (j, &(_, r)) in wanted.iter().enumerate() {
+                let (xs, mut xn) = (bufs.x.slice(r * h..(r + 1) * h), bufs.xn.slice_mut(j * h..(j + 1) * h));
+                ops.rmsnorm(&st, &xs, h, 1, &model.output_norm, c.rms_eps, &mut xn).map_err(gpu)?;
+            }
+            linear(
+                blas,
+                k,
+                nv,
+                h,
+                Mat::f16(&bufs.xn, h, &st),
+                Mat::f16(model.output_matrix(), h, &st),
+                Mat::f32(&bufs.logits, nv, &st),
+                0.0,
+            )?;
+            let logits = bufs.logits.slice(..k * nv);
+            ops.argmax(&st, &logits, k, nv, &mut bufs.ids_pre.slice_mut(..k)).map_err(gpu)?;
+            let sampling: Vec<Option<(SampleParams, u64)>> = wanted
+                .iter()
+                .map(|&(i, _)| match items[i].2 {
+                    NextToken::Sample(p, draw) if !p.is_greedy() => Some((p, draw)),
+                    _ => None,
+                })
+                .collect();
+            if sampling.iter().any(Option::is_some) {
+                let mut words = Vec::with_capacity(4 * k);
+                for s in &sampling {
+                    words.extend(match s {
+                        Some((p, draw)) => sample_params(p.temperature, p.top_p, p.top_k as u64, p.seed, *draw),
+                        None => [0; 4],
+                    });
+                }
+                st.memcpy_htod(&words, &mut uploads.pre_sample.slice_mut(..4 * k)).map_err(drv("htod sampling"))?;
+                let params = uploads.pre_sample.slice(..4 * k);
+                ops.sample(&st, &logits, k, nv, &params, &mut bufs.ids_pre.slice_mut(k..2 * k)).map_err(gpu)?;
+            }
+            let sampled: Vec<bool> = sampling.iter().map(Option::is_some).collect();
+            self.prefill_times.queue_micros += t0.elapsed().as_micros() as u64;
+            return Ok(PendingPrefill { n_items: items.len(), wanted: wanted.iter().map(|w| w.0).collect(), sampled });
+        }
+        Ok(PendingPrefill { n_items: items.len(), wanted: Vec::new(), sampled: Vec::new() })
+    }
+
+    /// The next tokens of a launched prefill, one per item (`None` where it wanted none);
+    /// waits for the device.
+    pub fn prefill_collect(&mut self, p: PendingPrefill) -> Result<Vec<Option<u32>>> {
+        let t0 = std::time::Instant::now();
+        let k = p.wanted.len();
+        let mut out = vec![None; p.n_items];
+        if k > 0 {
+            let mut ids = vec![0i32; 2 * k];
+            let n = if p.sampled.iter().any(|&s| s) { 2 * k } else { k };
+            self.stream.memcpy_dtoh(&self.bufs.ids_pre.slice(..n), &mut ids[..n]).map_err(drv("dtoh ids"))?;
+            for (j, &i) in p.wanted.iter().enumerate() {
+                out[i] = Some(if p.sampled[j] { ids[k + j] } else { ids[j] } as u32);
+            }
+        }
+        self.stream.synchronize().map_err(drv("synchronize"))?;
+        self.prefill_times.wait_micros += t0.elapsed().as_micros() as u64;
         Ok(out)
     }
 

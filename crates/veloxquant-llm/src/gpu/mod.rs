@@ -9,7 +9,10 @@ mod eval;
 mod model;
 mod passkey;
 
-pub use engine::{EngineBytes, EngineConfig, GpuEngine, GpuMethod, PendingStep, StepOut, StepPart};
+pub use engine::{
+    EngineBytes, EngineConfig, GpuEngine, GpuMethod, NextToken, PendingPrefill, PendingStep, PrefillTimes, StepOut,
+    StepPart,
+};
 pub use eval::{compare_methods_gpu, GpuEvalRow};
 pub use model::{synthetic_config, weight_bytes, GpuModel};
 pub use passkey::passkey_accuracy_gpu;
