@@ -221,6 +221,25 @@ fn linear(blas: &Blas, n: usize, m: usize, k: usize, x: Mat, w: Mat, y: Mat, bet
     blas.linear(n, m, k, x, w, y, 1.0, beta).map_err(gpu)
 }
 
+/// `logits[..rows] = xn[..rows] · outputᵀ`: the vocabulary projection of normed rows.
+fn project_logits(blas: &Blas, model: &GpuModel, bufs: &Bufs, rows: usize, st: &Arc<CudaStream>) -> Result<()> {
+    let (h, nv) = (model.config.hidden, model.config.n_vocab);
+    let (x, w, y) = (Mat::f16(&bufs.xn, h, st), Mat::f16(model.output_matrix(), h, st), Mat::f32(&bufs.logits, nv, st));
+    linear(blas, rows, nv, h, x, w, y, 0.0)
+}
+
+/// The device sampler's words, 4 per row (zeros for a row that does not sample).
+fn sample_words(sampling: &[Option<(SampleParams, u64)>]) -> Vec<u64> {
+    let mut words = Vec::with_capacity(4 * sampling.len());
+    for s in sampling {
+        words.extend(match s {
+            Some((p, draw)) => sample_params(p.temperature, p.top_p, p.top_k as u64, p.seed, *draw),
+            None => [0; 4],
+        });
+    }
+    words
+}
+
 fn act_rows(cfg: &EngineConfig) -> usize {
     cfg.prefill_rows.max(cfg.max_seqs)
 }
@@ -567,16 +586,7 @@ impl GpuEngine {
             }
             let xs = bufs.x.slice((r0 + first) * h..);
             ops.rmsnorm(&st, &xs, h, m, &model.output_norm, c.rms_eps, &mut bufs.xn.slice_mut(..)).map_err(gpu)?;
-            linear(
-                blas,
-                m,
-                nv,
-                h,
-                Mat::f16(&bufs.xn, h, &st),
-                Mat::f16(model.output_matrix(), h, &st),
-                Mat::f32(&bufs.logits, nv, &st),
-                0.0,
-            )?;
+            project_logits(blas, model, bufs, m, &st)?;
             let mut lg = vec![0f32; m * nv];
             st.memcpy_dtoh(&bufs.logits.slice(..m * nv), &mut lg).map_err(drv("dtoh logits"))?;
             out.push(lg);
@@ -640,16 +650,7 @@ impl GpuEngine {
                 let (xs, mut xn) = (bufs.x.slice(r * h..(r + 1) * h), bufs.xn.slice_mut(j * h..(j + 1) * h));
                 ops.rmsnorm(&st, &xs, h, 1, &model.output_norm, c.rms_eps, &mut xn).map_err(gpu)?;
             }
-            linear(
-                blas,
-                k,
-                nv,
-                h,
-                Mat::f16(&bufs.xn, h, &st),
-                Mat::f16(model.output_matrix(), h, &st),
-                Mat::f32(&bufs.logits, nv, &st),
-                0.0,
-            )?;
+            project_logits(blas, model, bufs, k, &st)?;
             let logits = bufs.logits.slice(..k * nv);
             ops.argmax(&st, &logits, k, nv, &mut bufs.ids_pre.slice_mut(..k)).map_err(gpu)?;
             let sampling: Vec<Option<(SampleParams, u64)>> = wanted
@@ -660,13 +661,7 @@ impl GpuEngine {
                 })
                 .collect();
             if sampling.iter().any(Option::is_some) {
-                let mut words = Vec::with_capacity(4 * k);
-                for s in &sampling {
-                    words.extend(match s {
-                        Some((p, draw)) => sample_params(p.temperature, p.top_p, p.top_k as u64, p.seed, *draw),
-                        None => [0; 4],
-                    });
-                }
+                let words = sample_words(&sampling);
                 st.memcpy_htod(&words, &mut uploads.pre_sample.slice_mut(..4 * k)).map_err(drv("htod sampling"))?;
                 let params = uploads.pre_sample.slice(..4 * k);
                 ops.sample(&st, &logits, k, nv, &params, &mut bufs.ids_pre.slice_mut(k..2 * k)).map_err(gpu)?;
@@ -757,13 +752,7 @@ impl GpuEngine {
         let st = self.stream.clone();
         let sampled = sampling.iter().any(Option::is_some);
         if sampled {
-            let mut words = Vec::with_capacity(4 * b);
-            for s in sampling {
-                words.extend(match s {
-                    Some((p, draw)) => sample_params(p.temperature, p.top_p, p.top_k as u64, p.seed, *draw),
-                    None => [0; 4],
-                });
-            }
+            let words = sample_words(sampling);
             let nv = self.model.config.n_vocab;
             st.memcpy_htod(&words, &mut self.uploads.sample.slice_mut(..4 * b)).map_err(drv("htod sampling"))?;
             let (logits, params) = (self.bufs.logits.slice(..b * nv), self.uploads.sample.slice(..4 * b));
@@ -954,16 +943,7 @@ impl GpuEngine {
                 .map_err(gpu)?;
         }
         if gemm {
-            linear(
-                blas,
-                n,
-                nv,
-                h,
-                Mat::f16(&bufs.xn, h, &st),
-                Mat::f16(model.output_matrix(), h, &st),
-                Mat::f32(&bufs.logits, nv, &st),
-                0.0,
-            )?;
+            project_logits(blas, model, bufs, n, &st)?;
         }
         if rest {
             ops.argmax(&st, &bufs.logits.slice(..), n, nv, &mut bufs.ids_out.slice_mut(..)).map_err(gpu)?;
