@@ -11,6 +11,9 @@ Modes:
             tokens/s of each and their ratio.
   prefix    16 requests sharing a 1,024-token prefix, prefix sharing on vs off
             (--max-prefixes 0): KV bytes at the peak and prompt tokens computed.
+  greedy    `veloxquant generate` (--generate-args: the server's model, device, method) on a
+            few text prompts, then the same prompts through the server at temperature 0,
+            one at a time and all together (each 4 times): the texts must be equal.
 
 The server is started from --binary (and stopped with SIGTERM, which must exit 0), or an
 already running one is used with --url. Prompts are token-id arrays (exact lengths).
@@ -327,6 +330,52 @@ async def mode_batching(a, base, host, port, srv):
     }
 
 
+GREEDY_PROMPTS = [
+    "The lighthouse keeper had lived alone on the island for twenty years. One stormy night,",
+    "Photosynthesis is the process by which",
+    "def fibonacci(n):",
+    "The three most important things to remember when learning a new language are",
+]
+
+
+def completion_text(base, prompt, max_tokens, timeout):
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())["choices"][0]["text"]
+
+
+def generate_text(a, prompt):
+    """`veloxquant generate`'s completion of `prompt`: its output before the summary line."""
+    cmd = [a.binary, "generate", "--prompt", prompt, "--max-tokens", str(a.max_tokens)] + a.generate_args.split()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout, check=True).stdout
+    body = out.rstrip("\n").rsplit("\n", 1)[0]  # the last line is the summary
+    assert body.startswith(prompt), f"generate's output does not start with the prompt: {body[:80]!r}"
+    return body[len(prompt):].rstrip("\n")
+
+
+async def mode_greedy(a, base, host, port, srv):
+    import concurrent.futures
+
+    want = [generate_text(a, p) for p in GREEDY_PROMPTS]
+    alone = [completion_text(base, p, a.max_tokens, a.timeout).rstrip("\n") for p in GREEDY_PROMPTS]
+    batch = GREEDY_PROMPTS * 4
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as ex:
+        together = list(ex.map(lambda p: completion_text(base, p, a.max_tokens, a.timeout).rstrip("\n"), batch))
+    rows = []
+    for i, p in enumerate(GREEDY_PROMPTS):
+        got = together[i::len(GREEDY_PROMPTS)]
+        rows.append({"prompt": p, "generate": want[i], "alone_equal": alone[i] == want[i],
+                     "together_equal": sum(g == want[i] for g in got), "together_runs": len(got),
+                     "alone": alone[i] if alone[i] != want[i] else None,
+                     "together_differing": [g for g in got if g != want[i]][:1] or None})
+    ok = all(r["alone_equal"] and r["together_equal"] == r["together_runs"] for r in rows)
+    for r in rows:
+        print("%-40.40s alone %s, together %d/%d" % (r["prompt"], "equal" if r["alone_equal"] else "DIFFERENT",
+                                                      r["together_equal"], r["together_runs"]), file=sys.stderr)
+    return {"rows": rows, "pass": ok, "max_tokens": a.max_tokens, "generate_args": a.generate_args}
+
+
 async def mode_prefix(a, base, host, port, srv):
     rng = random.Random(a.seed)
     shared = prompt_ids(rng, 1024)
@@ -367,6 +416,11 @@ def markdown(out):
         rows.append(f"| 16 × {a['tokens'] // 16} tokens | {f(a['decode_tokens_per_s'], 1)} | "
                     f"{f(b['decode_tokens_per_s'], 1)} | {f(r['decode_speedup'])}× | "
                     f"{f(a['total_tokens_per_s'], 1)} → {f(b['total_tokens_per_s'], 1)} | {f(r['total_speedup'])}× |")
+    elif out["mode"] == "greedy":
+        rows.append("| prompt | server alone = generate | server, 16 at once = generate |")
+        rows.append("|---|---|---|")
+        for r in out["runs"][0]["rows"]:
+            rows.append(f"| {r['prompt'][:40]} | {r['alone_equal']} | {r['together_equal']}/{r['together_runs']} |")
     else:
         rows.append("| prefix sharing | prompt tokens | prefill tokens computed | prefix hits | KV bytes at peak | wall s |")
         rows.append("|---|---|---|---|---|---|")
@@ -382,7 +436,8 @@ def markdown(out):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["load", "batching", "prefix", "md"])
+    ap.add_argument("mode", choices=["load", "batching", "prefix", "greedy", "md"])
+    ap.add_argument("--generate-args", default="", help="mode greedy: `generate` arguments (model, device, method)")
     ap.add_argument("--from-json", help="mode md: render this saved report")
     ap.add_argument("--binary", help="veloxquant binary to start (else --url)")
     ap.add_argument("--url", help="an already running server, http://127.0.0.1:PORT")
@@ -417,7 +472,7 @@ def main():
         base = srv.base if srv else a.url.rstrip("/")
         host, port = base.split("//")[1].split(":")
         assert host in ("127.0.0.1", "localhost"), "loopback only"
-        fn = {"load": mode_load, "batching": mode_batching, "prefix": mode_prefix}[a.mode]
+        fn = {"load": mode_load, "batching": mode_batching, "prefix": mode_prefix, "greedy": mode_greedy}[a.mode]
         rep = asyncio.run(fn(a, base, host, int(port), srv))
         rep["label"] = label
         rep["server_args"] = extra
