@@ -342,7 +342,7 @@ def completion_text(base, prompt, max_tokens, timeout):
     body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
     req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())["choices"][0]["text"]
+        return json.loads(r.read())["choices"][0]["text"].rstrip("\n")
 
 
 def generate_text(a, prompt):
@@ -358,10 +358,10 @@ async def mode_greedy(a, base, host, port, srv):
     import concurrent.futures
 
     want = [generate_text(a, p) for p in GREEDY_PROMPTS]
-    alone = [completion_text(base, p, a.max_tokens, a.timeout).rstrip("\n") for p in GREEDY_PROMPTS]
+    alone = [completion_text(base, p, a.max_tokens, a.timeout) for p in GREEDY_PROMPTS]
     batch = GREEDY_PROMPTS * 4
     with concurrent.futures.ThreadPoolExecutor(len(batch)) as ex:
-        together = list(ex.map(lambda p: completion_text(base, p, a.max_tokens, a.timeout).rstrip("\n"), batch))
+        together = list(ex.map(lambda p: completion_text(base, p, a.max_tokens, a.timeout), batch))
     rows = []
     for i, p in enumerate(GREEDY_PROMPTS):
         got = together[i::len(GREEDY_PROMPTS)]
@@ -454,6 +454,8 @@ def main():
     ap.add_argument("--json", help="write the report here")
     ap.add_argument("--md", help="write the report as a Markdown table here")
     a = ap.parse_args()
+    if a.mode == "greedy" and not a.binary:
+        ap.error("mode greedy runs `veloxquant generate`: it needs --binary")
     if a.mode == "md":
         with open(a.from_json) as f:
             text = markdown(json.load(f))

@@ -61,6 +61,26 @@ fn weight(l: f32, max: f32, t: f32) -> f64 {
     ((l - max) as f64 / t as f64).exp()
 }
 
+/// What a sequence's last computed position gives back: nothing (a prompt chunk that does
+/// not end the prompt), the argmax, or a token sampled with these parameters at this draw.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NextToken {
+    Nothing,
+    Greedy,
+    Sample(SampleParams, u64),
+}
+
+impl NextToken {
+    /// The chosen token from a logits row (the GPU engine makes the same choice on the device).
+    pub fn choose(&self, logits: &[f32]) -> Option<u32> {
+        match self {
+            NextToken::Nothing => None,
+            NextToken::Greedy => Some(argmax(logits) as u32),
+            NextToken::Sample(p, draw) => Some(sample_token(logits, p, *draw)),
+        }
+    }
+}
+
 /// The token chosen from one logits row at the request's `draw`-th sample. Non-finite
 /// logits are never chosen (a row with none finite gives token 0).
 pub fn sample_token(logits: &[f32], p: &SampleParams, draw: u64) -> u32 {

@@ -615,8 +615,7 @@ fn gpu_sampling_matches_the_cpu_reference() {
 /// past the engine's sizes are typed errors.
 #[test]
 fn gpu_prefill_launch_chooses_what_the_host_would() {
-    use veloxquant_llm::gpu::NextToken;
-    use veloxquant_llm::sample::{sample_token, SampleParams};
+    use veloxquant_llm::sample::{sample_token, NextToken, SampleParams};
     let Some(dev) = device() else { return };
     let dir = tmp_dir("prefill-launch");
     let path = tiny_gguf(&dir, 9);
@@ -637,7 +636,7 @@ fn gpu_prefill_launch_chooses_what_the_host_would() {
     b.prefill(&[(slots[0], &prompts[0][..], prompts[0].len())]).unwrap();
     // The tiny model's logits are peaked: temperature 8 makes the draw matter.
     let hot = SampleParams { temperature: 8.0, top_p: 0.95, top_k: 0, seed: 77 };
-    let wants = [NextToken::Greedy, NextToken::Sample(hot, 5), NextToken::None];
+    let wants = [NextToken::Greedy, NextToken::Sample(hot, 5), NextToken::Nothing];
     let items: Vec<(usize, &[u32], NextToken)> = (1..4).map(|i| (slots[i], &prompts[i][..], wants[i - 1])).collect();
     let pending = a.prefill_launch(&items).unwrap();
     let step = a.step_launch(&[(slots[0], 7)], &[], true).unwrap();
@@ -661,7 +660,7 @@ fn gpu_prefill_launch_chooses_what_the_host_would() {
     let long = vec![1u32; 97];
     assert!(matches!(a.prefill_launch(&[(e, &long[..], NextToken::Greedy)]), Err(LlmError::InvalidArgument(_))));
     assert!(matches!(a.prefill_launch(&[]), Err(LlmError::InvalidArgument(_))));
-    let twice = [(e, &long[..8], NextToken::None), (e, &long[..8], NextToken::None)];
+    let twice = [(e, &long[..8], NextToken::Nothing), (e, &long[..8], NextToken::Nothing)];
     assert!(matches!(a.prefill_launch(&twice), Err(LlmError::InvalidArgument(_))));
     std::fs::remove_dir_all(&dir).ok();
 }

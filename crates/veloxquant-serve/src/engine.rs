@@ -6,12 +6,9 @@
 use std::sync::Arc;
 
 use veloxquant::{CacheConfig, PagedCache};
-use veloxquant_llm::eval::argmax;
-use veloxquant_llm::sample::sample_token;
 use veloxquant_llm::{BatchItem, BatchStore, CompressedStore, KvStore, Llama};
 
 use crate::error::{Result, ServeError};
-use crate::sampling::SamplingParams;
 
 /// A sequence inside an engine.
 pub type SeqId = usize;
@@ -24,27 +21,9 @@ pub struct Work<'a> {
     pub want: Want,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Want {
-    /// A prefill chunk that does not end the prompt.
-    Nothing,
-    /// The argmax id.
-    Greedy,
-    /// A token sampled with these parameters at this draw (`veloxquant_llm::sample`; the
-    /// GPU engine samples on the device).
-    Sample(SamplingParams, u64),
-}
-
-impl Want {
-    /// The chosen token from a logits row (the CPU's way).
-    pub fn choose(&self, logits: &[f32]) -> Option<u32> {
-        match self {
-            Want::Nothing => None,
-            Want::Greedy => Some(argmax(logits) as u32),
-            Want::Sample(p, draw) => Some(sample_token(logits, p, *draw)),
-        }
-    }
-}
+/// What a work item needs back for its last position (`Nothing`: a prefill chunk that does
+/// not end the prompt; `Sample`: the GPU engine samples on the device).
+pub use veloxquant_llm::sample::NextToken as Want;
 
 /// The chosen token for one work item's last position (`None` for `Want::Nothing`).
 #[derive(Clone, Copy, Debug, Default)]

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use veloxquant::PagedCache;
-use veloxquant_llm::gpu::{EngineConfig, GpuEngine, GpuMethod, GpuModel, NextToken};
+use veloxquant_llm::gpu::{EngineConfig, GpuEngine, GpuMethod, GpuModel};
 
 use crate::engine::{cache_bound, Engine, EngineInfo, Out, PrefillPhases, SeqId, Want, Work};
 use crate::error::{Result, ServeError};
@@ -109,18 +109,8 @@ impl Engine for GpuServeEngine {
         let pending_pre = if pre.is_empty() {
             None
         } else {
-            let items: Vec<(usize, &[u32], NextToken)> = pre
-                .iter()
-                .map(|&i| {
-                    let w = &work[i];
-                    let next = match w.want {
-                        Want::Nothing => NextToken::None,
-                        Want::Greedy => NextToken::Greedy,
-                        Want::Sample(p, draw) => NextToken::Sample(p, draw),
-                    };
-                    (w.seq, w.tokens, next)
-                })
-                .collect();
+            let items: Vec<(usize, &[u32], Want)> =
+                pre.iter().map(|&i| (work[i].seq, work[i].tokens, work[i].want)).collect();
             Some(self.engine.prefill_launch(&items).map_err(Self::err)?)
         };
         if !dec.is_empty() {

@@ -719,7 +719,7 @@ fn copy_batch(st: &Arc<cudarc::driver::CudaStream>, copies: &[(u64, u64, usize)]
     // SAFETY: all-zero bits are valid for this plain C struct (enums with a 0 variant, ints).
     let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
     attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
-    let mut first = 0usize;
+    let mut attr_from = 0usize;
     // SAFETY: the three arrays hold `count` entries each and outlive the call (the driver
     // reads them before returning); every range lies inside a live allocation of this
     // context (`within` checked it) and pairs are disjoint; one attribute applies from copy 0;
@@ -731,7 +731,7 @@ fn copy_batch(st: &Arc<cudarc::driver::CudaStream>, copies: &[(u64, u64, usize)]
             sizes.as_mut_ptr(),
             copies.len(),
             &mut attr,
-            &mut first,
+            &mut attr_from,
             1,
             st.cu_stream(),
         )

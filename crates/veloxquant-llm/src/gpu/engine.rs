@@ -24,7 +24,7 @@ use veloxquant_cuda::{AppendRow, Blas, GpuCacheConfig, GpuKvCache, PrefillAttn, 
 
 use super::model::{check_fits, gpu, GpuModel};
 use crate::error::{LlmError, Result};
-use crate::sample::SampleParams;
+use crate::sample::{NextToken, SampleParams};
 
 fn drv<E: std::fmt::Debug>(op: &'static str) -> impl FnOnce(E) -> LlmError {
     move |e| LlmError::Gpu(veloxquant_cuda::CudaError::Driver { op, err: format!("{e:?}") })
@@ -149,23 +149,13 @@ pub struct StepOut {
     pub logits: Option<Vec<f32>>,
 }
 
-/// What a prefilled chunk's last position gives back ([`GpuEngine::prefill_launch`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum NextToken {
-    None,
-    Greedy,
-    /// `crate::sample::sample_token(logits, params, draw)`, chosen on the device.
-    Sample(SampleParams, u64),
-}
-
 /// A prefill forward queued on the device ([`GpuEngine::prefill_launch`]), its tokens not yet
 /// read.
 #[must_use = "a launched prefill's tokens are read by prefill_collect"]
 pub struct PendingPrefill {
     n_items: usize,
-    /// Items that want a token, in order (row j of the device's ids).
-    wanted: Vec<usize>,
-    sampled: Vec<bool>,
+    /// Items that want a token, in order (row j of the device's ids), and whether it samples.
+    wanted: Vec<(usize, bool)>,
 }
 
 /// A decode step queued on the device ([`GpuEngine::step_launch`]), its results not yet read.
@@ -463,16 +453,25 @@ impl GpuEngine {
         Ok(())
     }
 
+    /// Each (slot, new tokens) checked by `check_tokens`, the slots distinct (`what` names
+    /// the call in the error).
+    fn check_distinct<'a>(&self, what: &str, chunks: impl IntoIterator<Item = (usize, &'a [u32])>) -> Result<()> {
+        let mut seen = std::collections::HashSet::new();
+        for (slot, toks) in chunks {
+            if !seen.insert(slot) {
+                return Err(LlmError::InvalidArgument(format!("{what}: slot {slot} appears twice")));
+            }
+            self.check_tokens(toks, slot, toks.len())?;
+        }
+        Ok(())
+    }
+
     /// Teacher-forced prefill of each `(slot, tokens)`, in chunks: the tokens are appended to
     /// the sequences; returns, per item, the logits `[n][n_vocab]` of its positions
     /// `logits_from..` (as `Llama::forward`; `logits_from = tokens.len()`: none).
     pub fn prefill(&mut self, items: &[(usize, &[u32], usize)]) -> Result<Vec<Vec<f32>>> {
-        let mut seen = std::collections::HashSet::new();
-        for &(slot, toks, lf) in items {
-            if !seen.insert(slot) {
-                return Err(LlmError::InvalidArgument(format!("prefill: slot {slot} appears twice")));
-            }
-            self.check_tokens(toks, slot, toks.len())?;
+        self.check_distinct("prefill", items.iter().map(|&(slot, toks, _)| (slot, toks)))?;
+        for &(_, toks, lf) in items {
             if lf > toks.len() {
                 return Err(LlmError::InvalidArgument(format!("prefill: logits_from {lf} > {} tokens", toks.len())));
             }
@@ -604,13 +603,9 @@ impl GpuEngine {
     /// (a server's step). The items must fit one forward: distinct slots, each ≤
     /// `prefill_chunk` tokens, together ≤ `prefill_rows`.
     pub fn prefill_launch(&mut self, items: &[(usize, &[u32], NextToken)]) -> Result<PendingPrefill> {
-        let mut seen = std::collections::HashSet::new();
+        self.check_distinct("prefill_launch", items.iter().map(|&(slot, toks, _)| (slot, toks)))?;
         let mut rows = 0usize;
-        for &(slot, toks, _) in items {
-            if !seen.insert(slot) {
-                return Err(LlmError::InvalidArgument(format!("prefill: slot {slot} appears twice")));
-            }
-            self.check_tokens(toks, slot, toks.len())?;
+        for &(_, toks, _) in items {
             if toks.is_empty() || toks.len() > self.cfg.prefill_chunk {
                 return Err(LlmError::InvalidArgument(format!(
                     "prefill_launch: a chunk of {} tokens (1..={})",
@@ -637,11 +632,18 @@ impl GpuEngine {
         let mut r0 = 0;
         for (i, &(_, toks, want)) in items.iter().enumerate() {
             r0 += toks.len();
-            if want != NextToken::None {
+            if want != NextToken::Nothing {
                 wanted.push((i, r0 - 1));
             }
         }
         let k = wanted.len();
+        let sampling: Vec<Option<(SampleParams, u64)>> = wanted
+            .iter()
+            .map(|&(i, _)| match items[i].2 {
+                NextToken::Sample(p, draw) if !p.is_greedy() => Some((p, draw)),
+                _ => None,
+            })
+            .collect();
         let st = self.stream.clone();
         let Self { bufs, model, blas, uploads, .. } = self;
         let ops = &model.ops;
@@ -653,24 +655,16 @@ impl GpuEngine {
             project_logits(blas, model, bufs, k, &st)?;
             let logits = bufs.logits.slice(..k * nv);
             ops.argmax(&st, &logits, k, nv, &mut bufs.ids_pre.slice_mut(..k)).map_err(gpu)?;
-            let sampling: Vec<Option<(SampleParams, u64)>> = wanted
-                .iter()
-                .map(|&(i, _)| match items[i].2 {
-                    NextToken::Sample(p, draw) if !p.is_greedy() => Some((p, draw)),
-                    _ => None,
-                })
-                .collect();
             if sampling.iter().any(Option::is_some) {
                 let words = sample_words(&sampling);
                 st.memcpy_htod(&words, &mut uploads.pre_sample.slice_mut(..4 * k)).map_err(drv("htod sampling"))?;
                 let params = uploads.pre_sample.slice(..4 * k);
                 ops.sample(&st, &logits, k, nv, &params, &mut bufs.ids_pre.slice_mut(k..2 * k)).map_err(gpu)?;
             }
-            let sampled: Vec<bool> = sampling.iter().map(Option::is_some).collect();
-            self.prefill_times.queue_micros += t0.elapsed().as_micros() as u64;
-            return Ok(PendingPrefill { n_items: items.len(), wanted: wanted.iter().map(|w| w.0).collect(), sampled });
         }
-        Ok(PendingPrefill { n_items: items.len(), wanted: Vec::new(), sampled: Vec::new() })
+        self.prefill_times.queue_micros += t0.elapsed().as_micros() as u64;
+        let wanted = wanted.iter().zip(&sampling).map(|(&(i, _), s)| (i, s.is_some())).collect();
+        Ok(PendingPrefill { n_items: items.len(), wanted })
     }
 
     /// The next tokens of a launched prefill, one per item (`None` where it wanted none);
@@ -680,11 +674,12 @@ impl GpuEngine {
         let k = p.wanted.len();
         let mut out = vec![None; p.n_items];
         if k > 0 {
-            let mut ids = vec![0i32; 2 * k];
-            let n = if p.sampled.iter().any(|&s| s) { 2 * k } else { k };
-            self.stream.memcpy_dtoh(&self.bufs.ids_pre.slice(..n), &mut ids[..n]).map_err(drv("dtoh ids"))?;
-            for (j, &i) in p.wanted.iter().enumerate() {
-                out[i] = Some(if p.sampled[j] { ids[k + j] } else { ids[j] } as u32);
+            // Argmax rows, then (when any row samples) the sampled rows.
+            let n = if p.wanted.iter().any(|w| w.1) { 2 * k } else { k };
+            let mut ids = vec![0i32; n];
+            self.stream.memcpy_dtoh(&self.bufs.ids_pre.slice(..n), &mut ids).map_err(drv("dtoh ids"))?;
+            for (j, &(i, sampled)) in p.wanted.iter().enumerate() {
+                out[i] = Some(ids[if sampled { k + j } else { j }] as u32);
             }
         }
         self.stream.synchronize().map_err(drv("synchronize"))?;
@@ -728,13 +723,7 @@ impl GpuEngine {
         if b == 0 || b > self.cfg.max_seqs {
             return Err(LlmError::InvalidArgument(format!("step of {b} sequences (1..={})", self.cfg.max_seqs)));
         }
-        let mut seen = std::collections::HashSet::new();
-        for &(slot, t) in tokens {
-            if !seen.insert(slot) {
-                return Err(LlmError::InvalidArgument(format!("step: slot {slot} appears twice")));
-            }
-            self.check_tokens(&[t], slot, 1)?;
-        }
+        self.check_distinct("step", tokens.iter().map(|(slot, t)| (*slot, std::slice::from_ref(t))))?;
         let bucket = b.next_power_of_two().min(self.cfg.max_seqs);
         let mut ids = vec![0i32; bucket];
         let mut pos = vec![0i32; bucket];

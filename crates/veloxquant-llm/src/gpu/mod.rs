@@ -10,8 +10,7 @@ mod model;
 mod passkey;
 
 pub use engine::{
-    EngineBytes, EngineConfig, GpuEngine, GpuMethod, NextToken, PendingPrefill, PendingStep, PrefillTimes, StepOut,
-    StepPart,
+    EngineBytes, EngineConfig, GpuEngine, GpuMethod, PendingPrefill, PendingStep, PrefillTimes, StepOut, StepPart,
 };
 pub use eval::{compare_methods_gpu, GpuEvalRow};
 pub use model::{synthetic_config, weight_bytes, GpuModel};
