@@ -258,21 +258,52 @@ __device__ __forceinline__ float codes_row_warp(const float* v, u8* row, const f
 
 #if KIND == 8
 // kivi (kivi.rs encode_page): the f16 scale s = (max − min)/(2^b − 1) and zero z = min of
-// group p, stored when `store`; returned as the f32 values of the stored f16s, which the
-// codes are computed against: u = clamp(round((x − z)/s), 0, 2^b − 1) (0 when s = 0).
+// group p, stored when `store`, and the codes u = clamp(round((x − z)/s), 0, 2^b − 1) (0 when
+// s = 0) computed against their f32 values. Both divisions are the correctly rounded quotient
+// (as the CPU's `/`) by Markstein's step: y0 = a·r, e = a − y0·b (exact by FMA), a·(1/b) ≈
+// y0 + e·r with r = RN(1/b); RN of that is RN(a/b) when nothing under- or overflows, which
+// the guards below ensure (else the IEEE division), at three FMA-pipe operations instead of
+// a division per element.
 #define KIVI_LEVELS ((float)((1 << BITS) - 1))
 #define KIVI_NP (T * D / GRP)
-__device__ __forceinline__ float2 kivi_group(u8* page, int p, float lo, float hi, bool store) {
-    const u16 s16 = f2h(__fdiv_rn(hi - lo, KIVI_LEVELS)), z16 = f2h(lo);
+// One group's (s, z) and 1/s. fast: s a finite f16 > 0 and z finite, so every x of the group
+// (min ≤ x ≤ max, with max − min < 65520·levels) gives |x − z| < 2^21 and |(x − z)/s| < 2^46:
+// no overflow, and the remainder can only underflow where |(x − z)/s| < 2^-70, which rounds
+// to code 0 whichever way the last bit goes.
+struct KiviGroup {
+    float s, z, rs;
+    bool fast;
+};
+__device__ __forceinline__ KiviGroup kivi_group(u8* page, int p, float lo, float hi, bool store) {
+    const float span = hi - lo;
+    // span/levels: r = RN(1/levels) is a constant; span ≥ 2^-100 keeps the remainder normal
+    // (smaller spans give s < 2^-25, stored as f16 0 both ways).
+    const float rl = 1.0f / KIVI_LEVELS;
+    const float y0 = span * rl;
+    const float sq = span >= 0x1p-100f && span <= 0x1p100f ? fmaf(fmaf(-y0, KIVI_LEVELS, span), rl, y0)
+                                                          : __fdiv_rn(span, KIVI_LEVELS);
+    const u16 s16 = f2h(sq), z16 = f2h(lo);
     if (store) {
         u16* sz = (u16*)(page + T * ROW_BYTES);
         sz[p] = s16;
         sz[KIVI_NP + p] = z16;
     }
-    return make_float2(h2f(s16), h2f(z16));
+    KiviGroup g;
+    g.s = h2f(s16);
+    g.z = h2f(z16);
+    g.fast = g.s > 0.0f && g.s <= 65504.0f && fabsf(g.z) <= 65504.0f;
+    g.rs = g.fast ? __frcp_rn(g.s) : 0.0f;
+    return g;
 }
-__device__ __forceinline__ u32 kivi_code(float x, float2 sz) {
-    const float u = sz.x > 0.0f ? roundf(__fdiv_rn(x - sz.y, sz.x)) : 0.0f;
+// The code of x in a group with g.fast (Markstein's quotient).
+__device__ __forceinline__ u32 kivi_code_fast(float x, const KiviGroup& g) {
+    const float a = x - g.z;
+    const float y0 = a * g.rs;
+    return (u32)fminf(fmaxf(roundf(fmaf(fmaf(-y0, g.s, a), g.rs, y0)), 0.0f), KIVI_LEVELS);
+}
+__device__ __forceinline__ u32 kivi_code(float x, const KiviGroup& g) {
+    if (g.fast) return kivi_code_fast(x, g);
+    const float u = g.s > 0.0f ? roundf(__fdiv_rn(x - g.z, g.s)) : 0.0f;
     return (u32)fminf(fmaxf(u, 0.0f), KIVI_LEVELS);
 }
 
@@ -296,7 +327,7 @@ __device__ __forceinline__ void kivi_page_warp(Load load, u8* page, int lane) {
 #pragma unroll
             for (int k = 0; k < EPL; k++) { lo[k] = fminf(lo[k], v[k]); hi[k] = fmaxf(hi[k], v[k]); }
         }
-        float2 sz[EPL];
+        KiviGroup sz[EPL];
 #pragma unroll
         for (int k = 0; k < EPL; k++) sz[k] = kivi_group(page, (g0 / GRP) * D + lane + 32 * k, lo[k], hi[k], true);
 #pragma unroll 4

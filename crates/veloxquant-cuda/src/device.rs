@@ -146,6 +146,8 @@ pub struct GpuDevice {
     pub name: String,
     /// NVRTC target, `compute_{major}{minor}`.
     pub arch: &'static str,
+    /// The driver's CUDA version (1000·major + 10·minor), at least `MIN_DRIVER`.
+    pub driver_version: i32,
     /// Kernel variants (defaults unless built by `new_with`).
     pub tuning: Tuning,
     /// Where each compiled module's PTX is also written (a development aid for ptxas / SASS).
@@ -177,6 +179,32 @@ pub fn libraries_present() -> Result<()> {
     Ok(())
 }
 
+/// The CUDA version the driver supports (e.g. 13000); an older one than `MIN_DRIVER` is a
+/// typed error here rather than a panic at the first missing symbol.
+fn driver_version() -> Result<i32> {
+    let mut v: std::ffi::c_int = 0;
+    // SAFETY: writes one int through a valid pointer; the symbol exists in every driver.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }.result().map_err(drv("cuDriverGetVersion"))?;
+    if v < MIN_DRIVER {
+        return Err(CudaError::CudaUnavailable {
+            lib: "libcuda (driver)",
+            why: format!(
+                "driver supports CUDA {}.{}; {}.{} or newer is needed",
+                v / 1000,
+                v % 1000 / 10,
+                MIN_DRIVER / 1000,
+                MIN_DRIVER % 1000 / 10
+            ),
+        });
+    }
+    Ok(v)
+}
+
+/// The oldest driver supported: the bindings are CUDA 13's (cudarc `cuda-13000`), and some of
+/// the calls made (the batched copies of forks, `cuEventElapsedTime_v2`) are missing from
+/// older drivers, where cudarc's loader would panic on the first call instead of failing.
+pub const MIN_DRIVER: i32 = 13000;
+
 impl GpuDevice {
     /// Open device `ordinal`; a missing library or device is a typed error, never a panic.
     pub fn new(ordinal: usize) -> Result<Arc<Self>> {
@@ -186,6 +214,7 @@ impl GpuDevice {
     /// As `new`, with kernel variants and a PTX dump folder (benchmarks).
     pub fn new_with(ordinal: usize, tuning: Tuning, ptx_dir: Option<std::path::PathBuf>) -> Result<Arc<Self>> {
         libraries_present()?;
+        let driver_version = driver_version()?;
         let ctx = catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| CudaError::CudaUnavailable {
                 lib: "libcuda (driver)",
@@ -215,6 +244,7 @@ impl GpuDevice {
             max_smem_optin,
             name,
             arch,
+            driver_version,
             tuning: tuning.clamped(),
             ptx_dir,
             modules: Mutex::new(HashMap::new()),

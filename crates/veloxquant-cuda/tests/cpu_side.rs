@@ -131,6 +131,56 @@ fn markstein_division_is_correctly_rounded() {
     assert!(checked > 1_000_000);
 }
 
+/// kivi's encoder (encode_row.cuh `kivi_group` / `kivi_code_fast`): span/levels and the codes
+/// round((x − z)/s) by a Markstein step equal the CPU's divisions wherever its guards take the
+/// fast path: s a positive finite f16, z a finite f16, min ≤ x ≤ max of the group. Inputs are
+/// spread over every f16 binade of s, with x on and next to the half-way points between codes.
+#[test]
+fn kivi_markstein_codes_equal_the_divisions() {
+    use half::f16;
+    let mut rng = veloxquant::rng::SplitMix64::new(29);
+    let mut checked = 0u64;
+    for i in 0..2_000_000u64 {
+        let bits = if i % 2 == 0 { 2 } else { 4 };
+        let levels = ((1u32 << bits) - 1) as f32;
+        // span/levels, as the kernel: r = RN(1/levels), guarded to [2^-100, 2^100].
+        let span = f32::from_bits(rng.next_u64() as u32 & 0x007F_FFFF | 0x3F80_0000)
+            * 2f32.powi((rng.next_u64() % 201) as i32 - 100);
+        let rl = 1.0f32 / levels;
+        let y0 = span * rl;
+        let sq = (-y0).mul_add(levels, span).mul_add(rl, y0);
+        assert_eq!(sq.to_bits(), (span / levels).to_bits(), "span {span:e} / {levels}");
+        // A group: s > 0 finite, z finite (both f16); x = z + (k + 0.5 + tiny)·s or anywhere.
+        let s = f16::from_bits((rng.next_u64() % 0x7BFF) as u16 + 1).to_f32();
+        let z = f16::from_bits(rng.next_u64() as u16 & 0xFBFF).to_f32();
+        let k = (rng.next_u64() % (levels as u64 + 2)) as f32 - 1.0;
+        let x = match i % 3 {
+            0 => z + (k + 0.5) * s,
+            1 => {
+                let m = z + (k + 0.5) * s;
+                let steps = (rng.next_u64() % 7) as i32 - 3;
+                f32::from_bits((m.to_bits() as i32 + steps) as u32)
+            }
+            _ => z + (rng.next_u64() % 100_000) as f32 / 100_000.0 * (levels + 1.0) * s,
+        };
+        if !x.is_finite() {
+            continue;
+        }
+        let a = x - z;
+        let rs = 1.0f32 / s;
+        let y0 = a * rs;
+        let q = (-y0).mul_add(s, a).mul_add(rs, y0);
+        if (a / s).abs() >= 2f32.powi(-70) {
+            assert_eq!(q.to_bits(), (a / s).to_bits(), "x {x:e} z {z:e} s {s:e}");
+        }
+        let fast = q.round().clamp(0.0, levels) as u32;
+        let exact = (a / s).round().clamp(0.0, levels) as u32;
+        assert_eq!(fast, exact, "x {x:e} z {z:e} s {s:e}");
+        checked += 1;
+    }
+    assert!(checked > 1_900_000);
+}
+
 /// Every module configuration the host can request compiles with NVRTC for sm_90 (no GPU
 /// needed: CI installs libnvrtc from the `nvidia-cuda-nvrtc` wheel). Skips, saying so, where
 /// libnvrtc cannot be loaded.

@@ -191,6 +191,55 @@ fn encode_bit_identical_to_cpu() {
     assert!(failures.is_empty(), "encode mismatches: {failures:?}");
 }
 
+/// kivi's encoders (the blocked page kernel and the Markstein quotients) on many pages of
+/// values on half-integer grids, where (x − z)/s lands on and beside the ties between codes,
+/// mixed with the awkward rows; f32 and f16 input, both streams, every bit width and group.
+#[test]
+fn kivi_encode_bit_identical_on_grid_values() {
+    let Some(dev) = device() else { return };
+    let t = 32;
+    let mut checked = 0;
+    for spec in ["kivi:2", "kivi:4", "kivi:2:g16", "kivi:4:g16"].map(|s| FormatSpec::parse(s).unwrap()) {
+        for d in [64usize, 128, 256] {
+            for stream in [Stream::Keys, Stream::Values] {
+                let Ok(gf) = GpuFormat::for_stream(&spec, d, t, 5, stream) else { continue };
+                let cpu = spec.build(&FormatCtx::new(d, t, stream, 5)).unwrap();
+                let n_pages = 64;
+                let mut rng = SplitMix64::new(d as u64 * 31 + spec.bits as u64);
+                let mut x = awkward_rows(&mut rng, n_pages * t, d);
+                for (i, v) in x.iter_mut().enumerate() {
+                    let page = i / (t * d);
+                    if page % 4 != 3 {
+                        // steps of 2^-(page % 3) on a band that moves with the page
+                        let step = 0.5f32.powi((page % 3) as i32);
+                        *v = (rng.next_gaussian() as f32 * 5.0).round() * step + (page % 7) as f32;
+                    }
+                }
+                let pb = cpu.page_bytes();
+                let mut want = vec![0u8; n_pages * pb];
+                for p in 0..n_pages {
+                    cpu.encode_page(&x[p * t * d..(p + 1) * t * d], &mut want[p * pb..(p + 1) * pb]).unwrap();
+                }
+                let got = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap().encode_pages_f32(&x).unwrap();
+                let bad = (0..n_pages).find(|&p| got[p * pb..(p + 1) * pb] != want[p * pb..(p + 1) * pb]);
+                assert!(bad.is_none(), "{spec} d={d} {stream:?} f32: page {bad:?} differs");
+                // f16 input: the same values rounded to f16 (the grids are exact in f16).
+                let x16: Vec<u16> = x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+                let xr: Vec<f32> = x16.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+                for p in 0..n_pages {
+                    cpu.encode_page(&xr[p * t * d..(p + 1) * t * d], &mut want[p * pb..(p + 1) * pb]).unwrap();
+                }
+                let got = GpuEncoder::new(&dev, &gf, InputKind::F16).unwrap().encode_pages_f16(&x16).unwrap();
+                let bad = (0..n_pages).find(|&p| got[p * pb..(p + 1) * pb] != want[p * pb..(p + 1) * pb]);
+                assert!(bad.is_none(), "{spec} d={d} {stream:?} f16: page {bad:?} differs");
+                checked += 1;
+            }
+        }
+    }
+    eprintln!("kivi encode: {checked} (format, d, stream) cases × 64 pages bit-identical (f32 and f16 input)");
+    assert!(checked >= 20, "{checked}");
+}
+
 struct Case {
     k: &'static str,
     v: &'static str,
