@@ -295,11 +295,15 @@ __device__ __forceinline__ KiviGroup kivi_group(u8* page, int p, float lo, float
     g.rs = g.fast ? __frcp_rn(g.s) : 0.0f;
     return g;
 }
-// The code of x in a group with g.fast (Markstein's quotient).
+// The code of x in a group with g.fast (Markstein's quotient q). clamp(round(q), 0, levels)
+// as min(⌊RZ(q + 0.5)⌋, levels) with the floor's conversion saturating negatives to 0: for
+// q ≥ 0, rounding the sum toward zero never carries it past the next integer, so the floor
+// is round-half-away's; q < 0 gives 0 either way (NaN too).
 __device__ __forceinline__ u32 kivi_code_fast(float x, const KiviGroup& g) {
     const float a = x - g.z;
     const float y0 = a * g.rs;
-    return (u32)fminf(fmaxf(roundf(fmaf(fmaf(-y0, g.s, a), g.rs, y0)), 0.0f), KIVI_LEVELS);
+    const float q = fmaf(fmaf(-y0, g.s, a), g.rs, y0);
+    return min(__float2uint_rd(__fadd_rz(q, 0.5f)), (u32)((1 << BITS) - 1));
 }
 __device__ __forceinline__ u32 kivi_code(float x, const KiviGroup& g) {
     if (g.fast) return kivi_code_fast(x, g);

@@ -173,7 +173,9 @@ fn kivi_markstein_codes_equal_the_divisions() {
         if (a / s).abs() >= 2f32.powi(-70) {
             assert_eq!(q.to_bits(), (a / s).to_bits(), "x {x:e} z {z:e} s {s:e}");
         }
-        let fast = q.round().clamp(0.0, levels) as u32;
+        // The kernel's rounding: ⌊RZ(q + 0.5)⌋ saturated to [0, levels]; the floor of the
+        // toward-zero sum is the floor of the exact one (q + 0.5 exact in f64).
+        let fast = ((q as f64 + 0.5).floor().max(0.0) as u32).min(levels as u32);
         let exact = (a / s).round().clamp(0.0, levels) as u32;
         assert_eq!(fast, exact, "x {x:e} z {z:e} s {s:e}");
         checked += 1;
