@@ -282,7 +282,8 @@ __device__ __forceinline__ KiviGroup kivi_group(u8* page, int p, float lo, float
     const float y0 = span * rl;
     const float sq = span >= 0x1p-100f && span <= 0x1p100f ? fmaf(fmaf(-y0, KIVI_LEVELS, span), rl, y0)
                                                           : __fdiv_rn(span, KIVI_LEVELS);
-    const u16 s16 = f2h(sq), z16 = f2h(lo);
+    // −0 as +0 (kivi.rs set_scale_zero): the sign of a zero min is the reduction's choice.
+    const u16 s16 = f2h(sq), z16 = f2h(lo == 0.0f ? 0.0f : lo);
     if (store) {
         u16* sz = (u16*)(page + T * ROW_BYTES);
         sz[p] = s16;

@@ -73,6 +73,35 @@ fn kivi_error_is_within_half_a_step_and_bits_are_kivis() {
     assert_eq!(cache.bits_per_value(), (3.0, 3.0));
 }
 
+/// A group whose minimum is a zero stores +0 as its zero point, whichever zeros it holds and in
+/// whatever order (the CPU's `min`, other machines' and the GPU's reductions disagree on the
+/// sign of a zero min; the page must not).
+#[test]
+fn kivi_zero_point_of_a_signed_zero_minimum_is_plus_zero() {
+    let d = 64;
+    for stream in [Stream::Keys, Stream::Values] {
+        let f = FormatSpec::parse("kivi:2").unwrap().build(&FormatCtx::new(d, T, stream, 1)).unwrap();
+        let mut rng = SplitMix64::new(4);
+        let base: Vec<f32> = (0..T * d).map(|_| (rng.next_gaussian() as f32).abs() + 0.1).collect();
+        let mut pages = Vec::new();
+        for order in [[0.0f32, -0.0], [-0.0, 0.0], [-0.0, -0.0]] {
+            let mut x = base.clone();
+            // Every key channel's tokens 0 and 1, every value token's channels 0 and 1.
+            for (k, z) in order.iter().enumerate() {
+                for j in 0..if stream == Stream::Keys { d } else { T } {
+                    let i = if stream == Stream::Keys { k * d + j } else { j * d + k };
+                    x[i] = *z;
+                }
+            }
+            let mut page = vec![0u8; f.page_bytes()];
+            f.encode_page(&x, &mut page).unwrap();
+            pages.push(page);
+        }
+        assert_eq!(pages[0], pages[1], "{stream:?}");
+        assert_eq!(pages[0], pages[2], "{stream:?}");
+    }
+}
+
 #[test]
 fn rabitq_correction_factor_error_bound_and_unbiasedness() {
     let d = 128;

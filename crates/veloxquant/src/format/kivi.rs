@@ -100,7 +100,11 @@ impl Kivi {
         (f16::from_le_bytes([page[o], page[o + 1]]).to_f32(), f16::from_le_bytes([page[z], page[z + 1]]).to_f32())
     }
 
+    /// Stores group p's f16 scale and zero; a zero of −0 is stored as +0: which zero a
+    /// min over both returns depends on the order and the machine (Rust's `min`, x86 vs
+    /// ARM, the GPU's reductions), and nothing else in the page depends on its sign.
     fn set_scale_zero(&self, page: &mut [u8], p: usize, s: f32, z: f32) -> (f32, f32) {
+        let z = if z == 0.0 { 0.0 } else { z };
         let o = self.t * self.row_bytes + 2 * p;
         let zo = o + 2 * self.n_params();
         let (s, z) = (f16::from_f32(s), f16::from_f32(z));
