@@ -425,6 +425,43 @@ fn decode_matches_cpu_reference() {
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
+/// kivi keys (scored as ⟨q∘s, u⟩ + ⟨q, z⟩ per group, decode.cu `kivi_q_group`) against the CPU
+/// reference: both group sizes and bit widths, d ∈ {64, 128, 256}, every G the engine uses
+/// (QPACK's column layouts and the rest), windows, sinks and ragged lengths.
+#[test]
+fn decode_kivi_keys_match_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let mut worst = 0f64;
+    let mut bad = Vec::new();
+    let mut n = 0;
+    for (pi, (k, v)) in
+        [("kivi:2", "kivi:2"), ("kivi:4", "kivi:4:g16"), ("kivi:2:g16", "turboquant_mse:3"), ("kivi:4:g16", "fp16")]
+            .into_iter()
+            .enumerate()
+    {
+        for d in [64, 128, 256] {
+            for gqa in [1, 2, 3, 4, 8] {
+                for (recent, sink, page_mode) in [(0, 0, false), (8, 4, true)] {
+                    if d == 256 && v.ends_with("g16") {
+                        continue; // values need G ≥ d/8
+                    }
+                    let lens: &[usize] = if gqa % 2 == 0 { &[17, 97, 300] } else { &[33, 64, 1] };
+                    let c = Case { k, v, d, gqa, recent, sink, page_mode, lens };
+                    let e = run_case(&dev, &c, (pi * 100 + d + gqa) as u64);
+                    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                    if !(e <= 2e-3) {
+                        bad.push(format!("{k}/{v} d={d} G={gqa} R={recent} S={sink}: {e:.2e}"));
+                    }
+                    worst = worst.max(e);
+                    n += 1;
+                }
+            }
+        }
+    }
+    eprintln!("kivi keys decode: {n} cases, worst rel err {worst:.2e}");
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
 /// d = 256 (the generic path: the FAST path's register layouts stop at 128) for every kind
 /// of key and value reading, G ∈ {1, 2, 8}, the window and sinks, ragged lengths.
 #[test]
