@@ -330,14 +330,16 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     return r;
 }
 #if KK == 8
-// kivi keys (kivi.rs scores): k = s·u + z per channel over a group of KG tokens, so a group's
-// scores are ⟨q∘s, u⟩ + ⟨q, z⟩: the query operand is rebuilt per group from q∘s (f32 products,
-// split hi + lo as ever) and the tiles read the codes u alone (the table is the identity),
-// where scaling every key row took a load of its group's s and z and an f16x2 FMA per pair.
-#if KG % 16
-#error "kivi key groups are whole 16-token tiles (G ∈ {16, 32})"
-#endif
-#define K_ROW(kp, row, t, tab, out) codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)((kp) + (row) * K_ROW_BYTES), (t) * QD, tab, out)
+// kivi keys (kivi.rs): row `row` of page kp as k_row's quarter for thread t, k = s·u + z with
+// (s, z) of each channel's token group; adjacent channels' f16 pairs are one word each.
+__device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u16* tab, u32* out) {
+    codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)(kp + row * K_ROW_BYTES), t * QD, tab, out);
+    const u32* s2 = (const u32*)(kp + T * K_ROW_BYTES) + ((row / KG) * D + t * QD) / 2;
+    const u32* z2 = s2 + (T * D / KG) / 2;
+#pragma unroll
+    for (int i = 0; i < QD / 2; i++) out[i] = hfma2(out[i], s2[i], z2[i]);
+}
+#define K_ROW(kp, row, t, tab, out) k_row_kivi(kp, row, t, tab, out)
 #else
 #define K_ROW(kp, row, t, tab, out) k_row((kp) + (row) * K_ROW_BYTES, t, tab, out)
 #endif
@@ -634,50 +636,6 @@ __device__ __forceinline__ void q_operands(const float* qb, const float* qb2, in
         }
     }
 }
-
-#if KK == 8
-// Group grp of page kp: this lane's query operands of q∘s (qb: the group's prepared rows, as
-// q_operands reads them) and ⟨q, z⟩ of the heads 2t, 2t + 1 of its score columns.
-__device__ __forceinline__ void kivi_q_group(const u8* kp, int grp, const float* qb, int g, int t, u32 (*qh)[2],
-                                             u32 (*ql)[2], float& zq0, float& zq1) {
-#if QPACK
-    const int head = g < G ? g : g - G;
-    const bool on = g < 2 * G;
-#else
-    const int head = g;
-    const bool on = g < G;
-#endif
-    const u16* sc = (const u16*)(kp + T * K_ROW_BYTES) + grp * D + t * QD;  // kdim(t, ks, j) = t·QD + 4ks + j
-    const u16* zc = sc + T * D / KG;
-    const float* r = qb + (on ? head : 0) * D + t * QD;
-    float zp = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ks++) {
-        // This k-step's 4 dims of the query, their scales and zeros, loaded per group by
-        // volatile loads: as plain loads the compiler hoisted the query's (loop-invariant) out
-        // of the page loop and both tiles' together, and spilled them.
-        float x[4];
-        u32 sw[2], zw[2];
-        asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];"
-                     : "=f"(x[0]), "=f"(x[1]), "=f"(x[2]), "=f"(x[3]) : "l"(r + 4 * ks));
-        asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(sw[0]), "=r"(sw[1]) : "l"(sc + 4 * ks));
-        asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(zw[0]), "=r"(zw[1]) : "l"(zc + 4 * ks));
-#pragma unroll
-        for (int hh = 0; hh < 2; hh++) {
-            const float x0 = on ? x[2 * hh] : 0.0f, x1 = on ? x[2 * hh + 1] : 0.0f;
-            const float s0 = h2f((u16)(sw[hh] & 0xFFFFu)), s1 = h2f((u16)(sw[hh] >> 16));
-            const float z0 = h2f((u16)(zw[hh] & 0xFFFFu)), z1 = h2f((u16)(zw[hh] >> 16));
-            q_operand(x0 * s0, x1 * s1, g, qh[ks][hh], ql[ks][hh]);
-            zp += x0 * z0 + x1 * z1;
-        }
-    }
-    zp += __shfl_xor_sync(FULL_MASK, zp, 1);
-    zp += __shfl_xor_sync(FULL_MASK, zp, 2);
-    // Column 2t's head is lane 8t's (g = 2t), 2t + 1's lane 8t + 4's.
-    zq0 = __shfl_sync(FULL_MASK, zp, 8 * t);
-    zq1 = __shfl_sync(FULL_MASK, zp, 8 * t + 4);
-}
-#endif
 
 // FUSEQ: one query row (lane i holds dims i + 32k, already scaled by log2(e)/√d) sign-flipped
 // by sg and Hadamard-rotated in place (the butterflies of span < 32 by shuffles, the others
@@ -1208,9 +1166,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         mask_rows(s, nc - (first + NWARPS * j) * T, g);
 #endif
 #else
-#if KK == 8
-    float zq0 = 0.0f, zq1 = 0.0f;  // ⟨q, z⟩ of the group being scored (kivi_q_group)
-#endif
     for (int p = p0 + warp; p < p1; p += NWARPS) {
         float s[2][4];
         const int phys = pt[p];
@@ -1223,13 +1178,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             K_ROW(kp, 16 * mt + g, t, ktab, ka);
             K_ROW(kp, 16 * mt + g + 8, t, ktab, kb);
             float c[4];
-#if KK == 8
-            kivi_q_group(kp, 16 * mt / KG, qb, g, t, qh, ql, zq0, zq1);
             score_tile(ka, kb, qh, ql, t, c);
-            c[0] += zq0; c[1] += zq1; c[2] += zq0; c[3] += zq1;
-#else
-            score_tile(ka, kb, qh, ql, t, c);
-#endif
 #if KK == 3
             const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
             float n0 = kscale(kn, 16 * mt + g), n1 = kscale(kn, 16 * mt + g + 8);

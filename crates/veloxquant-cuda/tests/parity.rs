@@ -425,9 +425,9 @@ fn decode_matches_cpu_reference() {
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
-/// kivi keys (scored as ⟨q∘s, u⟩ + ⟨q, z⟩ per group, decode.cu `kivi_q_group`) against the CPU
-/// reference: both group sizes and bit widths, d ∈ {64, 128, 256}, every G the engine uses
-/// (QPACK's column layouts and the rest), windows, sinks and ragged lengths.
+/// kivi keys (per-channel groups of 16 or 32 tokens) against the CPU reference: both group
+/// sizes and bit widths, d ∈ {64, 128, 256}, every G the engine uses (QPACK's column layouts
+/// and the rest), windows, sinks and ragged lengths.
 #[test]
 fn decode_kivi_keys_match_cpu_reference() {
     let Some(dev) = device() else { return };
