@@ -10,133 +10,6 @@
 // turboquant_rvq, 8 kivi: 4-8 encode_rows only), BITS, BITS2, GRP, PERCH, ROT, EDEN, IN_KIND
 // (0 f32, 1 f16, 2 bf16), ROW_BYTES, PAGE_BYTES; for the page kernels WARPS/MINB (tpr),
 // WARPS2/MINB2 (tpr2), PF (cp.async prefetch), LOCKSTEP, QK/QS (cell table).
-#if KIND == 8
-// kivi for encode_rows: one warp per page, lane l holding channels [EPL·l, EPL·l + EPL) of each
-// token (kivi_page_warp's lanes hold l, l + 32, …, as the cache's appends load them): a
-// token's slice is one vector load, a key group's min/max stays in the lane, a value group's
-// starts there, and the lane's codes are whole bytes of the row (2-bit at d = 64: a byte per
-// pair of lanes), stored without a cross-lane pack. min/max are exact in any order and the
-// quotients correctly rounded, so the pages equal kivi_page_warp's and the CPU's.
-#define KIN_B (IN_KIND == 0 ? 4 : 2)
-__device__ __forceinline__ void kivi_load_blk(const void* x, size_t row, int lane, float* v) {
-    const u8* p = (const u8*)x + (row * D + (size_t)EPL * lane) * KIN_B;
-#if IN_KIND == 0
-    if (EPL == 2) {
-        const float2 a = *(const float2*)p;
-        v[0] = a.x;
-        v[1] = a.y;
-    } else {
-#pragma unroll
-        for (int i = 0; i < EPL / 4; i++) {
-            const float4 a = ((const float4*)p)[i];
-            v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
-        }
-    }
-#else
-    u32 w[EPL / 2];
-    if (EPL == 2) {
-        w[0] = *(const u32*)p;
-    } else if (EPL == 4) {
-        const vec2u a = *(const vec2u*)p;
-        w[0] = a.x;
-        w[1] = a.y;
-    } else {
-#pragma unroll
-        for (int i = 0; i < EPL / 8; i++) {
-            const vec4u a = ((const vec4u*)p)[i];
-            w[4 * i] = a.x; w[4 * i + 1] = a.y; w[4 * i + 2] = a.z; w[4 * i + 3] = a.w;
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < EPL / 2; i++) {
-#if IN_KIND == 1
-        v[2 * i] = h2f((u16)(w[i] & 0xFFFFu));
-        v[2 * i + 1] = h2f((u16)(w[i] >> 16));
-#else
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-#endif
-    }
-#endif
-}
-// The lane's EPL codes (code k at bit BITS·k of its slice) into row `row`.
-__device__ __forceinline__ void kivi_store_blk(const u32* code, u8* row, int lane) {
-    u32 pk = 0;
-#pragma unroll
-    for (int k = 0; k < EPL; k++) pk |= code[k] << (BITS * k);
-    if (EPL * BITS == 4) {
-        pk |= __shfl_down_sync(FULL_MASK, pk, 1) << 4;
-        if ((lane & 1) == 0) row[lane >> 1] = (u8)pk;
-    } else if (EPL * BITS == 8) {
-        row[lane] = (u8)pk;
-    } else if (EPL * BITS == 16) {
-        ((u16*)row)[lane] = (u16)pk;
-    } else {
-        ((u32*)row)[lane] = pk;
-    }
-}
-__device__ __forceinline__ void kivi_page_blocked(const void* x, size_t row0, u8* page, int lane) {
-    float v[EPL];
-    u32 code[EPL];
-#if PERCH
-    for (int g0 = 0; g0 < T; g0 += GRP) {
-        float lo[EPL], hi[EPL];
-#pragma unroll
-        for (int k = 0; k < EPL; k++) { lo[k] = __int_as_float(0x7f800000); hi[k] = -lo[k]; }
-#pragma unroll 8
-        for (int i = g0; i < g0 + GRP; i++) {
-            kivi_load_blk(x, row0 + i, lane, v);
-#pragma unroll
-            for (int k = 0; k < EPL; k++) { lo[k] = fminf(lo[k], v[k]); hi[k] = fmaxf(hi[k], v[k]); }
-        }
-        KiviGroup sz[EPL];
-        bool all_fast = true;
-#pragma unroll
-        for (int k = 0; k < EPL; k++) {
-            sz[k] = kivi_group(page, (g0 / GRP) * D + EPL * lane + k, lo[k], hi[k], true);
-            all_fast = all_fast && sz[k].fast;
-        }
-#pragma unroll 4
-        for (int i = g0; i < g0 + GRP; i++) {
-            kivi_load_blk(x, row0 + i, lane, v);
-            if (all_fast) {
-#pragma unroll
-                for (int k = 0; k < EPL; k++) code[k] = kivi_code_fast(v[k], sz[k]);
-            } else {
-#pragma unroll
-                for (int k = 0; k < EPL; k++) code[k] = kivi_code(v[k], sz[k]);
-            }
-            kivi_store_blk(code, page + i * ROW_BYTES, lane);
-        }
-    }
-#else
-    // A value group of GRP channels is GRP / EPL consecutive lanes (EPL ≤ 8 ≤ GRP / 2).
-#pragma unroll 4
-    for (int i = 0; i < T; i++) {
-        kivi_load_blk(x, row0 + i, lane, v);
-        float lo = v[0], hi = v[0];
-#pragma unroll
-        for (int k = 1; k < EPL; k++) { lo = fminf(lo, v[k]); hi = fmaxf(hi, v[k]); }
-#pragma unroll
-        for (int off = GRP / EPL / 2; off > 0; off >>= 1) {
-            lo = fminf(lo, __shfl_xor_sync(FULL_MASK, lo, off));
-            hi = fmaxf(hi, __shfl_xor_sync(FULL_MASK, hi, off));
-        }
-        const int ch = EPL * lane;
-        const KiviGroup g = kivi_group(page, i * (D / GRP) + ch / GRP, lo, hi, ch % GRP == 0);
-        if (g.fast) {
-#pragma unroll
-            for (int k = 0; k < EPL; k++) code[k] = kivi_code_fast(v[k], g);
-        } else {
-#pragma unroll
-            for (int k = 0; k < EPL; k++) code[k] = kivi_code(v[k], g);
-        }
-        kivi_store_blk(code, page + i * ROW_BYTES, lane);
-    }
-#endif
-}
-#endif
-
 extern "C" __global__ void __launch_bounds__(256) encode_rows(
     const void* __restrict__ x, int n_rows, const int* __restrict__ page_idx,
     const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
@@ -148,7 +21,9 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
     {
         const int job = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
         if (job >= n_rows / T) return;
-        kivi_page_blocked(x, (size_t)job * T, pool + (size_t)page_idx[job] * PAGE_BYTES, lane);
+        const size_t row0 = (size_t)job * T;
+        auto load = [&](int i, float* v) { kivi_load_blk(x, row0 + i, lane, v); };
+        kivi_page_warp<true>(load, pool + (size_t)page_idx[job] * PAGE_BYTES, lane);
         return;
     }
 #endif

@@ -312,14 +312,82 @@ __device__ __forceinline__ u32 kivi_code(float x, const KiviGroup& g) {
     return (u32)fminf(fmaxf(u, 0.0f), KIVI_LEVELS);
 }
 
-// A whole page by one warp: load(i, v) puts token i's elements in v (lane l: l, l+32, …).
-// Keys: per channel (a lane's own), min/max over each group of GRP tokens, then the codes
-// (the tokens loaded twice, not held: 32·EPL registers). Values: per token, min/max over
-// groups of GRP channels (GRP consecutive lanes of one k) by shuffles.
-template <class Load>
+// kivi's layout for encode_rows (BLK): lane l holds channels [EPL·l, EPL·l + EPL) of each token,
+// so a token's slice is one vector load and the lane's codes are whole bytes of the row (2-bit
+// at d = 64: a byte per pair of lanes), stored without a cross-lane pack.
+#define KIN_B (IN_KIND == 0 ? 4 : 2)
+__device__ __forceinline__ void kivi_load_blk(const void* x, size_t row, int lane, float* v) {
+    const u8* p = (const u8*)x + (row * D + (size_t)EPL * lane) * KIN_B;
+#if IN_KIND == 0
+    if (EPL == 2) {
+        const float2 a = *(const float2*)p;
+        v[0] = a.x;
+        v[1] = a.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < EPL / 4; i++) {
+            const float4 a = ((const float4*)p)[i];
+            v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
+        }
+    }
+#else
+    u32 w[EPL / 2];
+    if (EPL == 2) {
+        w[0] = *(const u32*)p;
+    } else if (EPL == 4) {
+        const vec2u a = *(const vec2u*)p;
+        w[0] = a.x;
+        w[1] = a.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < EPL / 8; i++) {
+            const vec4u a = ((const vec4u*)p)[i];
+            w[4 * i] = a.x; w[4 * i + 1] = a.y; w[4 * i + 2] = a.z; w[4 * i + 3] = a.w;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < EPL / 2; i++) {
+#if IN_KIND == 1
+        v[2 * i] = h2f((u16)(w[i] & 0xFFFFu));
+        v[2 * i + 1] = h2f((u16)(w[i] >> 16));
+#else
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+#endif
+    }
+#endif
+}
+// The lane's EPL codes (BLK layout: code k at bit BITS·k of its slice) into row `row`.
+__device__ __forceinline__ void kivi_store_blk(const u32* code, u8* row, int lane) {
+    u32 pk = 0;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) pk |= code[k] << (BITS * k);
+    if (EPL * BITS == 4) {
+        pk |= __shfl_down_sync(FULL_MASK, pk, 1) << 4;
+        if ((lane & 1) == 0) row[lane >> 1] = (u8)pk;
+    } else if (EPL * BITS == 8) {
+        row[lane] = (u8)pk;
+    } else if (EPL * BITS == 16) {
+        ((u16*)row)[lane] = (u16)pk;
+    } else {
+        ((u32*)row)[lane] = pk;
+    }
+}
+
+// A whole page by one warp: load(i, v) puts token i's elements in v, lane l holding channels
+// [EPL·l, EPL·l + EPL) (BLK) or l, l + 32, … (the cache's appends, as they load rows). Keys:
+// per channel (a lane's own), min/max over each group of GRP tokens, then the codes (the
+// tokens loaded twice, not held: 32·EPL registers). Values: per token, min/max over groups of
+// GRP channels, in the lane and then by shuffles. min/max are exact in any order and the
+// quotients correctly rounded, so both layouts give the CPU's pages.
+template <bool BLK, class Load>
 __device__ __forceinline__ void kivi_page_warp(Load load, u8* page, int lane) {
     float v[EPL];
     u32 code[EPL];
+    auto store = [&](int i) {
+        if (BLK) kivi_store_blk(code, page + i * ROW_BYTES, lane);
+        else pack_codes_warp<BITS>(code, page + i * ROW_BYTES, lane);
+    };
 #if PERCH
     for (int g0 = 0; g0 < T; g0 += GRP) {
         float lo[EPL], hi[EPL];
@@ -333,32 +401,62 @@ __device__ __forceinline__ void kivi_page_warp(Load load, u8* page, int lane) {
             for (int k = 0; k < EPL; k++) { lo[k] = fminf(lo[k], v[k]); hi[k] = fmaxf(hi[k], v[k]); }
         }
         KiviGroup sz[EPL];
+        bool all_fast = true;
 #pragma unroll
-        for (int k = 0; k < EPL; k++) sz[k] = kivi_group(page, (g0 / GRP) * D + lane + 32 * k, lo[k], hi[k], true);
+        for (int k = 0; k < EPL; k++) {
+            sz[k] = kivi_group(page, (g0 / GRP) * D + (BLK ? EPL * lane + k : lane + 32 * k), lo[k], hi[k], true);
+            all_fast = all_fast && sz[k].fast;
+        }
 #pragma unroll 4
         for (int i = g0; i < g0 + GRP; i++) {
             load(i, v);
+            if (BLK && all_fast) {  // the fast quotient without a branch per element
 #pragma unroll
-            for (int k = 0; k < EPL; k++) code[k] = kivi_code(v[k], sz[k]);
-            pack_codes_warp<BITS>(code, page + i * ROW_BYTES, lane);
+                for (int k = 0; k < EPL; k++) code[k] = kivi_code_fast(v[k], sz[k]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < EPL; k++) code[k] = kivi_code(v[k], sz[k]);
+            }
+            store(i);
         }
     }
 #else
 #pragma unroll 4
     for (int i = 0; i < T; i++) {
         load(i, v);
+        if (BLK) {
+            // A value group of GRP channels is GRP / EPL consecutive lanes (EPL ≤ 8 ≤ GRP / 2).
+            float lo = v[0], hi = v[0];
 #pragma unroll
-        for (int k = 0; k < EPL; k++) {
-            float lo = v[k], hi = v[k];
+            for (int k = 1; k < EPL; k++) { lo = fminf(lo, v[k]); hi = fmaxf(hi, v[k]); }
 #pragma unroll
-            for (int off = GRP / 2; off > 0; off >>= 1) {
+            for (int off = GRP / EPL / 2; off > 0; off >>= 1) {
                 lo = fminf(lo, __shfl_xor_sync(FULL_MASK, lo, off));
                 hi = fmaxf(hi, __shfl_xor_sync(FULL_MASK, hi, off));
             }
-            const int ch = lane + 32 * k;
-            code[k] = kivi_code(v[k], kivi_group(page, i * (D / GRP) + ch / GRP, lo, hi, ch % GRP == 0));
+            const int ch = EPL * lane;
+            const KiviGroup g = kivi_group(page, i * (D / GRP) + ch / GRP, lo, hi, ch % GRP == 0);
+            if (g.fast) {
+#pragma unroll
+                for (int k = 0; k < EPL; k++) code[k] = kivi_code_fast(v[k], g);
+            } else {
+#pragma unroll
+                for (int k = 0; k < EPL; k++) code[k] = kivi_code(v[k], g);
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < EPL; k++) {
+                float lo = v[k], hi = v[k];
+#pragma unroll
+                for (int off = GRP / 2; off > 0; off >>= 1) {
+                    lo = fminf(lo, __shfl_xor_sync(FULL_MASK, lo, off));
+                    hi = fmaxf(hi, __shfl_xor_sync(FULL_MASK, hi, off));
+                }
+                const int ch = lane + 32 * k;
+                code[k] = kivi_code(v[k], kivi_group(page, i * (D / GRP) + ch / GRP, lo, hi, ch % GRP == 0));
+            }
         }
-        pack_codes_warp<BITS>(code, page + i * ROW_BYTES, lane);
+        store(i);
     }
 #endif
 }

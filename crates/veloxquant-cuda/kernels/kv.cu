@@ -51,7 +51,7 @@ __device__ __forceinline__ void encode_token(const AppendRow& r, int j, int h, c
     // kivi (page mode: whole pages leave the window): the page's first token encodes it.
     if (c % T == 0) {
         auto load = [&](int i, float* v) { load_exact_or_new(r, j + i, h, src, src_stride, exact, lane, v); };
-        kivi_page_warp(load, pool + (size_t)phys * PAGE_BYTES, lane);
+        kivi_page_warp<false>(load, pool + (size_t)phys * PAGE_BYTES, lane);
     }
 #else
     float v[EPL];
