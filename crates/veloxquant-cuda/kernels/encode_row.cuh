@@ -317,37 +317,27 @@ __device__ __forceinline__ u32 kivi_code(float x, const KiviGroup& g) {
 // at d = 64: a byte per pair of lanes), stored without a cross-lane pack.
 #define KIN_B (IN_KIND == 0 ? 4 : 2)
 __device__ __forceinline__ void kivi_load_blk(const void* x, size_t row, int lane, float* v) {
-    const u8* p = (const u8*)x + (row * D + (size_t)EPL * lane) * KIN_B;
+    // The lane's EPL·KIN_B bytes (4 to 32) as words, by the widest aligned loads.
+    constexpr int NW = EPL * KIN_B / 4;
+    const u32* p = (const u32*)((const u8*)x + (row * D + (size_t)EPL * lane) * KIN_B);
+    u32 w[NW];
+#pragma unroll
+    for (int i = 0; i < NW; i += NW >= 4 ? 4 : NW) {
+        if (NW >= 4) {
+            const vec4u a = *(const vec4u*)(p + i);
+            w[i] = a.x; w[i + 1] = a.y; w[i + 2] = a.z; w[i + 3] = a.w;
+        } else if (NW == 2) {
+            const vec2u a = *(const vec2u*)p;
+            w[0] = a.x; w[1] = a.y;
+        } else {
+            w[0] = p[0];
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NW; i++) {
 #if IN_KIND == 0
-    if (EPL == 2) {
-        const float2 a = *(const float2*)p;
-        v[0] = a.x;
-        v[1] = a.y;
-    } else {
-#pragma unroll
-        for (int i = 0; i < EPL / 4; i++) {
-            const float4 a = ((const float4*)p)[i];
-            v[4 * i] = a.x; v[4 * i + 1] = a.y; v[4 * i + 2] = a.z; v[4 * i + 3] = a.w;
-        }
-    }
-#else
-    u32 w[EPL / 2];
-    if (EPL == 2) {
-        w[0] = *(const u32*)p;
-    } else if (EPL == 4) {
-        const vec2u a = *(const vec2u*)p;
-        w[0] = a.x;
-        w[1] = a.y;
-    } else {
-#pragma unroll
-        for (int i = 0; i < EPL / 8; i++) {
-            const vec4u a = ((const vec4u*)p)[i];
-            w[4 * i] = a.x; w[4 * i + 1] = a.y; w[4 * i + 2] = a.z; w[4 * i + 3] = a.w;
-        }
-    }
-#pragma unroll
-    for (int i = 0; i < EPL / 2; i++) {
-#if IN_KIND == 1
+        v[i] = __uint_as_float(w[i]);
+#elif IN_KIND == 1
         v[2 * i] = h2f((u16)(w[i] & 0xFFFFu));
         v[2 * i + 1] = h2f((u16)(w[i] >> 16));
 #else
@@ -355,7 +345,6 @@ __device__ __forceinline__ void kivi_load_blk(const void* x, size_t row, int lan
         v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
 #endif
     }
-#endif
 }
 // The lane's EPL codes (BLK layout: code k at bit BITS·k of its slice) into row `row`.
 __device__ __forceinline__ void kivi_store_blk(const u32* code, u8* row, int lane) {

@@ -146,8 +146,6 @@ pub struct GpuDevice {
     pub name: String,
     /// NVRTC target, `compute_{major}{minor}`.
     pub arch: &'static str,
-    /// The driver's CUDA version (1000·major + 10·minor), at least `MIN_DRIVER`.
-    pub driver_version: i32,
     /// Kernel variants (defaults unless built by `new_with`).
     pub tuning: Tuning,
     /// Where each compiled module's PTX is also written (a development aid for ptxas / SASS).
@@ -179,9 +177,9 @@ pub fn libraries_present() -> Result<()> {
     Ok(())
 }
 
-/// The CUDA version the driver supports (e.g. 13000); an older one than `MIN_DRIVER` is a
-/// typed error here rather than a panic at the first missing symbol.
-fn driver_version() -> Result<i32> {
+/// A driver older than `MIN_DRIVER` (its CUDA version, e.g. 13000) is a typed error here rather
+/// than a panic at the first missing symbol.
+fn check_driver() -> Result<()> {
     let mut v: std::ffi::c_int = 0;
     // SAFETY: writes one int through a valid pointer; the symbol exists in every driver.
     unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) }.result().map_err(drv("cuDriverGetVersion"))?;
@@ -197,7 +195,7 @@ fn driver_version() -> Result<i32> {
             ),
         });
     }
-    Ok(v)
+    Ok(())
 }
 
 /// The oldest driver supported: the bindings are CUDA 13's (cudarc `cuda-13000`), and some of
@@ -214,7 +212,7 @@ impl GpuDevice {
     /// As `new`, with kernel variants and a PTX dump folder (benchmarks).
     pub fn new_with(ordinal: usize, tuning: Tuning, ptx_dir: Option<std::path::PathBuf>) -> Result<Arc<Self>> {
         libraries_present()?;
-        let driver_version = driver_version()?;
+        check_driver()?;
         let ctx = catch_unwind(|| CudaContext::new(ordinal))
             .map_err(|_| CudaError::CudaUnavailable {
                 lib: "libcuda (driver)",
@@ -244,7 +242,6 @@ impl GpuDevice {
             max_smem_optin,
             name,
             arch,
-            driver_version,
             tuning: tuning.clamped(),
             ptx_dir,
             modules: Mutex::new(HashMap::new()),
