@@ -2,7 +2,7 @@
 //! `cuda`) and the standalone `veloxquant-cuda-bench`:
 //!
 //!   veloxquant bench cuda run --out ours.json [--iters 100] [--formats f1,f2] [--no-encode]
-//!       [--shapes 0,2,1x32x8x1024]
+//!       [--shapes 0,2,ragged,1x32x8x1024]
 //!   veloxquant bench cuda report --ours a.json,b.json --peer p.json,q.json --out final.json
 //!       [--commit C] [--date D]
 //!
@@ -11,7 +11,8 @@
 //! timings after warm-up, rotating among up to 16 caches that together hold ≥ 256 MiB (5× an H200's
 //! L2; each row records how many and their bytes) so L2 cannot help, three ways: one
 //! synchronized step per event pair, ten back-to-back steps, ten steps captured in a CUDA graph
-//! and replayed. `--shapes` picks rows of the table (indices) or adds probes (BxHQxHKVxS).
+//! and replayed. `--shapes` picks rows of the table (indices, `ragged`) or adds probes (BxHQxHKVxS); the
+//! default is every shape and the ragged case (unequal lengths with page tails, sinks, a window).
 //! `report` merges rounds of ours and the peer's (peer_sdpa.py, timed the same three ways),
 //! taking each side's best median per mode, and prints the table.
 
@@ -28,6 +29,71 @@ use veloxquant::FormatSpec;
 
 const SHAPES: [(usize, usize, usize, usize); 5] =
     [(1, 32, 8, 32768), (1, 32, 8, 131072), (8, 32, 8, 32768), (32, 32, 8, 8192), (1, 32, 32, 32768)];
+/// The ragged case (`--shapes 5` or `ragged`; peer_sdpa.py's RAGGED): eight sequences of unequal
+/// lengths, none a whole number of pages, with StreamingLLM's 4 sinks and KIVI's 128-token
+/// exact window, as a served batch looks (Hq 32, Hkv 8).
+const RAGGED_LENS: [usize; 8] = [32768, 30103, 26001, 20517, 14339, 9001, 4099, 1031];
+const RAGGED_SINK: usize = 4;
+const RAGGED_RECENT: usize = 128;
+
+/// One decode case: a sequence length per batch entry, Hq query heads over Hkv KV heads, the
+/// first `sink` and newest `recent` tokens kept exact.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Case {
+    hq: usize,
+    hkv: usize,
+    lens: Vec<usize>,
+    sink: usize,
+    recent: usize,
+}
+
+impl Case {
+    fn uniform((b, hq, hkv, s): (usize, usize, usize, usize)) -> Self {
+        Self { hq, hkv, lens: vec![s; b], sink: 0, recent: 0 }
+    }
+
+    fn ragged() -> Self {
+        Self { hq: 32, hkv: 8, lens: RAGGED_LENS.to_vec(), sink: RAGGED_SINK, recent: RAGGED_RECENT }
+    }
+
+    /// The default rows: SHAPES, then the ragged case.
+    fn all() -> Vec<Self> {
+        SHAPES.iter().map(|&s| Self::uniform(s)).chain([Self::ragged()]).collect()
+    }
+
+    /// The report's key for the case beyond (B, Hq, Hkv, S): "uniform" or "ragged".
+    fn name(&self) -> &'static str {
+        if self.is_ragged() {
+            "ragged"
+        } else {
+            "uniform"
+        }
+    }
+
+    fn is_ragged(&self) -> bool {
+        self.sink > 0 || self.recent > 0 || self.lens.iter().any(|&l| l != self.lens[0])
+    }
+
+    /// One `--shapes` entry: an index into [`Case::all`], `ragged`, or a probe BxHQxHKVxS.
+    fn parse(x: &str) -> std::result::Result<Self, String> {
+        let all = Self::all();
+        if x == "ragged" {
+            return Ok(Self::ragged());
+        }
+        if let Ok(i) = x.parse::<usize>() {
+            return all.get(i).cloned().ok_or_else(|| format!("no shape {i} (0–{})", all.len() - 1));
+        }
+        let v = x.split('x').map(str::parse).collect::<std::result::Result<Vec<usize>, _>>();
+        match v.as_deref() {
+            Ok(&[b, hq, hkv, s]) if b > 0 && hkv > 0 && (1..=256).contains(&hq) && hq % hkv == 0 && b <= 1024 && s > 0 && s <= 1 << 20 => {
+                Ok(Self::uniform((b, hq, hkv, s)))
+            }
+            _ => Err(format!(
+                "bad shape `{x}`: an index, `ragged`, or BxHQxHKVxS with B ≤ 1024, Hq ≤ 256, 0 < S ≤ 2^20, Hkv dividing Hq"
+            )),
+        }
+    }
+}
 const FORMATS: [&str; 6] = ["fp16", "q8_0", "q4_0", "turboquant_mse:4", "turboquant_mse:3", "turboquant_mse:2"];
 /// Decode rows beyond FORMATS: `K/V` pairs for key-only formats.
 const KV_PAIRS: [&str; 6] = [
@@ -110,9 +176,9 @@ pub struct RunArgs {
     /// Only these formats (comma-separated specs).
     #[arg(long)]
     pub formats: Option<String>,
-    /// Rows of the shape table (indices) or probes BxHQxHKVxS, comma-separated.
-    #[arg(long)]
-    pub shapes: Option<String>,
+    /// Rows of the shape table (indices), `ragged`, or probes BxHQxHKVxS, comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = Case::parse)]
+    pub shapes: Option<Vec<Case>>,
     /// The FAST path's grid: auto (by the split-K wave count), split-k or stream.
     #[arg(long, default_value = "auto", value_parser = ["auto", "split-k", "stream"])]
     pub grid: String,
@@ -323,24 +389,13 @@ fn decode_rows(
     read_tbps: f64,
     opts: DecodeOptions,
     only: Option<&str>,
-    shapes: Option<&str>,
+    cases: &[Case],
 ) -> Result<Vec<Value>> {
     let mut rows = Vec::new();
-    // --shapes: indices into SHAPES and/or extra shapes written BxHQxHKVxS (probes).
-    let list: Vec<(usize, usize, usize, usize)> = match shapes {
-        None => SHAPES.to_vec(),
-        Some(o) => o
-            .split(',')
-            .filter_map(|x| match x.parse::<usize>() {
-                Ok(i) => SHAPES.get(i).copied(),
-                Err(_) => {
-                    let v: Vec<usize> = x.split('x').filter_map(|n| n.parse().ok()).collect();
-                    (v.len() == 4).then(|| (v[0], v[1], v[2], v[3]))
-                }
-            })
-            .collect(),
-    };
-    for &(b, hq, hkv, sl) in &list {
+    for case in cases {
+        let (b, hq, hkv) = (case.lens.len(), case.hq, case.hkv);
+        let sl = case.lens.iter().copied().max().unwrap_or(0);
+        let total: usize = case.lens.iter().sum();
         for f in FORMATS.iter().chain(KV_PAIRS.iter()).copied() {
             if only.is_some_and(|o| !o.split(',').any(|x| x == f)) {
                 continue;
@@ -349,10 +404,13 @@ fn decode_rows(
             let (kspec, vspec) = (FormatSpec::parse(kname)?, FormatSpec::parse(vname)?);
             let mut cpu = veloxquant::CacheConfig::new(1, hkv, D, kspec.clone(), vspec.clone());
             cpu.encode_rows = true;
-            let cfg = GpuCacheConfig::from_cpu(&cpu, b, sl, b * sl);
+            cpu.sink = case.sink;
+            cpu.recent = case.recent;
+            let cfg = GpuCacheConfig::from_cpu(&cpu, b, sl, total);
             let kf = GpuFormat::for_stream(&kspec, D, 32, 1, veloxquant::format::Stream::Keys)?;
             let vf = GpuFormat::for_stream(&vspec, D, 32, 1, veloxquant::format::Stream::Values)?;
-            let bytes_one = b * hkv * (sl / 32) * (kf.page_bytes + vf.page_bytes);
+            let bytes_one: usize =
+                case.lens.iter().map(|&l| hkv * (l.div_ceil(32) * (kf.page_bytes + vf.page_bytes))).sum();
             // Enough caches that a rotation reads ≥ 256 MiB (5× the H200's 50 MB L2, so no
             // step finds the last one's bytes there); at most 16 (the smallest cache here,
             // 2-bit at B = 1, S = 32k, is 18 MB).
@@ -362,7 +420,7 @@ fn decode_rows(
             let slots: Vec<usize> = (0..b).collect();
             for i in 0..n_sets {
                 let mut c = GpuKvCache::new(dev, cfg.clone())?;
-                c.fill_random(&vec![sl; b], 100 + i as u64)?;
+                c.fill_random(&case.lens, 100 + i as u64)?;
                 let mut p = DecodePlan::new(&c, hq, b, c.max_pages(&slots), opts)?;
                 let mut qd = dev.stream.alloc_zeros::<u16>(b * hq * D).expect("alloc");
                 fill_normal_f16(dev, &mut qd, b * hq * D, 5 + i as u64)?;
@@ -393,14 +451,16 @@ fn decode_rows(
             let finite = out.iter().all(|v| v.is_finite());
             let bytes = caches[0].bytes_read(&slots) as f64;
             let tbps = bytes / us / 1e6;
+            let label = if case.is_ragged() { format!("≤{sl} ragged") } else { sl.to_string() };
             eprintln!(
-                "decode B={b:>2} Hq={hq} Hkv={hkv} S={sl:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs graph {graph_us:7.1} µs {:?} splits={} finite={finite}",
+                "decode B={b:>2} Hq={hq} Hkv={hkv} S={label:>6} {f:>18}: {us:8.1} µs {tbps:5.2} TB/s ({:.2} of read bw) streamed {stream_us:7.1} µs graph {graph_us:7.1} µs {:?} splits={} finite={finite}",
                 tbps / read_tbps,
                 plans[0].grid(),
                 plans[0].n_splits
             );
             rows.push(json!({
-                "b": b, "hq": hq, "hkv": hkv, "d": D, "s": sl, "format": f,
+                "b": b, "hq": hq, "hkv": hkv, "d": D, "s": sl, "format": f, "case": case.name(),
+                "lens": case.lens, "sink": case.sink, "recent": case.recent,
                 "k_bits": kf.bits_per_value(), "v_bits": vf.bits_per_value(),
                 "ours_us": us, "ours_stream_us": stream_us, "ours_graph_us": graph_us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
                 "n_splits": plans[0].n_splits, "grid": format!("{:?}", plans[0].grid()), "finite": finite, "rotated_caches": n_sets,
@@ -412,11 +472,12 @@ fn decode_rows(
 }
 
 fn run(a: &RunArgs) -> std::result::Result<(), String> {
-    let v = run_gpu(a).map_err(|e| e.to_string())?;
+    let cases = a.shapes.clone().unwrap_or_else(Case::all);
+    let v = run_gpu(a, &cases).map_err(|e| e.to_string())?;
     write_atomic(&a.out, &serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?)
 }
 
-fn run_gpu(a: &RunArgs) -> Result<Value> {
+fn run_gpu(a: &RunArgs, cases: &[Case]) -> Result<Value> {
     let iters = a.iters as usize;
     let mut opts = DecodeOptions::default();
     if let Some(v) = a.blocks_per_sm {
@@ -434,11 +495,8 @@ fn run_gpu(a: &RunArgs) -> Result<Value> {
     eprintln!("device: {dev:?}, {} SMs", dev.sm_count);
     let (read_tbps, copy_tbps) = bandwidth(&dev)?;
     eprintln!("read probe {read_tbps:.2} TB/s, device copy {copy_tbps:.2} TB/s (read+write)");
-    let decode = if a.no_decode {
-        vec![]
-    } else {
-        decode_rows(&dev, iters, read_tbps, opts, a.formats.as_deref(), a.shapes.as_deref())?
-    };
+    let decode =
+        if a.no_decode { vec![] } else { decode_rows(&dev, iters, read_tbps, opts, a.formats.as_deref(), cases)? };
     let encode = if a.no_encode { vec![] } else { encode_rows(&dev, read_tbps, copy_tbps)? };
     Ok(json!({
         "device": dev.name, "sm_count": dev.sm_count, "read_tbps": read_tbps, "copy_tbps": copy_tbps,
@@ -461,10 +519,27 @@ fn num(r: &Value, key: &str) -> std::result::Result<f64, String> {
     r[key].as_f64().ok_or_else(|| format!("a decode row has no number `{key}`: {r}"))
 }
 
+/// The table's S column: the length, or for the ragged case its longest, sinks and window.
+fn s_label(r: &Value) -> String {
+    match r["case"].as_str() {
+        Some("ragged") => format!(
+            "ragged ≤ {} (Σ {}, {} sinks, {} recent)",
+            r["s"],
+            r["lens"].as_array().map_or(0, |l| l.iter().filter_map(Value::as_u64).sum::<u64>()),
+            r["sink"],
+            r["recent"]
+        ),
+        _ => r["s"].to_string(),
+    }
+}
+
 fn report(a: &ReportArgs) -> std::result::Result<(), String> {
     let ours = load(&a.ours)?;
     let peers = load(&a.peer)?;
-    let key = |r: &Value| format!("{}-{}-{}-{}", r["b"], r["hq"], r["hkv"], r["s"]);
+    // Rows from before the ragged case have no `case`: they are uniform.
+    let key = |r: &Value| {
+        format!("{}-{}-{}-{}-{}", r["b"], r["hq"], r["hkv"], r["s"], r["case"].as_str().unwrap_or("uniform"))
+    };
     // Per shape and timing mode, the peer's best median over rounds (and its backend).
     let mut peer_best: BTreeMap<(String, &str), (f64, String)> = BTreeMap::new();
     for p in &peers {
@@ -515,6 +590,7 @@ fn report(a: &ReportArgs) -> std::result::Result<(), String> {
         let gtbps = bytes / gus / 1e6;
         let row = json!({
             "b": r["b"], "hq": r["hq"], "hkv": r["hkv"], "d": r["d"], "s": r["s"], "format": r["format"],
+            "case": r["case"], "lens": r["lens"], "sink": r["sink"], "recent": r["recent"],
             "k_bits": r["k_bits"], "v_bits": r["v_bits"], "ours_us": us, "peer_us": peer_us,
             "peer_backend": backend, "speedup": peer_us / us, "tbps": tbps, "bw_fraction": tbps / read_tbps,
             "ours_graph_us": gus, "peer_graph_us": peer_gus, "peer_graph_backend": gbackend,
@@ -526,7 +602,7 @@ fn report(a: &ReportArgs) -> std::result::Result<(), String> {
             r["hq"],
             r["hkv"],
             r["d"],
-            r["s"],
+            s_label(r),
             r["format"].as_str().ok_or_else(|| format!("a decode row has no format: {r}"))?,
             num(r, "k_bits")?,
             num(r, "v_bits")?,

@@ -25,6 +25,13 @@ fn bad_command_lines_are_refused_before_any_work() {
         &["run", "--no-such-flag"],
         &["report"],
         &["encode", "turboquant_mse:4", "0"],
+        &["run", "--shapes", "6"],
+        &["run", "--shapes", "0,bogus"],
+        &["run", "--shapes", "1x0x8x32768"],
+        &["run", "--shapes", "1x32x0x32768"],
+        &["run", "--shapes", "1x32x6x32768"],
+        &["run", "--shapes", "1x32x8x0"],
+        &["run", "--shapes", "1x32x8"],
         &["frobnicate"],
         &[],
     ] {
@@ -79,4 +86,44 @@ fn report_merges_rounds_and_divides_by_the_peer() {
         assert_eq!(call(&["report", "--ours", p.to_str().unwrap()]), 1, "{}", p.display());
     }
     std::fs::remove_dir_all(out.parent().unwrap()).ok();
+}
+
+#[test]
+fn report_keeps_the_ragged_case_apart_from_the_uniform_shape() {
+    // The same (B, Hq, Hkv, S) twice, uniform and ragged: each meets its own peer row; rows
+    // written before the ragged case (no `case`) count as uniform.
+    let mut ragged = decode_row("q4_0", 32768, 50.0, 40.0, 1e8);
+    let extra = json!({"case": "ragged", "lens": [32768, 1031], "sink": 4, "recent": 128});
+    ragged.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    let ours = json!({"device": "test", "read_tbps": 4.0, "copy_tbps": 3.0,
+                      "decode": [decode_row("q4_0", 32768, 100.0, 90.0, 2e8), ragged], "encode": []});
+    let peer = json!({"rows": [
+        {"b": 1, "hq": 32, "hkv": 8, "s": 32768, "peer_us": 400.0, "backend": "flash", "peer_graph_us": 360.0, "graph_backend": "flash"},
+        {"b": 1, "hq": 32, "hkv": 8, "s": 32768, "case": "ragged", "peer_us": 300.0, "backend": "cudnn", "peer_graph_us": 200.0, "graph_backend": "cudnn"}]});
+    let (po, pp, out) = (tmp("ro.json"), tmp("rp.json"), tmp("rfinal.json"));
+    std::fs::write(&po, ours.to_string()).unwrap();
+    std::fs::write(&pp, peer.to_string()).unwrap();
+    assert_eq!(
+        call(&[
+            "report",
+            "--ours",
+            po.to_str().unwrap(),
+            "--peer",
+            pp.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap()
+        ]),
+        0
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let rows = v["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    let by_case = |c: &str| rows.iter().find(|r| r["case"].as_str().unwrap_or("uniform") == c).unwrap();
+    assert_eq!(by_case("uniform")["speedup_graph"], 360.0 / 90.0);
+    assert_eq!(by_case("ragged")["speedup_graph"], 200.0 / 40.0);
+    assert_eq!(by_case("ragged")["speedup"], 300.0 / 50.0);
+    assert_eq!(by_case("ragged")["lens"], json!([32768, 1031]));
+    for p in [po, pp, out] {
+        std::fs::remove_file(p).ok(); // not the folder: the other report test may be using it
+    }
 }
