@@ -120,6 +120,25 @@
 #define MINB 0
 #endif
 
+// GPF (generic path): pages prefetched into L2 this many of the warp's turns ahead (0: off).
+#ifndef GPF
+#define GPF 0
+#endif
+#if FAST
+#undef GPF
+#define GPF 0
+#endif
+// Every 128-byte line of [base, base + BYTES) requested into L2 by the warp's lanes (the last
+// line through the range's last byte, never past it).
+template <int BYTES>
+__device__ __forceinline__ void prefetch_l2(const u8* base, int lane) {
+#pragma unroll
+    for (int o = 0; o < BYTES + 127; o += 32 * 128) {
+        const int off = o + lane * 128;
+        if (off < BYTES + 127) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + min(off, BYTES - 1)));
+    }
+}
+
 // The 8x8 f16 matrix held as the m8n8 fragment (lane g·4+t: row g, cols 2t, 2t+1), transposed.
 __device__ __forceinline__ u32 movt(u32 a) {
     u32 d;
@@ -1166,9 +1185,23 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         mask_rows(s, nc - (first + NWARPS * j) * T, g);
 #endif
 #else
+#if GPF
+    // The page GPF turns ahead (this warp's pages step by NWARPS) is requested into L2 while
+    // this one is read: the generic path loads rows where it uses them, so each page would
+    // otherwise wait on DRAM latency twice (keys, then values). Its page-table entry is read a
+    // turn earlier still, so neither the prefetch nor the loads wait on it.
+    int pf_ph = p0 + warp + GPF * NWARPS < p1 ? pt[p0 + warp + GPF * NWARPS] : -1;
+#endif
     for (int p = p0 + warp; p < p1; p += NWARPS) {
         float s[2][4];
         const int phys = pt[p];
+#if GPF
+        if (pf_ph >= 0) {
+            prefetch_l2<K_PAGE_BYTES>(kpool + (size_t)pf_ph * K_PAGE_BYTES, lane);
+            prefetch_l2<V_PAGE_BYTES>(vpool + (size_t)pf_ph * V_PAGE_BYTES, lane);
+        }
+        pf_ph = p + (GPF + 1) * NWARPS < p1 ? pt[p + (GPF + 1) * NWARPS] : -1;
+#endif
         const u8* kp = kpool + (size_t)phys * K_PAGE_BYTES;
         const u8* vp = vpool + (size_t)phys * V_PAGE_BYTES;
         // score: s[mt] = (tok 16mt+g | +8) x (head 2t | 2t+1), log2 units
