@@ -251,6 +251,24 @@ __device__ __forceinline__ int kdim(int t, int ks, int j) {
 #endif
 }
 
+#if (KK == 2 || VK == 2) && D >= 128
+// A q4_0 block (18 bytes: the f16 scale, 16 code bytes) by five aligned word loads where it was
+// nine 2-byte ones: blocks start 2 bytes past a word (odd blocks of a row) or on one (rows and
+// pages are whole words), so the words cover the block and, for an aligned block, the next
+// block's first 2 bytes (a row's last block is odd: never past the row). c[i]: code bytes
+// 4i … 4i + 3.
+__device__ __forceinline__ void q4_block(const u8* blk, u32& scale, u32 (&c)[4]) {
+    const u32 mis = (u32)(size_t)blk & 2u;
+    const u32* w = (const u32*)(blk - mis);
+    u32 x[5];
+#pragma unroll
+    for (int i = 0; i < 5; i++) x[i] = w[i];
+    scale = (x[0] >> (8u * mis)) & 0xFFFFu;
+#pragma unroll
+    for (int i = 0; i < 4; i++) c[i] = __funnelshift_rc(x[i], x[i + 1], 16u + 8u * mis);  // 32: x[i + 1]
+}
+#endif
+
 // One key row's quarter for thread t: KS*2 f16x2 = (slots j0,j1), (j2,j3) per k-step.
 __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* out) {
 #if KK == 0
@@ -272,6 +290,21 @@ __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* 
         const u8* base = kr + 34 * (dim / 32);
         const u32 s2 = (u32)*(const u16*)base * 0x10001u;
         out[i] = i8x2_h2(*(const u16*)(base + 2 + dim % 32), s2);
+    }
+#elif D >= 128
+    // The thread's QD/2 code bytes are whole blocks (t·QD/32 …), k-steps 8 per block.
+#pragma unroll
+    for (int bi = 0; bi < QD / 32; bi++) {
+        u32 sc, c[4];
+        q4_block(kr + 18 * (t * QD / 32 + bi), sc, c);
+        const u32 s2 = sc * 0x10001u;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int ks = 8 * bi + k;  // code bytes 2k, 2k + 1 of the block, as kdim
+            const u32 t2 = prmt(c[k / 2], 0u, (k & 1) ? 0x4342u : 0x4140u);
+            out[2 * ks] = u4x2_h2(t2, s2);
+            out[2 * ks + 1] = u4x2_h2(t2 >> 4, s2);
+        }
     }
 #else
 #pragma unroll
@@ -324,6 +357,16 @@ __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* 
     const u16* qv = (const u16*)(base + 2 + off);
 #pragma unroll
     for (int m = 0; m < VC / 2; m++) out[m] = i8x2_h2(qv[m], s2);
+#elif D >= 128
+    // VC ≥ 16 dims of one block: code bytes (2m) % 16, low nibbles below dim 16, high from 16.
+    u32 sc, c[4];
+    q4_block(vr + 18 * ((g * VC) / 32), sc, c);
+    const u32 s2 = sc * 0x10001u;
+#pragma unroll
+    for (int m = 0; m < VC / 2; m++) {
+        const int o = (g * VC) % 32 + 2 * m, k = (2 * m) % 16 / 2;
+        out[m] = u4x2_h2(prmt(c[k / 2], 0u, (k & 1) ? 0x4342u : 0x4140u) >> ((o / 16) * 4), s2);
+    }
 #else
     const u8* base = vr + 18 * ((g * VC) / 32);  // VC ≤ 32: within one block
     u32 s2 = *(const u16*)base;

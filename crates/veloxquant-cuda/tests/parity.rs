@@ -462,6 +462,44 @@ fn decode_kivi_keys_match_cpu_reference() {
     assert!(bad.is_empty(), "{bad:#?}");
 }
 
+/// The block formats (q4_0's 18-byte and q8_0's 34-byte blocks, read by aligned word loads at
+/// d ≥ 128) as keys and values beside each other and other formats, d ∈ {64, 128, 256}, G ∈ {1,
+/// 4, 8}, with and without the window and sinks, ragged lengths.
+#[test]
+fn decode_block_formats_match_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let mut worst = 0f64;
+    let mut bad = Vec::new();
+    for (pi, (k, v)) in [
+        ("q4_0", "q4_0"),
+        ("q8_0", "q4_0"),
+        ("q4_0", "q8_0"),
+        ("q4_0:rot", "fp16"),
+        ("turboquant_mse:4", "q4_0"),
+        ("q8_0", "q8_0"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for d in [64, 128, 256] {
+            for gqa in [1, 4, 8] {
+                for (recent, sink) in [(0, 0), (8, 4)] {
+                    let lens: &[usize] = if gqa == 4 { &[17, 97, 300] } else { &[33, 64, 1] };
+                    let c = Case { k, v, d, gqa, recent, sink, page_mode: false, lens };
+                    let e = run_case(&dev, &c, (pi * 100 + d + gqa + recent) as u64);
+                    #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                    if !(e <= 2e-3) {
+                        bad.push(format!("{k}/{v} d={d} G={gqa} R={recent} S={sink}: {e:.2e}"));
+                    }
+                    worst = worst.max(e);
+                }
+            }
+        }
+    }
+    eprintln!("block formats decode: worst rel err {worst:.2e}");
+    assert!(bad.is_empty(), "{bad:#?}");
+}
+
 /// d = 256 (the generic path: the FAST path's register layouts stop at 128) for every kind
 /// of key and value reading, G ∈ {1, 2, 8}, the window and sinks, ragged lengths.
 #[test]
