@@ -120,25 +120,6 @@
 #define MINB 0
 #endif
 
-// GPF (generic path): pages prefetched into L2 this many of the warp's turns ahead (0: off).
-#ifndef GPF
-#define GPF 0
-#endif
-#if FAST
-#undef GPF
-#define GPF 0
-#endif
-// Every 128-byte line of [base, base + BYTES) requested into L2 by the warp's lanes (the last
-// line through the range's last byte, never past it).
-template <int BYTES>
-__device__ __forceinline__ void prefetch_l2(const u8* base, int lane) {
-#pragma unroll
-    for (int o = 0; o < BYTES + 127; o += 32 * 128) {
-        const int off = o + lane * 128;
-        if (off < BYTES + 127) asm volatile("prefetch.global.L2 [%0];" ::"l"(base + min(off, BYTES - 1)));
-    }
-}
-
 // The 8x8 f16 matrix held as the m8n8 fragment (lane g·4+t: row g, cols 2t, 2t+1), transposed.
 __device__ __forceinline__ u32 movt(u32 a) {
     u32 d;
@@ -251,24 +232,6 @@ __device__ __forceinline__ int kdim(int t, int ks, int j) {
 #endif
 }
 
-#if (KK == 2 || VK == 2) && D >= 128
-// A q4_0 block (18 bytes: the f16 scale, 16 code bytes) by five aligned word loads where it was
-// nine 2-byte ones: blocks start 2 bytes past a word (odd blocks of a row) or on one (rows and
-// pages are whole words), so the words cover the block and, for an aligned block, the next
-// block's first 2 bytes (a row's last block is odd: never past the row). c[i]: code bytes
-// 4i … 4i + 3.
-__device__ __forceinline__ void q4_block(const u8* blk, u32& scale, u32 (&c)[4]) {
-    const u32 mis = (u32)(size_t)blk & 2u;
-    const u32* w = (const u32*)(blk - mis);
-    u32 x[5];
-#pragma unroll
-    for (int i = 0; i < 5; i++) x[i] = w[i];
-    scale = (x[0] >> (8u * mis)) & 0xFFFFu;
-#pragma unroll
-    for (int i = 0; i < 4; i++) c[i] = __funnelshift_rc(x[i], x[i + 1], 16u + 8u * mis);  // 32: x[i + 1]
-}
-#endif
-
 // One key row's quarter for thread t: KS*2 f16x2 = (slots j0,j1), (j2,j3) per k-step.
 __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* out) {
 #if KK == 0
@@ -290,21 +253,6 @@ __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* 
         const u8* base = kr + 34 * (dim / 32);
         const u32 s2 = (u32)*(const u16*)base * 0x10001u;
         out[i] = i8x2_h2(*(const u16*)(base + 2 + dim % 32), s2);
-    }
-#elif D >= 128
-    // The thread's QD/2 code bytes are whole blocks (t·QD/32 …), k-steps 8 per block.
-#pragma unroll
-    for (int bi = 0; bi < QD / 32; bi++) {
-        u32 sc, c[4];
-        q4_block(kr + 18 * (t * QD / 32 + bi), sc, c);
-        const u32 s2 = sc * 0x10001u;
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const int ks = 8 * bi + k;  // code bytes 2k, 2k + 1 of the block, as kdim
-            const u32 t2 = prmt(c[k / 2], 0u, (k & 1) ? 0x4342u : 0x4140u);
-            out[2 * ks] = u4x2_h2(t2, s2);
-            out[2 * ks + 1] = u4x2_h2(t2 >> 4, s2);
-        }
     }
 #else
 #pragma unroll
@@ -357,16 +305,6 @@ __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* 
     const u16* qv = (const u16*)(base + 2 + off);
 #pragma unroll
     for (int m = 0; m < VC / 2; m++) out[m] = i8x2_h2(qv[m], s2);
-#elif D >= 128
-    // VC ≥ 16 dims of one block: code bytes (2m) % 16, low nibbles below dim 16, high from 16.
-    u32 sc, c[4];
-    q4_block(vr + 18 * ((g * VC) / 32), sc, c);
-    const u32 s2 = sc * 0x10001u;
-#pragma unroll
-    for (int m = 0; m < VC / 2; m++) {
-        const int o = (g * VC) % 32 + 2 * m, k = (2 * m) % 16 / 2;
-        out[m] = u4x2_h2(prmt(c[k / 2], 0u, (k & 1) ? 0x4342u : 0x4140u) >> ((o / 16) * 4), s2);
-    }
 #else
     const u8* base = vr + 18 * ((g * VC) / 32);  // VC ≤ 32: within one block
     u32 s2 = *(const u16*)base;
@@ -1241,23 +1179,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         mask_rows(s, nc - (first + NWARPS * j) * T, g);
 #endif
 #else
-#if GPF
-    // The page GPF turns ahead (this warp's pages step by NWARPS) is requested into L2 while
-    // this one is read: the generic path loads rows where it uses them, so each page would
-    // otherwise wait on DRAM latency twice (keys, then values). Its page-table entry is read a
-    // turn earlier still, so neither the prefetch nor the loads wait on it.
-    int pf_ph = p0 + warp + GPF * NWARPS < p1 ? pt[p0 + warp + GPF * NWARPS] : -1;
-#endif
     for (int p = p0 + warp; p < p1; p += NWARPS) {
         float s[2][4];
         const int phys = pt[p];
-#if GPF
-        if (pf_ph >= 0) {
-            prefetch_l2<K_PAGE_BYTES>(kpool + (size_t)pf_ph * K_PAGE_BYTES, lane);
-            prefetch_l2<V_PAGE_BYTES>(vpool + (size_t)pf_ph * V_PAGE_BYTES, lane);
-        }
-        pf_ph = p + (GPF + 1) * NWARPS < p1 ? pt[p + (GPF + 1) * NWARPS] : -1;
-#endif
         const u8* kp = kpool + (size_t)phys * K_PAGE_BYTES;
         const u8* vp = vpool + (size_t)phys * V_PAGE_BYTES;
         // score: s[mt] = (tok 16mt+g | +8) x (head 2t | 2t+1), log2 units

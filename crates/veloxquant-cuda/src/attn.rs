@@ -133,15 +133,13 @@ impl Pipe {
 #[derive(Clone, Copy, Debug)]
 struct Variants {
     expftz: bool,
-    /// Generic path: L2 prefetch distance in a warp's turns (0 = off).
-    prefetch: usize,
     /// Headroom of the running max (log2 units, 0 = off).
     slack: i64,
 }
 
 impl Variants {
     fn new(t: &Tuning) -> Self {
-        Self { expftz: t.decode_expftz, slack: t.decode_slack, prefetch: t.decode_prefetch }
+        Self { expftz: t.decode_expftz, slack: t.decode_slack }
     }
 }
 
@@ -176,9 +174,6 @@ fn decode_defines(
     defs.push(("KROT".into(), kf.rotation.is_some() as i64));
     defs.push(("EXPFTZ".into(), var.expftz as i64));
     defs.push(("SLACK".into(), var.slack));
-    if !pipe.fast && var.prefetch > 0 {
-        defs.push(("GPF".into(), var.prefetch as i64));
-    }
     if pipe.fuse_q {
         defs.push(("FUSEQ".into(), 1));
     }

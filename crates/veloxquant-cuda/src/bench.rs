@@ -110,7 +110,7 @@ const ENCODE_EXTRA: [&str; 7] =
 const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
-/// EXPFTZ,SLACK,PDL,STREAM,GPF}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}` and
+/// EXPFTZ,SLACK,PDL,STREAM}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}` and
 /// `VELOXQUANT_PREFILL_WARPS`,
 /// PTX kept in `VELOXQUANT_PTX_DIR` (A/B runs of variants; the library reads none of these).
 pub fn bench_device() -> Result<Arc<GpuDevice>> {
@@ -127,7 +127,6 @@ pub fn bench_device() -> Result<Arc<GpuDevice>> {
         decode_slack: knob("DECODE_SLACK", d.decode_slack),
         decode_pdl: knob("DECODE_PDL", d.decode_pdl as i64) != 0,
         decode_stream: knob("DECODE_STREAM", d.decode_stream as i64) != 0,
-        decode_prefetch: knob("DECODE_GPF", d.decode_prefetch as i64).max(0) as usize,
         encode_warps: knob("ENCODE_WARPS", d.encode_warps as i64) as usize,
         encode_lockstep: knob("ENCODE_LOCKSTEP", d.encode_lockstep as i64) != 0,
         encode_minb: knob("ENCODE_MINB", d.encode_minb),

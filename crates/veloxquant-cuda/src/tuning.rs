@@ -23,9 +23,6 @@ pub struct Tuning {
     /// FAST decode: a persistent grid, each warp one equal run of all rows' pages (decode.cu
     /// STREAMK), instead of split-K blocks of (sequence, KV head, split).
     pub decode_stream: bool,
-    /// Generic decode path: pages requested into L2 this many of a warp's turns ahead (0 = off,
-    /// ..=4).
-    pub decode_prefetch: usize,
     /// Thread-per-row encode: warps (pages) per block.
     pub encode_warps: usize,
     /// Keep an encode block's warps in step (one barrier per page).
@@ -57,7 +54,6 @@ impl Default for Tuning {
             decode_slack: 8,
             decode_pdl: true,
             decode_stream: true,
-            decode_prefetch: 0,
             encode_warps: 4,
             encode_lockstep: false,
             encode_minb: 2,
@@ -78,7 +74,6 @@ impl Tuning {
             decode_warps: self.decode_warps.clamp(4, 16),
             decode_minb: self.decode_minb.clamp(0, 16),
             decode_slack: self.decode_slack.clamp(0, 12),
-            decode_prefetch: self.decode_prefetch.min(4),
             encode_warps: self.encode_warps.clamp(1, 16),
             encode_warps2: self.encode_warps2.clamp(1, 16),
             prefill_warps: match self.prefill_warps {
