@@ -336,21 +336,8 @@ __device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u
     codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)(kp + row * K_ROW_BYTES), t * QD, tab, out);
     const u32* s2 = (const u32*)(kp + T * K_ROW_BYTES) + ((row / KG) * D + t * QD) / 2;
     const u32* z2 = s2 + (T * D / KG) / 2;
-#if K_PAGE_BYTES % 16 == 0 && (T * K_ROW_BYTES) % 16 == 0
-    // 16-byte loads: s2 and z2 are 16-byte aligned (the page, the rows before the scales, and
-    // the offsets D/2, QD/2 and T·D/(2·KG) words are multiples of 4 words for D ≥ 64, KG ≤ 32).
-#pragma unroll
-    for (int i = 0; i < QD / 8; i++) {
-        const vec4u s4 = ((const vec4u*)s2)[i], z4 = ((const vec4u*)z2)[i];
-        out[4 * i] = hfma2(out[4 * i], s4.x, z4.x);
-        out[4 * i + 1] = hfma2(out[4 * i + 1], s4.y, z4.y);
-        out[4 * i + 2] = hfma2(out[4 * i + 2], s4.z, z4.z);
-        out[4 * i + 3] = hfma2(out[4 * i + 3], s4.w, z4.w);
-    }
-#else
 #pragma unroll
     for (int i = 0; i < QD / 2; i++) out[i] = hfma2(out[i], s2[i], z2[i]);
-#endif
 }
 #define K_ROW(kp, row, t, tab, out) k_row_kivi(kp, row, t, tab, out)
 #else
