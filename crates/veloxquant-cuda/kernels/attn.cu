@@ -106,6 +106,14 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
     const size_t xrow = (size_t)((slot < 0 ? 0 : slot) * n_kv + hkv) * xs;
     const u16* const kt = kx + xrow * D;
     const u16* const vt = vx + xrow * D;
+    // Token i's row: a sink, or the window's (i − ns)-th at ring slot S + (coded + i − ns) mod C
+    // (i − ns < nw ≤ C: one conditional subtraction, no division per token).
+    const int r0 = (slot < 0 || ring_cap <= 0) ? 0 : n_coded[slot] % ring_cap;
+    auto exact_slot = [&](int i) {
+        int j = r0 + (i - ns);
+        j -= j >= ring_cap ? ring_cap : 0;
+        return i < ns ? i : n_sink + j;
+    };
     // The exact tokens' share (max mt, weight sum lx, value ax of this thread's dim), all of it
     // before the wait: with PDL it overlaps decode_pages' last blocks. One thread per token
     // scores a whole key row (D/8 independent 16-byte loads), so a step costs one round trip
@@ -115,7 +123,7 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
         qs[tid] = q[((size_t)b * n_q + hq) * D + tid] * (LOG2E / sqrtf((float)D));
         __syncthreads();
         for (int i = tid; i < nt; i += D) {
-            const int sl = i < ns ? i : n_sink + (w0 + i - ns - n_sink) % ring_cap;
+            const int sl = exact_slot(i);
             // 16-byte aligned: rows of D halves (D % 8 == 0) from an aligned allocation.
             const vec4u* kr = reinterpret_cast<const vec4u*>(kt + (size_t)sl * D);
             vec4u w[D / 8];
@@ -136,12 +144,22 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
         __syncthreads();  // every score in ts
 #pragma unroll 8
         for (int i = 0; i < nt; i++) mt = fmaxf(mt, ts[i]);
-#pragma unroll 8
-        for (int i = 0; i < nt; i++) {
-            const int sl = i < ns ? i : n_sink + (w0 + i - ns - n_sink) % ring_cap;
-            const float w = exp2f(ts[i] - mt);
-            lx += w;
-            ax += w * h2f(vt[(size_t)sl * D + tid]);
+        // This thread's dim of XC value rows per round trip, every load issued before the first
+        // use: under decode_pages' full-bandwidth traffic a load waits microseconds, so a
+        // 132-token window read 8 rows at a time cost tens of µs (the ragged case's floor).
+        constexpr int XC = 64;
+        for (int i0 = 0; i0 < nt; i0 += XC) {
+            u16 v[XC];
+#pragma unroll
+            for (int j = 0; j < XC; j++) v[j] = i0 + j < nt ? vt[(size_t)exact_slot(i0 + j) * D + tid] : (u16)0;
+#pragma unroll
+            for (int j = 0; j < XC; j++) {
+                if (i0 + j < nt) {
+                    const float w = exp2f(ts[i0 + j] - mt);
+                    lx += w;
+                    ax += w * h2f(v[j]);
+                }
+            }
         }
     }
 #if PDL

@@ -74,11 +74,20 @@ impl Case {
         self.sink > 0 || self.recent > 0 || self.lens.iter().any(|&l| l != self.lens[0])
     }
 
-    /// One `--shapes` entry: an index into [`Case::all`], `ragged`, or a probe BxHQxHKVxS.
+    /// One `--shapes` entry: an index into [`Case::all`], `ragged` (or `ragged:S:R`), or a probe
+    /// BxHQxHKVxS.
     fn parse(x: &str) -> std::result::Result<Self, String> {
         let all = Self::all();
         if x == "ragged" {
             return Ok(Self::ragged());
+        }
+        // ragged:S:R — the ragged lengths with S sinks and R recent tokens exact (the exact
+        // tokens' share of the step apart from the lengths').
+        if let Some(sr) = x.strip_prefix("ragged:") {
+            return match sr.split(':').map(str::parse).collect::<std::result::Result<Vec<usize>, _>>().as_deref() {
+                Ok(&[sink, recent]) if sink <= 64 && recent <= 4096 => Ok(Self { sink, recent, ..Self::ragged() }),
+                _ => Err(format!("bad shape `{x}`: ragged:S:R with S ≤ 64 sinks and R ≤ 4096 recent tokens")),
+            };
         }
         if let Ok(i) = x.parse::<usize>() {
             return all.get(i).cloned().ok_or_else(|| format!("no shape {i} (0–{})", all.len() - 1));
@@ -561,7 +570,8 @@ fn report(a: &ReportArgs) -> std::result::Result<(), String> {
     let mut order = Vec::new();
     for o in &ours {
         for r in o["decode"].as_array().into_iter().flatten() {
-            let k = (key(r), r["format"].as_str().unwrap_or("").to_string());
+            // The exact window apart too (ragged:S:R rounds share the peer's ragged row).
+            let k = (key(r), format!("{}|{}|{}", r["format"].as_str().unwrap_or(""), r["sink"], r["recent"]));
             let us = r["ours_us"].as_f64().unwrap_or(f64::INFINITY);
             let gus = r["ours_graph_us"].as_f64().unwrap_or(f64::INFINITY);
             let e = best.entry(k.clone()).or_insert_with(|| {

@@ -32,6 +32,9 @@ fn bad_command_lines_are_refused_before_any_work() {
         &["run", "--shapes", "1x32x6x32768"],
         &["run", "--shapes", "1x32x8x0"],
         &["run", "--shapes", "1x32x8"],
+        &["run", "--shapes", "ragged:4"],
+        &["run", "--shapes", "ragged:65:0"],
+        &["run", "--shapes", "ragged:0:x"],
         &["frobnicate"],
         &[],
     ] {
@@ -95,8 +98,12 @@ fn report_keeps_the_ragged_case_apart_from_the_uniform_shape() {
     let mut ragged = decode_row("q4_0", 32768, 50.0, 40.0, 1e8);
     let extra = json!({"case": "ragged", "lens": [32768, 1031], "sink": 4, "recent": 128});
     ragged.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+    // The ragged lengths without an exact window (`--shapes ragged:0:0`): its own row, the
+    // same peer row.
+    let mut no_window = ragged.clone();
+    no_window.as_object_mut().unwrap().extend(json!({"sink": 0, "recent": 0, "ours_graph_us": 20.0}).as_object().unwrap().clone());
     let ours = json!({"device": "test", "read_tbps": 4.0, "copy_tbps": 3.0,
-                      "decode": [decode_row("q4_0", 32768, 100.0, 90.0, 2e8), ragged], "encode": []});
+                      "decode": [decode_row("q4_0", 32768, 100.0, 90.0, 2e8), ragged, no_window], "encode": []});
     let peer = json!({"rows": [
         {"b": 1, "hq": 32, "hkv": 8, "s": 32768, "peer_us": 400.0, "backend": "flash", "peer_graph_us": 360.0, "graph_backend": "flash"},
         {"b": 1, "hq": 32, "hkv": 8, "s": 32768, "case": "ragged", "peer_us": 300.0, "backend": "cudnn", "peer_graph_us": 200.0, "graph_backend": "cudnn"}]});
@@ -117,8 +124,10 @@ fn report_keeps_the_ragged_case_apart_from_the_uniform_shape() {
     );
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let rows = v["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 2);
-    let by_case = |c: &str| rows.iter().find(|r| r["case"].as_str().unwrap_or("uniform") == c).unwrap();
+    assert_eq!(rows.len(), 3);
+    let by_case = |c: &str| rows.iter().find(|r| r["case"].as_str().unwrap_or("uniform") == c && r["recent"] != 0).unwrap();
+    let bare = rows.iter().find(|r| r["recent"] == 0).unwrap();
+    assert_eq!(bare["speedup_graph"], 200.0 / 20.0);
     assert_eq!(by_case("uniform")["speedup_graph"], 360.0 / 90.0);
     assert_eq!(by_case("ragged")["speedup_graph"], 200.0 / 40.0);
     assert_eq!(by_case("ragged")["speedup"], 300.0 / 50.0);
