@@ -683,6 +683,12 @@ __device__ __forceinline__ void fuse_rotate(float* x, const float* sg, float kro
 #if STREAMK && !FAST
 #error "the stream grid is the FAST path's"
 #endif
+#ifndef BALANCE
+#define BALANCE 0
+#endif
+#if BALANCE && STREAMK
+#error "BALANCE deals split-K blocks"
+#endif
 #define SKMAXB 512  // sequences per step the stream grid's prefix sums hold (attn.rs SKMAXB)
 #if STREAMK
 // Flat page x's physical page, row and valid tokens (rs: the sequences' page prefix sums;
@@ -789,7 +795,74 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if STREAMK
     const int gw = blockIdx.x * NWARPS + warp;  // this warp's run of the flat page list
 #else
-    const int split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int h = blockIdx.y;
+#if BALANCE
+    // BALANCE (split-K, batch ≤ SKMAXB): each KV head's N = n_splits·batch blocks are dealt to
+    // the sequences by the pages they hold now, not by the plan's longest: sequence bb takes
+    // ⌈P_bb / pps⌉ blocks (its pages cut evenly), pps the least found, refining up from ΣP / N,
+    // whose chunks fit the N blocks (the plan's pages_per_split always does). A ragged batch
+    // then runs at its mean length's pace, not its longest's. Block 0 of each KV head writes
+    // the rows' (first partial, count) for combine; blocks left without a chunk return.
+    __shared__ int bpages[SKMAXB], bfirst[SKMAXB + 1];
+    const int nblk = gridDim.x * gridDim.z, fb = blockIdx.z * gridDim.x + blockIdx.x;
+    for (int bb = tid; bb < batch; bb += NWARPS * 32) {
+        const int sl = slot_of[bb];
+        bpages[bb] = sl < 0 ? 0 : min((n_coded[sl] + T - 1) / T, max_pages);
+    }
+    __syncthreads();
+    if (warp == 0) {
+        auto chunks = [&](int pps) {  // Σ ⌈P / pps⌉ over the sequences, on every lane
+            int c = 0;
+            for (int bb = lane; bb < batch; bb += 32) c += (bpages[bb] + pps - 1) / pps;
+#pragma unroll
+            for (int off = 16; off > 0; off >>= 1) c += __shfl_xor_sync(FULL_MASK, c, off);
+            return c;
+        };
+        const int tot = chunks(1);
+        int pps = min(max((tot + nblk - 1) / nblk, 1), pages_per_split);
+        for (int it = 0;; it++) {
+            const int c = chunks(pps);
+            if (c <= nblk || pps >= pages_per_split) break;
+            // Grown by the overshoot (at least a page); after six tries the plan's size.
+            const int grown = max(pps + 1, (int)(((long long)pps * c + nblk - 1) / nblk));
+            pps = it >= 6 ? pages_per_split : min(grown, pages_per_split);
+        }
+        int carry = 0;  // the chunks' exclusive prefix sums, 32 sequences at a time
+        for (int base = 0; base < batch; base += 32) {
+            const int bb = base + lane;
+            const int x = bb < batch ? (bpages[bb] + pps - 1) / pps : 0;
+            int inc = x;
+#pragma unroll
+            for (int off = 1; off < 32; off <<= 1) {
+                const int o = __shfl_up_sync(FULL_MASK, inc, off);
+                if (lane >= off) inc += o;
+            }
+            if (bb < batch) bfirst[bb] = carry + inc - x;
+            carry += __shfl_sync(FULL_MASK, inc, 31);
+        }
+        if (lane == 0) bfirst[batch] = min(carry, nblk);
+    }
+    __syncthreads();
+    if (fb == 0) {
+        for (int bb = tid; bb < batch; bb += NWARPS * 32) {
+            const int r = bb * n_kv + h, f0 = min(bfirst[bb], nblk);
+            part_rows[2 * r] = h * nblk + f0;
+            part_rows[2 * r + 1] = min(bfirst[bb + 1], nblk) - f0;
+        }
+    }
+    if (fb >= bfirst[batch]) return;  // the whole block: no chunk left
+    int b = 0;  // the last sequence whose chunks start at or before fb (its range holds fb)
+#pragma unroll
+    for (int step = SKMAXB / 2; step > 0; step >>= 1) {
+        if (b + step < batch && bfirst[b + step] <= fb) b += step;
+    }
+    const int cj = fb - bfirst[b], cn = bfirst[b + 1] - bfirst[b];
+    const int p0 = (int)((long long)cj * bpages[b] / cn), pend = (int)((long long)(cj + 1) * bpages[b] / cn);
+    const int part = h * nblk + fb;
+#else
+    const int b = blockIdx.z, p0 = blockIdx.x * pages_per_split, pend = p0 + pages_per_split;
+    const int part = (b * n_kv + h) * n_splits + blockIdx.x;
+#endif
 #endif
 #if FUSEQ && !STREAMK
     // This warp's first query head (hh = warp), loaded now: the loads overlap the set-up.
@@ -805,7 +878,6 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const int cslot = slot_of[b];
     const int nc = cslot < 0 ? 0 : n_coded[cslot];
     const int np = (nc + T - 1) / T;
-    const int p0 = split * pages_per_split;
     const int* pt = page_table + (size_t)((cslot < 0 ? 0 : cslot) * n_kv + h) * max_pages;
 #endif
 #if FAST
@@ -830,9 +902,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     int ptv;
     {
         const int pi = first + NWARPS * lane;
-        ptv = pi < min(p0 + pages_per_split, max_pages) ? pt[pi] : 0;
+        ptv = pi < min(pend, max_pages) ? pt[pi] : 0;
     }
-    const int p1 = min(p0 + pages_per_split, np);
+    const int p1 = min(pend, np);
     const int nmine = first < p1 ? (p1 - first + NWARPS - 1) / NWARPS : 0;
 #endif
     __shared__ __align__(8) u64 mbar[NWARPS][STAGES];
@@ -855,7 +927,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     }
 #endif
 #else
-    const int p1 = min(p0 + pages_per_split, np);
+    const int p1 = min(pend, np);
 #endif
 #if STREAMK
     // Each sequence's pages into rs[1 + b] (the loads overlap the table build below).
@@ -1392,7 +1464,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     }
     // Each warp's weight per head, 2^(m_w − M), and the merged (M, L).
     __shared__ float wsc[NWARPS][8];
-    const size_t o0 = ((size_t)(b * n_kv + h) * n_splits + split) * G;
+    const size_t o0 = (size_t)part * G;
     if (tid < G) {
         float M = NEG_INF, L = 0.0f;
 #pragma unroll

@@ -81,6 +81,9 @@ struct Pipe {
     fuse_q: bool,
     /// The persistent stream grid (decode.cu STREAMK) instead of split-K blocks.
     stream: bool,
+    /// Split-K blocks dealt by the step's pages (decode.cu BALANCE; batches ≤ SKMAXB): the
+    /// split-K grid's, never the stream grid's.
+    balance: bool,
 }
 
 /// Whether the device runs the Hopper-only parts: the FAST path's bulk copies and mbarrier
@@ -105,8 +108,14 @@ impl Pipe {
             // programmatic primary).
             fuse_q: fast && t.decode_fuse_q && kf.plain_query_prep(),
             stream,
+            balance: t.decode_balance,
         }
     }
+    /// Whether the kernel deals its split-K blocks by the step's pages (BALANCE).
+    fn splits_balanced(&self) -> bool {
+        self.balance && !self.stream
+    }
+
     /// One warp's ring of page slots (bytes).
     fn ring(&self, kf: &GpuFormat, vf: &GpuFormat) -> usize {
         self.stages * (kf.page_bytes.div_ceil(128) * 128 + vf.page_bytes.div_ceil(128) * 128)
@@ -183,6 +192,9 @@ fn decode_defines(
     if pipe.stream {
         defs.push(("STREAMK".into(), 1));
     }
+    if pipe.splits_balanced() {
+        defs.push(("BALANCE".into(), 1));
+    }
     if pipe.fast {
         defs.push(("STAGES".into(), pipe.stages as i64));
         if pipe.minb > 0 {
@@ -203,11 +215,14 @@ pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) 
         (Family::Decode, decode_defines(kf, vf, g, &pipe, &var, pdl)),
         (Family::Attn, attn_defines(kf, vf, g, pdl)),
     ];
-    if pipe.stream {
-        // Split-K as well: batches past the stream grid's bound, fewer waves than
-        // STREAM_MIN_WAVES, and `DecodeGrid::SplitK`.
-        let split = Pipe::new(kf, vf, cc, false, true, &t);
-        m.push((Family::Decode, decode_defines(kf, vf, g, &split, &var, pdl)));
+    // Split-K as well (batches past the stream grid's bound, fewer waves than
+    // STREAM_MIN_WAVES, `DecodeGrid::SplitK`), dealt by pages and (batches past SKMAXB) not.
+    let split = Pipe::new(kf, vf, cc, false, true, &t);
+    for p in [split, Pipe { balance: false, ..split }] {
+        let defs = decode_defines(kf, vf, g, &p, &var, pdl);
+        if !m.iter().any(|(_, d)| *d == defs) {
+            m.push((Family::Decode, defs));
+        }
     }
     m
 }
@@ -243,11 +258,21 @@ pub struct DecodeOptions {
     /// At most this many blocks in the stream grid (0: as many as are resident at once);
     /// tests use a few, so that each warp's run spans many rows.
     pub max_blocks: usize,
+    /// `decode_with`: plan for at least this many pages per sequence (a serving engine's page
+    /// bucket, longer than the rows it runs; 0: the longest row's).
+    pub cover_pages: usize,
 }
 
 impl Default for DecodeOptions {
     fn default() -> Self {
-        Self { blocks_per_sm: 4, min_pages_per_split: 16, generic: false, grid: DecodeGrid::Auto, max_blocks: 0 }
+        Self {
+            blocks_per_sm: 4,
+            min_pages_per_split: 16,
+            generic: false,
+            grid: DecodeGrid::Auto,
+            max_blocks: 0,
+            cover_pages: 0,
+        }
     }
 }
 
@@ -315,6 +340,13 @@ impl DecodePlan {
     }
 }
 
+/// A split-K decode kernel that takes the plan's splits as they are (no BALANCE).
+struct PlainDecode {
+    f: CudaFunction,
+    warps: usize,
+    smem: u32,
+}
+
 /// Kernels, split layout and work buffers of decode steps over one cache.
 pub struct PlanCore {
     pub dev: Arc<GpuDevice>,
@@ -331,7 +363,12 @@ pub struct PlanCore {
     fuse_q: bool,
     /// The stream grid's blocks (0: split-K).
     stream_blocks: u32,
-    /// Stream grid: each row's (first partial, count), written by decode_pages for combine.
+    /// Split-K blocks dealt by the step's pages (decode.cu BALANCE).
+    balanced: bool,
+    /// BALANCE plans: the kernel without it, run where every row fills the split layout.
+    plain: Option<PlainDecode>,
+    /// Stream grid and BALANCE: each row's (first partial, count), written by decode_pages for
+    /// combine.
     part_rows: CudaSlice<i32>,
     /// Row b of a step reads cache slot rows[b] (−1: idle); host copy and device copy.
     rows_host: Vec<i32>,
@@ -441,8 +478,11 @@ impl PlanCore {
         // The stream grid's prefix sums hold SKMAXB sequences, its page indices are i32.
         let flat_pages = b.saturating_mul(cfg.n_kv_heads).saturating_mul(cfg.max_pages_per_seq);
         let no_stream = opts.grid == DecodeGrid::SplitK || b > SKMAXB || flat_pages > i32::MAX as usize / 2;
-        let pick =
-            |split_k: bool| pick_decode(&dev, kf, vf, g, Pipe::new(kf, vf, cc, opts.generic, split_k, &t), &var, pdl);
+        // BALANCE's prefix sums hold SKMAXB sequences too.
+        let pick = |split_k: bool| {
+            let pipe = Pipe::new(kf, vf, cc, opts.generic, split_k, &t);
+            pick_decode(&dev, kf, vf, g, Pipe { balance: pipe.balance && b <= SKMAXB, ..pipe }, &var, pdl)
+        };
         let (mut pipe, mut f_decode, mut smem) = pick(no_stream)?;
         // Whole waves: as many blocks as fit at once (the kernel's occupancy, capped by
         // blocks_per_sm), rounded down to a multiple of the (sequence, KV head) rows.
@@ -479,6 +519,18 @@ impl PlanCore {
             let (n_splits, pps) = split_layout(target);
             (n_splits, pps, rows * n_splits)
         };
+        // Beside a BALANCE kernel, the same pipe without it, for steps whose rows all fill the
+        // split layout (nothing to deal: it saves BALANCE's set-up, ~2.5 µs on the H100).
+        let plain = if pipe.splits_balanced() {
+            let (p, f, sm) = pick_decode(&dev, kf, vf, g, Pipe { balance: false, ..pipe }, &var, pdl)?;
+            (!p.stream && !p.splits_balanced() && p.fuse_q == pipe.fuse_q).then_some(PlainDecode {
+                f,
+                warps: p.warps,
+                smem: sm as u32,
+            })
+        } else {
+            None
+        };
         let s = &dev.stream;
         let nq = b * n_q_heads * d;
         let rows_host: Vec<i32> = (0..b).map(|i| if i < cfg.max_seqs { i as i32 } else { -1 }).collect();
@@ -493,6 +545,8 @@ impl PlanCore {
             smem: smem as u32,
             fuse_q: pipe.fuse_q,
             stream_blocks: if pipe.stream { stream_blocks as u32 } else { 0 },
+            balanced: pipe.splits_balanced(),
+            plain,
             part_rows: s.alloc_zeros(2 * rows).map_err(drv("alloc"))?,
             rows: s.clone_htod(&rows_host).map_err(drv("htod"))?,
             rows_host,
@@ -515,6 +569,26 @@ impl PlanCore {
         } else {
             DecodeGrid::SplitK
         }
+    }
+
+    /// Whether a step over the current rows deals its split-K blocks by their pages
+    /// (decode.cu BALANCE).
+    pub fn deals_blocks(&self, cache: &GpuKvCache) -> bool {
+        self.balanced && !(self.plain.is_some() && self.rows_fill_splits(cache))
+    }
+
+    /// Every row active with the same pages, each of its splits some: a BALANCE plan then runs
+    /// its plain kernel (a step captured into a graph keeps the choice: it picks the speed,
+    /// not the result).
+    fn rows_fill_splits(&self, cache: &GpuKvCache) -> bool {
+        let t = cache.cfg.page_tokens;
+        let pages: Vec<Option<usize>> = self
+            .rows_host
+            .iter()
+            .map(|&r| if r >= 0 { cache.coded(r as usize).ok().map(|c| c.div_ceil(t)) } else { None })
+            .collect();
+        let lo = (self.n_splits - 1) * self.pages_per_split;
+        pages.iter().all(|p| p.is_some_and(|p| p > lo)) && pages.windows(2).all(|w| w[0] == w[1])
     }
 
     /// Pages per sequence the split layout covers.
@@ -613,14 +687,19 @@ impl PlanCore {
         let max_pages = cfg.max_pages_per_seq as i32;
         let batch = b as i32;
         let (pps, ns) = (self.pages_per_split as i32, self.n_splits as i32);
+        let plain = self.plain.as_ref().filter(|_| self.rows_fill_splits(cache));
+        let (f_dec, warps, smem) = match plain {
+            Some(p) => (&p.f, p.warps, p.smem),
+            None => (&self.f_decode, self.nwarps, self.smem),
+        };
         let cfg_dec = LaunchConfig {
             grid_dim: if self.stream_blocks > 0 {
                 (self.stream_blocks, 1, 1)
             } else {
                 (self.n_splits as u32, hk as u32, b)
             },
-            block_dim: ((self.nwarps * 32) as u32, 1, 1),
-            shared_mem_bytes: self.smem,
+            block_dim: ((warps * 32) as u32, 1, 1),
+            shared_mem_bytes: smem,
         };
         let (ktab, vtab) = (Tab16(cache.k.fmt.table_f16), Tab16(cache.v.fmt.table_f16));
         let k2tab = Tab16(cache.k.fmt.table2_f16);
@@ -661,7 +740,7 @@ impl PlanCore {
         // deltas), and the split layout covers every row's pages (the stream grid: its
         // partials, grid warps + rows, are allocated for its blocks). As prep_query's
         // programmatic dependent (prep_query ran: no FUSEQ), it waits before reading qprep.
-        unsafe { launch_raw(&self.f_decode, cfg_dec, &s, &mut dparams, self.pdl && !self.fuse_q) }
+        unsafe { launch_raw(f_dec, cfg_dec, &s, &mut dparams, self.pdl && !self.fuse_q) }
             .map_err(drv("decode_pages"))?;
 
         let (n_sink, ring) = (cfg.sink as i32, cache.ring_cap() as i32);
@@ -670,7 +749,9 @@ impl PlanCore {
         let vptr = |x: &CudaView<'_, f32>| x.device_ptr(&s).0;
         let (acc, ml) = (ptr(&self.part_acc), ptr(&self.part_ml));
         let vs = vptr(&vsigns);
-        let part_rows = if self.stream_blocks > 0 { self.part_rows.device_ptr(&s).0 } else { 0u64 };
+        // The rows' (first partial, count): written by the stream grid and by BALANCE's blocks.
+        let dealt = self.balanced && plain.is_none();
+        let part_rows = if self.stream_blocks > 0 || dealt { self.part_rows.device_ptr(&s).0 } else { 0u64 };
         let (kx, vx) = (cache.k.exact[layer].device_ptr(&s).0, cache.v.exact[layer].device_ptr(&s).0);
         let sl = seq_len.device_ptr(&s).0;
         let (o32, o16) = match out {
@@ -764,7 +845,7 @@ pub fn decode_with(
     opts: DecodeOptions,
 ) -> Result<Vec<f32>> {
     cache.sync_meta()?;
-    let max_pages = cache.max_pages(slots);
+    let max_pages = cache.max_pages(slots).max(opts.cover_pages);
     let mut plan = PlanCore::new(cache, n_q_heads, slots.len(), max_pages, opts)?;
     let rows: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
     plan.set_rows(cache, &rows)?;
@@ -813,10 +894,10 @@ mod tests {
                 let kf = GpuFormat::new(&FormatSpec::parse(k).unwrap(), d, 32, 1).unwrap();
                 let vf = GpuFormat::new(&FormatSpec::parse(v).unwrap(), d, 32, 2).unwrap();
                 for warps in [4, 8, 12, 16] {
-                    let pipe = Pipe { fast: true, stages: 2, warps, minb: 0, fuse_q: true, stream: false };
+                    let pipe = Pipe { fast: true, stages: 2, warps, minb: 0, fuse_q: true, stream: false, balance: true };
                     let ring = pipe.ring(&kf, &vf);
                     let post = warps * 8 * d * 4;
-                    for static_bytes in [2048usize, 4096, 4480, 16000] {
+                    for static_bytes in [2048usize, 4096, 4480, 8064, 16000] {
                         let Some(dynb) = pipe.smem(&kf, &vf, static_bytes, post) else {
                             panic!("{k}/{v} d={d} warps={warps}: no layout")
                         };

@@ -119,7 +119,7 @@ const ENCODE_EXTRA: [&str; 7] =
 const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
-/// EXPFTZ,SLACK,PDL,STREAM}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}` and
+/// EXPFTZ,SLACK,PDL,STREAM,BALANCE}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}` and
 /// `VELOXQUANT_PREFILL_WARPS`,
 /// PTX kept in `VELOXQUANT_PTX_DIR` (A/B runs of variants; the library reads none of these).
 pub fn bench_device() -> Result<Arc<GpuDevice>> {
@@ -136,6 +136,7 @@ pub fn bench_device() -> Result<Arc<GpuDevice>> {
         decode_slack: knob("DECODE_SLACK", d.decode_slack),
         decode_pdl: knob("DECODE_PDL", d.decode_pdl as i64) != 0,
         decode_stream: knob("DECODE_STREAM", d.decode_stream as i64) != 0,
+        decode_balance: knob("DECODE_BALANCE", d.decode_balance as i64) != 0,
         encode_warps: knob("ENCODE_WARPS", d.encode_warps as i64) as usize,
         encode_lockstep: knob("ENCODE_LOCKSTEP", d.encode_lockstep as i64) != 0,
         encode_minb: knob("ENCODE_MINB", d.encode_minb),
@@ -472,7 +473,7 @@ fn decode_rows(
                 "lens": case.lens, "sink": case.sink, "recent": case.recent,
                 "k_bits": kf.bits_per_value(), "v_bits": vf.bits_per_value(),
                 "ours_us": us, "ours_stream_us": stream_us, "ours_graph_us": graph_us, "bytes": bytes, "tbps": tbps, "bw_fraction": tbps / read_tbps,
-                "n_splits": plans[0].n_splits, "grid": format!("{:?}", plans[0].grid()), "finite": finite, "rotated_caches": n_sets,
+                "n_splits": plans[0].n_splits, "grid": format!("{:?}", plans[0].grid()), "dealt": plans[0].deals_blocks(&caches[0]), "finite": finite, "rotated_caches": n_sets,
                 "rotated_bytes": n_sets * bytes_one,
             }));
         }

@@ -23,6 +23,10 @@ pub struct Tuning {
     /// FAST decode: a persistent grid, each warp one equal run of all rows' pages (decode.cu
     /// STREAMK), instead of split-K blocks of (sequence, KV head, split).
     pub decode_stream: bool,
+    /// Split-K blocks dealt to the sequences by the pages they hold at each step (decode.cu
+    /// BALANCE), not by the plan's longest: ragged batches and sequences shorter than the plan
+    /// keep every block busy.
+    pub decode_balance: bool,
     /// Thread-per-row encode: warps (pages) per block.
     pub encode_warps: usize,
     /// Keep an encode block's warps in step (one barrier per page).
@@ -54,6 +58,7 @@ impl Default for Tuning {
             decode_slack: 8,
             decode_pdl: true,
             decode_stream: true,
+            decode_balance: true,
             encode_warps: 4,
             encode_lockstep: false,
             encode_minb: 2,
