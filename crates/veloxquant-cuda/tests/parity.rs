@@ -427,79 +427,86 @@ fn decode_matches_cpu_reference() {
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
+/// A decode sweep against the CPU reference (each case ≤ 2e-3): every (K, V) pair × d × G ×
+/// (recent, sink, page mode), ragged lengths by G, minus the cases `skip` names. Returns the
+/// cases run and the worst error; panics listing the failures.
+struct Sweep {
+    pairs: &'static [(&'static str, &'static str)],
+    ds: &'static [usize],
+    gqas: &'static [usize],
+    windows: &'static [(usize, usize, bool)],
+    lens: fn(usize) -> &'static [usize],
+    skip: fn(&str, usize) -> bool,
+}
+
+impl Sweep {
+    fn run(&self, dev: &Arc<GpuDevice>) -> (usize, f64) {
+        let (mut n, mut worst, mut bad) = (0, 0f64, Vec::new());
+        for (pi, &(k, v)) in self.pairs.iter().enumerate() {
+            for &d in self.ds {
+                for &gqa in self.gqas {
+                    for &(recent, sink, page_mode) in self.windows {
+                        if (self.skip)(v, d) {
+                            continue;
+                        }
+                        let c = Case { k, v, d, gqa, recent, sink, page_mode, lens: (self.lens)(gqa) };
+                        let e = run_case(dev, &c, (pi * 100 + d + gqa + recent) as u64);
+                        #[allow(clippy::neg_cmp_op_on_partial_ord)]
+                        if !(e <= 2e-3) {
+                            bad.push(format!("{k}/{v} d={d} G={gqa} R={recent} S={sink} pages={page_mode}: {e:.2e}"));
+                        }
+                        worst = worst.max(e);
+                        n += 1;
+                    }
+                }
+            }
+        }
+        assert!(n > 0 && bad.is_empty(), "{n} cases: {bad:#?}");
+        (n, worst)
+    }
+}
+
 /// kivi keys (per-channel groups of 16 or 32 tokens) against the CPU reference: both group
 /// sizes and bit widths, d ∈ {64, 128, 256}, every G the engine uses (QPACK's column layouts
 /// and the rest), windows, sinks and ragged lengths.
 #[test]
 fn decode_kivi_keys_match_cpu_reference() {
     let Some(dev) = device() else { return };
-    let mut worst = 0f64;
-    let mut bad = Vec::new();
-    let mut n = 0;
-    for (pi, (k, v)) in
-        [("kivi:2", "kivi:2"), ("kivi:4", "kivi:4:g16"), ("kivi:2:g16", "turboquant_mse:3"), ("kivi:4:g16", "fp16")]
-            .into_iter()
-            .enumerate()
-    {
-        for d in [64, 128, 256] {
-            for gqa in [1, 2, 3, 4, 8] {
-                for (recent, sink, page_mode) in [(0, 0, false), (8, 4, true)] {
-                    if d == 256 && v.ends_with("g16") {
-                        continue; // values need G ≥ d/8
-                    }
-                    let lens: &[usize] = if gqa % 2 == 0 { &[17, 97, 300] } else { &[33, 64, 1] };
-                    let c = Case { k, v, d, gqa, recent, sink, page_mode, lens };
-                    let e = run_case(&dev, &c, (pi * 100 + d + gqa) as u64);
-                    #[allow(clippy::neg_cmp_op_on_partial_ord)]
-                    if !(e <= 2e-3) {
-                        bad.push(format!("{k}/{v} d={d} G={gqa} R={recent} S={sink}: {e:.2e}"));
-                    }
-                    worst = worst.max(e);
-                    n += 1;
-                }
-            }
-        }
+    let (n, worst) = Sweep {
+        pairs: &[("kivi:2", "kivi:2"), ("kivi:4", "kivi:4:g16"), ("kivi:2:g16", "turboquant_mse:3"), ("kivi:4:g16", "fp16")],
+        ds: &[64, 128, 256],
+        gqas: &[1, 2, 3, 4, 8],
+        windows: &[(0, 0, false), (8, 4, true)],
+        lens: |gqa| if gqa % 2 == 0 { &[17, 97, 300] } else { &[33, 64, 1] },
+        skip: |v, d| d == 256 && v.ends_with("g16"), // values need G ≥ d/8
     }
+    .run(&dev);
     eprintln!("kivi keys decode: {n} cases, worst rel err {worst:.2e}");
-    assert!(bad.is_empty(), "{bad:#?}");
 }
 
-/// The block formats (q4_0's 18-byte and q8_0's 34-byte blocks, read by aligned word loads at
-/// d ≥ 128) as keys and values beside each other and other formats, d ∈ {64, 128, 256}, G ∈ {1,
-/// 4, 8}, with and without the window and sinks, ragged lengths.
+/// The block formats (q4_0's 18-byte and q8_0's 34-byte blocks) as keys and values beside each
+/// other and other formats, d ∈ {64, 128, 256}, G ∈ {1, 4, 8}, with and without the window and
+/// sinks, ragged lengths.
 #[test]
 fn decode_block_formats_match_cpu_reference() {
     let Some(dev) = device() else { return };
-    let mut worst = 0f64;
-    let mut bad = Vec::new();
-    for (pi, (k, v)) in [
-        ("q4_0", "q4_0"),
-        ("q8_0", "q4_0"),
-        ("q4_0", "q8_0"),
-        ("q4_0:rot", "fp16"),
-        ("turboquant_mse:4", "q4_0"),
-        ("q8_0", "q8_0"),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        for d in [64, 128, 256] {
-            for gqa in [1, 4, 8] {
-                for (recent, sink) in [(0, 0), (8, 4)] {
-                    let lens: &[usize] = if gqa == 4 { &[17, 97, 300] } else { &[33, 64, 1] };
-                    let c = Case { k, v, d, gqa, recent, sink, page_mode: false, lens };
-                    let e = run_case(&dev, &c, (pi * 100 + d + gqa + recent) as u64);
-                    #[allow(clippy::neg_cmp_op_on_partial_ord)]
-                    if !(e <= 2e-3) {
-                        bad.push(format!("{k}/{v} d={d} G={gqa} R={recent} S={sink}: {e:.2e}"));
-                    }
-                    worst = worst.max(e);
-                }
-            }
-        }
+    let (n, worst) = Sweep {
+        pairs: &[
+            ("q4_0", "q4_0"),
+            ("q8_0", "q4_0"),
+            ("q4_0", "q8_0"),
+            ("q4_0:rot", "fp16"),
+            ("turboquant_mse:4", "q4_0"),
+            ("q8_0", "q8_0"),
+        ],
+        ds: &[64, 128, 256],
+        gqas: &[1, 4, 8],
+        windows: &[(0, 0, false), (8, 4, false)],
+        lens: |gqa| if gqa == 4 { &[17, 97, 300] } else { &[33, 64, 1] },
+        skip: |_, _| false,
     }
-    eprintln!("block formats decode: worst rel err {worst:.2e}");
-    assert!(bad.is_empty(), "{bad:#?}");
+    .run(&dev);
+    eprintln!("block formats decode: {n} cases, worst rel err {worst:.2e}");
 }
 
 /// d = 256 (the generic path: the FAST path's register layouts stop at 128) for every kind
