@@ -894,7 +894,8 @@ mod tests {
                 let kf = GpuFormat::new(&FormatSpec::parse(k).unwrap(), d, 32, 1).unwrap();
                 let vf = GpuFormat::new(&FormatSpec::parse(v).unwrap(), d, 32, 2).unwrap();
                 for warps in [4, 8, 12, 16] {
-                    let pipe = Pipe { fast: true, stages: 2, warps, minb: 0, fuse_q: true, stream: false, balance: true };
+                    let pipe =
+                        Pipe { fast: true, stages: 2, warps, minb: 0, fuse_q: true, stream: false, balance: true };
                     let ring = pipe.ring(&kf, &vf);
                     let post = warps * 8 * d * 4;
                     for static_bytes in [2048usize, 4096, 4480, 8064, 16000] {

@@ -101,7 +101,10 @@ fn report_keeps_the_ragged_case_apart_from_the_uniform_shape() {
     // The ragged lengths without an exact window (`--shapes ragged:0:0`): its own row, the
     // same peer row.
     let mut no_window = ragged.clone();
-    no_window.as_object_mut().unwrap().extend(json!({"sink": 0, "recent": 0, "ours_graph_us": 20.0}).as_object().unwrap().clone());
+    no_window
+        .as_object_mut()
+        .unwrap()
+        .extend(json!({"sink": 0, "recent": 0, "ours_graph_us": 20.0}).as_object().unwrap().clone());
     let ours = json!({"device": "test", "read_tbps": 4.0, "copy_tbps": 3.0,
                       "decode": [decode_row("q4_0", 32768, 100.0, 90.0, 2e8), ragged, no_window], "encode": []});
     let peer = json!({"rows": [
@@ -125,7 +128,8 @@ fn report_keeps_the_ragged_case_apart_from_the_uniform_shape() {
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     let rows = v["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 3);
-    let by_case = |c: &str| rows.iter().find(|r| r["case"].as_str().unwrap_or("uniform") == c && r["recent"] != 0).unwrap();
+    let by_case =
+        |c: &str| rows.iter().find(|r| r["case"].as_str().unwrap_or("uniform") == c && r["recent"] != 0).unwrap();
     let bare = rows.iter().find(|r| r["recent"] == 0).unwrap();
     assert_eq!(bare["speedup_graph"], 200.0 / 20.0);
     assert_eq!(by_case("uniform")["speedup_graph"], 360.0 / 90.0);

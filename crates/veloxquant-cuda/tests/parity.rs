@@ -473,7 +473,12 @@ impl Sweep {
 fn decode_kivi_keys_match_cpu_reference() {
     let Some(dev) = device() else { return };
     let (n, worst) = Sweep {
-        pairs: &[("kivi:2", "kivi:2"), ("kivi:4", "kivi:4:g16"), ("kivi:2:g16", "turboquant_mse:3"), ("kivi:4:g16", "fp16")],
+        pairs: &[
+            ("kivi:2", "kivi:2"),
+            ("kivi:4", "kivi:4:g16"),
+            ("kivi:2:g16", "turboquant_mse:3"),
+            ("kivi:4:g16", "fp16"),
+        ],
         ds: &[64, 128, 256],
         gqas: &[1, 2, 3, 4, 8],
         windows: &[(0, 0, false), (8, 4, true)],
