@@ -581,14 +581,14 @@ impl PlanCore {
     /// its plain kernel (a step captured into a graph keeps the choice: it picks the speed,
     /// not the result).
     fn rows_fill_splits(&self, cache: &GpuKvCache) -> bool {
+        // Runs per step and layer: no allocation.
         let t = cache.cfg.page_tokens;
-        let pages: Vec<Option<usize>> = self
-            .rows_host
-            .iter()
-            .map(|&r| if r >= 0 { cache.coded(r as usize).ok().map(|c| c.div_ceil(t)) } else { None })
-            .collect();
+        let pages = |r: i32| if r >= 0 { cache.coded(r as usize).ok().map(|c| c.div_ceil(t)) } else { None };
         let lo = (self.n_splits - 1) * self.pages_per_split;
-        pages.iter().all(|p| p.is_some_and(|p| p > lo)) && pages.windows(2).all(|w| w[0] == w[1])
+        match self.rows_host.first().copied().and_then(pages) {
+            Some(p0) => p0 > lo && self.rows_host.iter().all(|&r| pages(r) == Some(p0)),
+            None => false,
+        }
     }
 
     /// Pages per sequence the split layout covers.
