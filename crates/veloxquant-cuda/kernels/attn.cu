@@ -1,22 +1,26 @@
 // Per-step helpers around decode_pages. Grid: (n_q_heads, batch); block: D threads.
-// prep_query: q · log2(e)/√d, rotated once by the key rotation (the rotated-query trick), or
-// projected by the key sketch (KSKETCH: qjl); KPROD / KRVQ add a second query (c·S·R·q,
-// R₂·R₁·q) after the first; KRABITQ quantizes the rotated query to 4 bits as rabitq.rs does.
+// prep_query: q · log2(e)/√d, rotated once by the key rotation (the rotated-query trick), then
+// as the key format needs (formats/: qjl's sketch, turboquant_prod's and turboquant_rvq's
+// second query, rabitq's 4-bit query; selected by KSKETCH, KPROD, KRVQ, KRABITQ).
 // combine: merge the split partials (16 per L2 round trip, no block barrier), one
 // inverse value rotation on the merged accumulator,
 // then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, KPROD, KRVQ,
 // KRABITQ, VROT, PDL (combine launched
 // as a programmatic dependent of decode_pages: it scores the tail while decode_pages runs).
 #define NEG_INF (-__int_as_float(0x7f800000))
-// Floats per KV head of the key transform (rotation signs, a sketch's Sᵀ, or both).
-#if KPROD
-#define KTW (D + D * D)
-#elif KRVQ
-#define KTW (2 * D)
-#elif KSKETCH
-#define KTW (D * D)
-#else
+
+// Each format's query preparation (FMT_QUERY): KTW, the floats per KV head of its key transform
+// (default D, rotation signs); query_fmt (QUERY_FMT), which stores the query prepared after
+// the scale and the rotation, or prep_query_fmt (PREP_QUERY_FMT), a preparation of its own.
+// @formats FMT_QUERY
+#ifndef KTW
 #define KTW D
+#endif
+#ifndef QUERY_FMT
+#define QUERY_FMT 0
+#endif
+#ifndef PREP_QUERY_FMT
+#define PREP_QUERY_FMT 0
 #endif
 
 extern "C" __global__ void prep_query(const float* __restrict__ q, float* __restrict__ qprep,
@@ -24,55 +28,23 @@ extern "C" __global__ void prep_query(const float* __restrict__ q, float* __rest
     __shared__ float s[D];
     const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, n_q = gridDim.x;
     const size_t at = ((size_t)b * n_q + hq) * D + tid;
+    const float* const kt = ksigns + (size_t)(hq / G) * KTW;  // the KV head's key transform
 #if PDL
     // decode_pages (launched as a programmatic dependent) may start its set-up now; it waits
     // for this grid's completion before reading qprep.
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-#if KRABITQ
-    // rabitq: the 4-bit query of R·q (unscaled), then the scale log2(e)/√d.
-    float r = q[at] * ksigns[(size_t)(hq / G) * KTW + tid];
-    r = rabitq_query_block(fwht_block(r, s, tid) * krot_scale, tid);
-    qprep[at] = __fmul_rn(r, LOG2E / sqrtf((float)D));
+#if PREP_QUERY_FMT
+    prep_query_fmt(q[at], qprep + at, kt, krot_scale, s, tid);
     return;
 #endif
     float x = q[at] * (LOG2E / sqrtf((float)D));
 #if KROT
-    x *= ksigns[(size_t)(hq / G) * KTW + tid];
+    x *= kt[tid];
     x = fwht_block(x, s, tid) * krot_scale;
 #endif
-#if KRVQ
-    // turboquant_rvq: R₁·q for stage 1, then R₂·R₁·q for stage 2 (signs after R₁'s).
-    qprep[at] = x;
-    __syncthreads();  // fwht_block's last reads of s
-    x = fwht_block(x * ksigns[(size_t)(hq / G) * KTW + D + tid], s, tid) * krot_scale;
-#endif
-#if KPROD
-    qprep[at] = x;  // turboquant_prod: R·q for the codes, then c·S·R·q for the signs
-    const float sc = SKETCH_C(D);
-    __syncthreads();  // fwht_block's last reads of s
-#elif KSKETCH
-    const float sc = krot_scale;  // qjl: c
-#endif
-#if KSKETCH || KPROD
-    // The query in the sketch domain, c·S·x (Sᵀ: d × d per KV head, after the signs for
-    // turboquant_prod; thread tid = row tid of S, one coalesced row of Sᵀ per step).
-    s[tid] = x;
-    __syncthreads();
-    // Four chains, unrolled: the loads of Sᵀ (L2) overlap instead of one per FMA latency.
-    const float* st = ksigns + (size_t)(hq / G) * KTW + (KPROD ? D : 0) + tid;
-    float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
-#pragma unroll 8
-    for (int e = 0; e < D; e += 4) {
-        p0 += st[(size_t)e * D] * s[e];
-        p1 += st[(size_t)(e + 1) * D] * s[e + 1];
-        p2 += st[(size_t)(e + 2) * D] * s[e + 2];
-        p3 += st[(size_t)(e + 3) * D] * s[e + 3];
-    }
-    x = ((p0 + p1) + (p2 + p3)) * sc;
-#endif
-#if KPROD || KRVQ
-    qprep[at + (size_t)gridDim.x * gridDim.y * D] = x;
+#if QUERY_FMT
+    query_fmt(x, qprep, at, (size_t)gridDim.x * gridDim.y * D, kt, krot_scale, s, tid);
 #else
     qprep[at] = x;
 #endif

@@ -210,6 +210,31 @@ __device__ __forceinline__ u32 u4x2_h2(u32 t, u32 s2) {
     return hmul2(hsub2((t & 0x000F000Fu) | 0x64006400u, 0x64086408u), s2);  // 1024+n − 1032
 }
 
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+    u32 r;
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+    return r;
+}
+
+// Each format's readers (FMT_DECODE): k_row (thread t's quarter of a key row as KS*2 f16x2)
+// and v_row (dims [g*VC, (g+1)*VC) of a value row as VC/2 f16x2), or K_ROW / V_ROW for
+// page-level layouts (kivi); a key layout of its own by kdim_fmt (KDIM_FMT), a key scale of its
+// own by kscale (KRATIO).
+// @formats FMT_DECODE
+#ifndef K_ROW
+#define K_ROW(kp, row, t, tab, out) k_row((kp) + (row) * K_ROW_BYTES, t, tab, out)
+#endif
+#ifndef V_ROW
+#define V_ROW(vp, row, g, tab, out) v_row((vp) + (row) * V_ROW_BYTES, g, tab, out)
+#endif
+#if !KRATIO
+// Token i's key scale from the page's sides kn: ‖x‖ (codes, qjl, both two-segment formats).
+__device__ __forceinline__ float kscale(const u16* kn, int i) { return h2f(kn[i]); }
+#endif
+#ifndef KDIM_FMT
+#define KDIM_FMT 0
+#endif
+
 // FAST 1-bit rows (k1_dequant): word i = 2ks + j/2 pairs bits (15 − i, 31 − i) of the
 // thread's word (d = 128), or (7 − i, 15 − i) of its 16 bits (d = 64).
 __device__ __forceinline__ int kdim1(int t, int ks, int j) {
@@ -222,142 +247,12 @@ __device__ __forceinline__ int kdim(int t, int ks, int j) {
     return kdim1(t, ks, j);
 #elif FAST && KB == 2 && !K2L
     return t * QD + 16 * (ks >> 2) + (ks & 3) + 4 * j;
-#elif KK == 2
-    // q4_0: k-step ks takes byte bb of the thread's run of 16-byte nibble blocks, low nibbles
-    // (dims byte, byte + 1 of the block) in slots 0-1, high (+ 16) in slots 2-3.
-    const int bb = t * QD / 2 + 2 * ks;
-    return (bb / 16) * 32 + bb % 16 + (j & 1) + (j >= 2 ? 16 : 0);
+#elif KDIM_FMT
+    return kdim_fmt(t, ks, j);
 #else
     return t * QD + 4 * ks + j;
 #endif
 }
-
-// One key row's quarter for thread t: KS*2 f16x2 = (slots j0,j1), (j2,j3) per k-step.
-__device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* out) {
-#if KK == 0
-    const vec4u* p = (const vec4u*)(kr + t * QD * 2);
-#pragma unroll
-    for (int i = 0; i < QD / 8; i++) {
-        vec4u v = p[i];
-        out[4 * i] = v.x; out[4 * i + 1] = v.y; out[4 * i + 2] = v.z; out[4 * i + 3] = v.w;
-    }
-#elif KK == 3
-    codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)kr, t * QD, tab, out);
-#elif KK == 5
-    codes_to_h2<KB, QD, K_MSE_BYTES / 4>((const u32*)kr, t * QD, tab, out);
-#elif KK == 1
-    // The thread's QD dims span QD/32 blocks (d = 256: two) or part of one.
-#pragma unroll
-    for (int i = 0; i < QD / 2; i++) {
-        const int dim = t * QD + 2 * i;
-        const u8* base = kr + 34 * (dim / 32);
-        const u32 s2 = (u32)*(const u16*)base * 0x10001u;
-        out[i] = i8x2_h2(*(const u16*)(base + 2 + dim % 32), s2);
-    }
-#else
-#pragma unroll
-    for (int ks = 0; ks < KS; ks++) {
-        const int bb = t * QD / 2 + 2 * ks;  // as kdim
-        const u8* base = kr + 18 * (bb / 16);
-        const u32 s2 = (u32)*(const u16*)base * 0x10001u;
-        u32 t2 = prmt(*(const u16*)(base + 2 + bb % 16), 0u, 0x4140u);  // byte0 -> half 0, byte1 -> half 1
-        out[2 * ks] = u4x2_h2(t2, s2);
-        out[2 * ks + 1] = u4x2_h2(t2 >> 4, s2);
-    }
-#endif
-}
-
-#if KK == 5
-// A key row's second segment (turboquant_prod's signs with the table {−1, +1}, turboquant_rvq's
-// stage-2 codes) through its table k2t, in k_row's order.
-__device__ __forceinline__ void k_second(const u8* kr, int t, const u16* k2t, u32* out) {
-    codes_to_h2<K2B, QD, (K_ROW_BYTES - K_MSE_BYTES) / 4>((const u32*)(kr + K_MSE_BYTES), t * QD, k2t, out);
-}
-#endif
-
-// Token i's key scale from the page's sides kn: ‖x‖ (codes, qjl, both two-segment formats),
-// or rabitq's ‖x‖/(x0·√d) (rabitq.rs decode_page; 0 when x0 = 0).
-__device__ __forceinline__ float kscale(const u16* kn, int i) {
-#if KRATIO
-    const float x0 = h2f(kn[T + i]);
-    return x0 > 0.0f ? h2f(kn[i]) / x0 * (1.0f / sqrtf((float)D)) : 0.0f;
-#else
-    return h2f(kn[i]);
-#endif
-}
-
-// One value row's dims [g*VC, (g+1)*VC) as VC/2 f16x2 pairs (2m, 2m+1).
-__device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
-#if VK == 0
-    const vec4u* p = (const vec4u*)(vr + g * VC * 2);
-#pragma unroll
-    for (int i = 0; i < VC / 8; i++) {
-        vec4u v = p[i];
-        out[4 * i] = v.x; out[4 * i + 1] = v.y; out[4 * i + 2] = v.z; out[4 * i + 3] = v.w;
-    }
-#elif VK == 3
-    codes_to_h2<VB, VC, V_ROW_BYTES / 4>((const u32*)vr, g * VC, tab, out);
-#elif VK == 1
-    int blk = (g * VC) / 32, off = (g * VC) % 32;  // VC ≤ 32: within one block
-    const u8* base = vr + 34 * blk;
-    u32 s2 = *(const u16*)base;
-    s2 |= s2 << 16;
-    const u16* qv = (const u16*)(base + 2 + off);
-#pragma unroll
-    for (int m = 0; m < VC / 2; m++) out[m] = i8x2_h2(qv[m], s2);
-#else
-    const u8* base = vr + 18 * ((g * VC) / 32);  // VC ≤ 32: within one block
-    u32 s2 = *(const u16*)base;
-    s2 |= s2 << 16;
-#pragma unroll
-    for (int m = 0; m < VC / 2; m++) {
-        // Dims o, o + 1 of the block: byte o % 16, low nibbles below 16, high from 16.
-        const int o = (g * VC) % 32 + 2 * m;
-        out[m] = u4x2_h2(prmt(*(const u16*)(base + 2 + o % 16), 0u, 0x4140u) >> ((o / 16) * 4), s2);
-    }
-#endif
-}
-
-#ifndef KG
-#define KG 32
-#endif
-#ifndef VG
-#define VG 32
-#endif
-__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
-    u32 r;
-    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
-    return r;
-}
-#if KK == 8
-// kivi keys (kivi.rs): row `row` of page kp as k_row's quarter for thread t, k = s·u + z with
-// (s, z) of each channel's token group; adjacent channels' f16 pairs are one word each.
-__device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u16* tab, u32* out) {
-    codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)(kp + row * K_ROW_BYTES), t * QD, tab, out);
-    const u32* s2 = (const u32*)(kp + T * K_ROW_BYTES) + ((row / KG) * D + t * QD) / 2;
-    const u32* z2 = s2 + (T * D / KG) / 2;
-#pragma unroll
-    for (int i = 0; i < QD / 2; i++) out[i] = hfma2(out[i], s2[i], z2[i]);
-}
-#define K_ROW(kp, row, t, tab, out) k_row_kivi(kp, row, t, tab, out)
-#else
-#define K_ROW(kp, row, t, tab, out) k_row((kp) + (row) * K_ROW_BYTES, t, tab, out)
-#endif
-#if VK == 8
-// kivi values: row `row` of page vp as v_row's dims for thread row-group g (within one group of
-// VG ≥ VC channels), v = s·u + z.
-__device__ __forceinline__ void v_row_kivi(const u8* vp, int row, int g, const u16* tab, u32* out) {
-    codes_to_h2<VB, VC, V_ROW_BYTES / 4>((const u32*)(vp + row * V_ROW_BYTES), g * VC, tab, out);
-    const u16* sz = (const u16*)(vp + T * V_ROW_BYTES);
-    const int p = row * (D / VG) + (g * VC) / VG;
-    const u32 s2 = (u32)sz[p] * 0x10001u, z2 = (u32)sz[T * D / VG + p] * 0x10001u;
-#pragma unroll
-    for (int m = 0; m < VC / 2; m++) out[m] = hfma2(out[m], s2, z2);
-}
-#define V_ROW(vp, row, g, tab, out) v_row_kivi(vp, row, g, tab, out)
-#else
-#define V_ROW(vp, row, g, tab, out) v_row((vp) + (row) * V_ROW_BYTES, g, tab, out)
-#endif
 
 template <int NB>
 __device__ __forceinline__ void ldraw(const u8* p, u32* w) {

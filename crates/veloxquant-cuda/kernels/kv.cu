@@ -125,46 +125,7 @@ extern "C" __global__ void kv_dense(int slot, int n_end, int coded, const u16* _
     const int phys = page_table[(size_t)(slot * NKV + h) * max_pages + c / T];
     const u8* page = pool + (size_t)phys * PAGE_BYTES;
     float v[EPL];
-    const u8* row = page + (c % T) * ROW_BYTES;
-    const u16* side = (const u16*)(page + T * ROW_BYTES);
-#if KIND == 4
-    // qjl: k̂ = c·‖k‖·Sᵀ·sign (qjl.rs decode_page); rot_scale is c.
-#pragma unroll
-    for (int k = 0; k < EPL; k++) v[k] = 0.0f;
-    sketch_back_warp((const u32*)row, rot_scale * h2f(side[c % T]), signs + (size_t)h * TW, lane, v);
-#elif KIND == 6
-    // rabitq: ±‖x‖/(x0·√d) by the sign bits (rabitq.rs decode_page), rotated back below.
-    const float x0 = h2f(side[T + c % T]);
-    const float w = x0 > 0.0f ? h2f(side[c % T]) / x0 * (1.0f / sqrtf((float)D)) : 0.0f;
-#pragma unroll
-    for (int k = 0; k < EPL; k++) v[k] = ((((const u32*)row)[k] >> lane) & 1u) ? w : -w;
-#else
-    decode_row_warp(page, c % T, cen, lane, v);
-#endif
-#if KIND == 7
-    {
-        // turboquant_rvq: n₁·(ŷ₁ + n₂·R₂ᵀ·ẑ) (turboquant_rvq.rs decode_page); ŷ₁·n₁ is in v.
-        const u32* w = (const u32*)(row + MSE_BYTES);
-        const float* sg2 = signs + (size_t)h * TW + D;
-        float z[EPL];
-#pragma unroll
-        for (int k = 0; k < EPL; k++) {
-            const int bit = (lane + 32 * k) * BITS2, wi = bit >> 5, o = bit & 31;
-            u32 cz = w[wi] >> o;
-            if (o + BITS2 > 32) cz |= w[wi + 1] << (32 - o);
-            z[k] = cen[(1 << BITS) + (cz & ((1u << BITS2) - 1u))];
-        }
-        fwht_warp(z, lane);
-        const float n12 = h2f(side[c % T]) * h2f(side[T + c % T]);
-#pragma unroll
-        for (int k = 0; k < EPL; k++) v[k] += n12 * (z[k] * rot_scale * sg2[lane + 32 * k]);
-    }
-#endif
-#if KIND == 5
-    // turboquant_prod: ‖x‖·(ŷ + c·γ·Sᵀ·sign), then the rotation undone.
-    sketch_back_warp((const u32*)(row + MSE_BYTES), SKETCH_C(D) * h2f(side[T + c % T]) * h2f(side[c % T]),
-                     signs + (size_t)h * TW + D, lane, v);
-#endif
+    decode_row_fmt(page, c % T, signs + (size_t)h * TW, rot_scale, cen, lane, v);
 #if ROT
     // x = Hᵀ(D s ⊙ …): the rotation is R = scale · H · diag(signs), H symmetric, so
     // R⁻¹ y = diag(signs) · H · y · scale.

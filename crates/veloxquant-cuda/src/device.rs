@@ -34,6 +34,39 @@ pub enum Family {
 const ENCODE_ROW: &str = include_str!("../kernels/encode_row.cuh");
 const QUERY: &str = include_str!("../kernels/query.cuh");
 
+/// Each GPU format's kernel file (kernels/formats/: its row encoder and decoder, its decode
+/// readers), those a file builds on first. A family's source takes them all at each
+/// `// @formats SECTION` line, under `#define SECTION 1`; each file's sections select themselves
+/// by the format's defines (KIND, KK, VK). Adding a format to the GPU: one file here, one
+/// entry in format.rs.
+const FORMATS: [&str; 9] = [
+    include_str!("../kernels/formats/fp16.cuh"),
+    include_str!("../kernels/formats/q8_0.cuh"),
+    include_str!("../kernels/formats/q4_0.cuh"),
+    include_str!("../kernels/formats/turboquant_mse.cuh"),
+    include_str!("../kernels/formats/qjl.cuh"),
+    include_str!("../kernels/formats/turboquant_prod.cuh"),
+    include_str!("../kernels/formats/turboquant_rvq.cuh"),
+    include_str!("../kernels/formats/rabitq.cuh"),
+    include_str!("../kernels/formats/kivi.cuh"),
+];
+
+/// `part` with the format files spliced in at its `// @formats SECTION` lines.
+fn push_with_formats(src: &mut String, part: &str) {
+    for line in part.split_inclusive('\n') {
+        match line.trim_end().strip_prefix("// @formats ") {
+            Some(section) => {
+                src.push_str(&format!("#define {section} 1\n"));
+                for f in FORMATS {
+                    src.push_str(f);
+                }
+                src.push_str(&format!("#undef {section}\n"));
+            }
+            None => src.push_str(line),
+        }
+    }
+}
+
 impl Family {
     pub const ALL: [Family; 6] =
         [Family::Encode, Family::Decode, Family::Attn, Family::Kv, Family::Model, Family::Prefill];
@@ -81,7 +114,7 @@ pub fn compile_ptx(family: Family, defines: &[(&str, i64)], arch: &'static str) 
     }
     src.push_str(COMMON);
     for part in family.sources() {
-        src.push_str(part);
+        push_with_formats(&mut src, part);
     }
     let opts = CompileOptions {
         // Encode must round exactly like the CPU (no contraction); so must the cache's appends.

@@ -76,13 +76,7 @@ impl GpuEncoder {
         let func = dev.function(Family::Encode, &defines, "encode_rows")?;
         let s = &dev.stream;
         // The register-resident kernels hold a row per lane (or two lanes): d ≤ 128.
-        let use_tpr = fmt.t == 32
-            && fmt.d <= 128
-            && match fmt.kind {
-                KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod | KernelKind::Kivi => false,
-                KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Rabitq | KernelKind::Rvq => true,
-                KernelKind::Codes => fmt.bins.is_some(),
-            };
+        let use_tpr = fmt.t == 32 && fmt.d <= 128 && fmt.page_codec();
         let tpr = if use_tpr {
             let (name, warps, rows, upj) = if two_per_row {
                 ("encode_pages_tpr2", warps2, 16, 2)
@@ -94,10 +88,9 @@ impl GpuEncoder {
             let stage = rows * (fmt.d * in_bytes + 16);
             let table_bytes = if fmt.kind == KernelKind::Codes { (2 * BIN_QK as usize + 3) * 128 } else { 0 };
             let stages = if pf != 0 { 2 } else { 1 };
-            // With the prefetch, each stage also holds the page's rotation signs.
-            // (turboquant_rvq: both rotations' signs.)
-            let per_head = if fmt.kind == KernelKind::Rvq { 2 * fmt.d } else { fmt.d };
-            let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * per_head } else { 0 };
+            // With the prefetch, each stage also holds the page's rotation signs (turboquant_rvq:
+            // both rotations').
+            let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.transform_words() } else { 0 };
             let smem = (table_bytes + warps * stages * (stage + signs_bytes)) as u32;
             f.set_attribute(
                 cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -187,8 +180,9 @@ impl GpuEncoder {
                 .arg(&self.centroids)
                 .arg(&tab_bias)
                 .arg(&tab_mul);
-            // SAFETY: argument list matches encode_pages_tpr(2) in kernels/encode.cu; buffers are
-            // sized by the callers as for encode_rows; the table has 2·QK+3 bins of 4 words.
+            // SAFETY: argument list matches encode_pages_tpr in kernels/encode.cu and
+            // encode_pages_tpr2 in kernels/formats/turboquant_mse.cuh; buffers are sized by the
+            // callers as for encode_rows; the table has 2·QK+3 bins of 4 words.
             unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
             return Ok(());
         }

@@ -308,6 +308,17 @@ impl GpuFormat {
         })
     }
 
+    /// Whether the format's kernel file has a thread-per-row page codec (`PAGE_CODEC`, run by
+    /// `encode_pages_tpr` for pages of 32 tokens, d ≤ 128); turboquant_mse's needs the cell
+    /// table ([`bin_table`]).
+    pub fn page_codec(&self) -> bool {
+        match self.kind {
+            KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod | KernelKind::Kivi => false,
+            KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Rabitq | KernelKind::Rvq => true,
+            KernelKind::Codes => self.bins.is_some(),
+        }
+    }
+
     /// Whether the cache may encode this format a row at a time (kivi needs whole pages).
     pub fn row_granular(&self) -> bool {
         self.kind != KernelKind::Kivi

@@ -183,9 +183,12 @@ fn kivi_markstein_codes_equal_the_divisions() {
     assert!(checked > 1_900_000);
 }
 
-/// Every module configuration the host can request compiles with NVRTC for sm_90 (no GPU
-/// needed: CI installs libnvrtc from the `nvidia-cuda-nvrtc` wheel). Skips, saying so, where
-/// libnvrtc cannot be loaded.
+/// Every module configuration the host can request compiles with NVRTC for sm_80, sm_86, sm_89
+/// and sm_90 (no GPU needed: CI installs libnvrtc from the `nvidia-cuda-nvrtc` wheel). Skips,
+/// saying so, where libnvrtc cannot be loaded. For kernel refactors: `VELOXQUANT_PTX_DIGEST=F`
+/// writes one line per configuration (key, then a hash of its PTX) to F, so two trees' PTX can
+/// be compared (`diff`); `VELOXQUANT_PTX_SAVE=DIR` writes each PTX there; `VELOXQUANT_PTX_ONLY=S`
+/// compiles only the keys containing S.
 #[test]
 fn every_kernel_configuration_compiles() {
     use veloxquant::CacheConfig;
@@ -345,9 +348,15 @@ fn every_kernel_configuration_compiles() {
             }
         }
     }
+    if let Ok(only) = std::env::var("VELOXQUANT_PTX_ONLY") {
+        jobs.retain(|j| j.0.contains(&only));
+        eprintln!("VELOXQUANT_PTX_ONLY={only}: {} configurations", jobs.len());
+    }
+    let digest_path = std::env::var_os("VELOXQUANT_PTX_DIGEST");
+    let save_dir = std::env::var_os("VELOXQUANT_PTX_SAVE");
     let next = std::sync::atomic::AtomicUsize::new(0);
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let mut done: Vec<(String, f64)> = std::thread::scope(|sc| {
+    let mut done: Vec<(String, f64, Option<u64>)> = std::thread::scope(|sc| {
         let workers: Vec<_> = (0..threads)
             .map(|_| {
                 sc.spawn(|| {
@@ -357,10 +366,20 @@ fn every_kernel_configuration_compiles() {
                         let Some((key, fam, defs, arch)) = jobs.get(i) else { return mine };
                         let d: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
                         let t = std::time::Instant::now();
-                        if let Err(e) = compile_ptx(*fam, &d, arch) {
-                            panic!("{key}: {e}");
+                        let ptx = compile_ptx(*fam, &d, arch).unwrap_or_else(|e| panic!("{key}: {e}"));
+                        let secs = t.elapsed().as_secs_f64();
+                        if let Some(dir) = &save_dir {
+                            let name = key.replace('/', "_");
+                            std::fs::write(std::path::Path::new(dir).join(format!("{name}.ptx")), ptx.to_src())
+                                .expect("write the PTX");
                         }
-                        mine.push((key.clone(), t.elapsed().as_secs_f64()));
+                        let hash = digest_path.as_ref().map(|_| {
+                            use std::hash::{Hash, Hasher};
+                            let mut h = std::collections::hash_map::DefaultHasher::new();
+                            ptx.to_src().hash(&mut h);
+                            h.finish()
+                        });
+                        mine.push((key.clone(), secs, hash));
                     }
                 })
             })
@@ -368,15 +387,68 @@ fn every_kernel_configuration_compiles() {
         workers.into_iter().flat_map(|w| w.join().expect("a compile worker panicked")).collect()
     });
     assert_eq!(done.len(), jobs.len());
+    if let Some(path) = &digest_path {
+        let mut lines: Vec<String> = done.iter().map(|(k, _, h)| format!("{k} {:016x}\n", h.unwrap_or(0))).collect();
+        lines.sort();
+        std::fs::write(path, lines.concat()).expect("write the PTX digest");
+        eprintln!("PTX digest of {} configurations written to {path:?}", lines.len());
+    }
     done.sort_by(|a, b| b.1.total_cmp(&a.1));
     let total: f64 = done.iter().map(|d| d.1).sum();
     eprintln!(
         "compiled {} module configurations on {threads} threads ({total:.0} s of compiles; slowest first):",
         done.len()
     );
-    for (key, secs) in &done {
+    for (key, secs, _) in &done {
         eprintln!("{secs:6.2} s  {key}");
     }
+}
+
+/// The kernel files (kernels/formats/) and the host agree on which encode kernels each format
+/// has: `encode_pages_tpr` exactly where `GpuFormat::page_codec` says so (pages of 32, d ≤
+/// 128), `encode_pages_tpr2` for turboquant_mse codes alone, `encode_rows` everywhere (NVRTC,
+/// sm_90; skips without libnvrtc).
+#[test]
+fn format_kernel_files_match_the_host() {
+    use veloxquant_cuda::device::{compile_ptx, libraries_present_nvrtc, Family};
+    use veloxquant_cuda::encode::encode_defines;
+    use veloxquant_cuda::format::KernelKind;
+    use veloxquant_cuda::{InputKind, Tuning};
+    if let Err(e) = libraries_present_nvrtc() {
+        eprintln!("SKIPPED: {e} (set LD_LIBRARY_PATH to a libnvrtc, e.g. from the nvidia-cuda-nvrtc wheel)");
+        return;
+    }
+    let entries = |ptx: &str| -> Vec<String> {
+        ptx.lines().filter_map(|l| l.split(".entry ").nth(1)).map(|r| r.trim_end_matches('(').to_string()).collect()
+    };
+    let mut kinds = std::collections::HashSet::new();
+    for spec in [
+        "fp16",
+        "q8_0:rot",
+        "q4_0",
+        "turboquant_mse:3",
+        "qjl",
+        "turboquant_prod:3",
+        "turboquant_rvq:2:2",
+        "rabitq",
+        "kivi:2:g16",
+    ] {
+        for (d, t) in [(64, 32), (256, 32), (64, 16)] {
+            let f = GpuFormat::new(&FormatSpec::parse(spec).unwrap(), d, t, 5).unwrap();
+            kinds.insert(f.kind as i64);
+            let ptx =
+                compile_ptx(Family::Encode, &encode_defines(&f, InputKind::F32, 1, &Tuning::default()), "compute_90")
+                    .unwrap_or_else(|e| panic!("{spec} d={d} T={t}: {e}"))
+                    .to_src();
+            let got = entries(&ptx);
+            let has = |name: &str| got.iter().any(|e| e == name);
+            let tpr = t == 32 && d <= 128 && f.page_codec();
+            assert!(has("encode_rows"), "{spec} d={d} T={t}: {got:?}");
+            assert_eq!(has("encode_pages_tpr"), tpr, "{spec} d={d} T={t}: {got:?}");
+            assert_eq!(has("encode_pages_tpr2"), tpr && f.kind == KernelKind::Codes, "{spec} d={d} T={t}: {got:?}");
+        }
+    }
+    assert_eq!(kinds.len(), 9, "one spec per kernel kind");
 }
 
 /// The GPU's reading of the sign and two-segment formats, on the CPU's bytes: a qjl page as

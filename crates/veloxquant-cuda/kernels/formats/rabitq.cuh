@@ -1,0 +1,76 @@
+// rabitq (rabitq.rs): per row the sign bits of R·x, then per token ‖R·x‖ and x0 = ⟨ō, R·x⟩
+// (= ‖R·x‖₁/(‖R·x‖·√d)). Decode reads the signs as 1-bit codes {−1, +1} scaled by
+// ‖x‖/(x0·√d) against the 4-bit query (prep_query).
+#if FMT_ROW && KIND == 6
+#define PAGE_CODEC 1  // encode_pages_tpr (FMT_PAGE below)
+// rabitq's row (rabitq.rs encode_row_unchecked): v = R·x (rotated by the caller); the sign
+// bits (v ≥ 0), ‖v‖ and x0 = ‖v‖₁/(‖v‖·√d) with ‖v‖₁ summed in f64 in element order as the
+// CPU does (lane 0 walks the elements, each broadcast by a shuffle); returns (‖v‖, x0).
+__device__ __forceinline__ float2 rabitq_row_warp(const float* v, u8* row, int lane) {
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const u32 w = __ballot_sync(FULL_MASK, v[k] >= 0.0f);
+        if (lane == 0) ((u32*)row)[k] = w;
+    }
+    const float norm = norm_warp(v);
+    double l1 = 0.0;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        for (int l = 0; l < 32; l++) l1 = __dadd_rn(l1, (double)fabsf(__shfl_sync(FULL_MASK, v[k], l)));
+    }
+    const float x0 = norm > 0.0f ? (float)__ddiv_rn(l1, __dmul_rn((double)norm, sqrt((double)D))) : 0.0f;
+    return make_float2(norm, x0);
+}
+__device__ __forceinline__ void encode_row_fmt(float* v, u8* page, int t, const float* __restrict__ sg,
+                                               float rot_scale, const float* __restrict__ thresholds,
+                                               const float* __restrict__ centroids, int lane) {
+    u8* row = page + t * ROW_BYTES;
+    put_two_sides(page, t, rabitq_row_warp(v, row, lane), lane);
+}
+// ±‖x‖/(x0·√d) by the sign bits (rabitq.rs decode_page), still rotated.
+__device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const float* __restrict__ sg, float rot_scale,
+                                               const float* __restrict__ cen, int lane, float* v) {
+    const u8* row = page + t * ROW_BYTES;
+    const u16* side = (const u16*)(page + T * ROW_BYTES);
+    const float x0 = h2f(side[T + t]);
+    const float w = x0 > 0.0f ? h2f(side[t]) / x0 * (1.0f / sqrtf((float)D)) : 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = ((((const u32*)row)[k] >> lane) & 1u) ? w : -w;
+}
+#endif
+
+#if FMT_DECODE && KRATIO
+// Token i's key scale ‖x‖/(x0·√d) (rabitq.rs decode_page; 0 when x0 = 0) from the page's sides.
+__device__ __forceinline__ float kscale(const u16* kn, int i) {
+    const float x0 = h2f(kn[T + i]);
+    return x0 > 0.0f ? h2f(kn[i]) / x0 * (1.0f / sqrtf((float)D)) : 0.0f;
+}
+#endif
+
+#if FMT_PAGE && KIND == 6
+__device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, u8* st, const float* sgh,
+                                         float rot_scale, u32 tab_mul, int lane) {
+    // rabitq (rabitq_row_warp, one lane per row): the sign bits of R·x, ‖R·x‖ and
+    // x0 = ‖R·x‖₁ / (‖R·x‖·√d), the L1 norm summed in f64 in element order.
+#pragma unroll
+    for (int j = 0; j < D; j++) W[j >> 5] |= (v[j] >= 0.0f ? 1u : 0u) << (j & 31);
+    const float norm = norm_tpr(v);
+    double l1 = 0.0;
+#pragma unroll
+    for (int j = 0; j < D; j++) l1 = __dadd_rn(l1, (double)fabsf(v[j]));
+    const float x0 = norm > 0.0f ? (float)__ddiv_rn(l1, __dmul_rn((double)norm, sqrt((double)D))) : 0.0f;
+    side_tpr(st, lane, norm, x0);
+    return false;
+}
+#endif
+
+#if FMT_QUERY && KRABITQ
+#define PREP_QUERY_FMT 1
+// The 4-bit query of R·q (unscaled; query.cuh rabitq_query_block), then the scale log2(e)/√d.
+__device__ __forceinline__ void prep_query_fmt(float q, float* __restrict__ out, const float* __restrict__ kt,
+                                               float krot_scale, float* s, int tid) {
+    float r = q * kt[tid];
+    r = rabitq_query_block(fwht_block(r, s, tid) * krot_scale, tid);
+    *out = __fmul_rn(r, LOG2E / sqrtf((float)D));
+}
+#endif
