@@ -48,20 +48,8 @@ struct BandArgs {
     float scale;   // 1/√D
 };
 
-// rabitq keys: each query row as the format scores it, q̄ = Rᵀ·quant₄(R·q) (rabitq.rs
-// scoring_query_ref), for the GEMM against the decoded codes. Grid: (rows, NKV); block: D
-// threads; q16 rows in the grouped layout (stride q_gstride per KV head), out rows packed.
-extern "C" __global__ void rabitq_query(const u16* __restrict__ q16, long q_gstride, const float* __restrict__ ksigns,
-                                        float krot_scale, u16* __restrict__ out, int rows) {
-    __shared__ float sh[D];
-    const int row = blockIdx.x, g = blockIdx.y, tid = threadIdx.x;
-    const float sg = ksigns[(size_t)g * D + tid];
-    float r = fwht_block(h2f(q16[g * q_gstride + (size_t)row * D + tid]) * sg, sh, tid) * krot_scale;
-    r = rabitq_query_block(r, tid);
-    __syncthreads();  // fwht_block's last reads of sh
-    r = fwht_block(r, sh, tid) * (sg * krot_scale);
-    out[((size_t)g * rows + row) * D + tid] = f2h(r);
-}
+// Each format's prefill kernels (FMT_PREFILL): rabitq's rabitq_query (KQUANT).
+// @formats FMT_PREFILL
 
 extern "C" __global__ void band_softmax(BandArgs a, float* __restrict__ s, u16* __restrict__ p,
                                         float* __restrict__ wband, const u16* __restrict__ q16, long q_gstride,

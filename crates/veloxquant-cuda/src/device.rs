@@ -34,8 +34,8 @@ pub enum Family {
 const ENCODE_ROW: &str = include_str!("../kernels/encode_row.cuh");
 const QUERY: &str = include_str!("../kernels/query.cuh");
 
-/// Each GPU format's kernel file (kernels/formats/: its row encoder and decoder, its decode
-/// readers), those a file builds on first. A family's source takes them all at each
+/// Each GPU format's kernel file (kernels/formats/: its row encoder and decoder, page encoder,
+/// decode readers, query preparation and prefill kernels), those a file builds on first. A family's source takes them all at each
 /// `// @formats SECTION` line, under `#define SECTION 1`; each file's sections select themselves
 /// by the format's defines (KIND, KK, VK). Adding a format to the GPU: one file here, one
 /// entry in format.rs.

@@ -406,8 +406,8 @@ fn every_kernel_configuration_compiles() {
 
 /// The kernel files (kernels/formats/) and the host agree on which encode kernels each format
 /// has: `encode_pages_tpr` exactly where `GpuFormat::page_codec` says so (pages of 32, d ≤
-/// 128), `encode_pages_tpr2` for turboquant_mse codes alone, `encode_rows` everywhere (NVRTC,
-/// sm_90; skips without libnvrtc).
+/// 128), `encode_pages_tpr2` for turboquant_mse codes alone, `encode_rows` everywhere, and
+/// `rabitq_query` in rabitq keys' prefill modules alone (NVRTC, sm_90; skips without libnvrtc).
 #[test]
 fn format_kernel_files_match_the_host() {
     use veloxquant_cuda::device::{compile_ptx, libraries_present_nvrtc, Family};
@@ -449,6 +449,16 @@ fn format_kernel_files_match_the_host() {
         }
     }
     assert_eq!(kinds.len(), 9, "one spec per kernel kind");
+    // rabitq's prefill query kernel, in its prefill modules alone (prefill.rs asks for it there).
+    for spec in ["rabitq", "q8_0", "turboquant_mse:4"] {
+        let spec = FormatSpec::parse(spec).unwrap();
+        let cpu = veloxquant::CacheConfig::new(1, 2, 128, spec.clone(), FormatSpec::parse("q8_0").unwrap());
+        let cfg = veloxquant_cuda::GpuCacheConfig::from_cpu(&cpu, 2, 1024, 2048);
+        let defs = veloxquant_cuda::prefill::prefill_defines(&cfg, 4, true);
+        let ptx = compile_ptx(Family::Prefill, &defs, "compute_90").unwrap_or_else(|e| panic!("{spec}: {e}")).to_src();
+        let got = entries(&ptx);
+        assert_eq!(got.iter().any(|e| e == "rabitq_query"), spec.name == "rabitq", "{spec}: {got:?}");
+    }
 }
 
 /// The GPU's reading of the sign and two-segment formats, on the CPU's bytes: a qjl page as

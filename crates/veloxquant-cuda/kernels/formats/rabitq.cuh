@@ -64,13 +64,51 @@ __device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, 
 }
 #endif
 
+#if (FMT_QUERY && KRABITQ) || (FMT_PREFILL && KQUANT)
+// rabitq.rs quantize_query on this thread's element r of R·q: lo, hi over the block's D
+// values, Δ = (hi − lo)/15, u = round((r − lo)/Δ) clamped to [0, 15], returns lo + Δ·u (every
+// operation rounded as the CPU's: no contraction).
+__device__ __forceinline__ float rabitq_query_block(float r, int tid) {
+    __shared__ float mm[2][D / 32];
+    float lo = r, hi = r;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        lo = fminf(lo, __shfl_xor_sync(FULL_MASK, lo, off));
+        hi = fmaxf(hi, __shfl_xor_sync(FULL_MASK, hi, off));
+    }
+    if ((tid & 31) == 0) { mm[0][tid >> 5] = lo; mm[1][tid >> 5] = hi; }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < D / 32; w++) { lo = fminf(lo, mm[0][w]); hi = fmaxf(hi, mm[1][w]); }
+    const float delta = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
+    const float u = delta > 0.0f ? fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(r, lo), delta)), 0.0f), 15.0f) : 0.0f;
+    return __fadd_rn(lo, __fmul_rn(delta, u));
+}
+#endif
 #if FMT_QUERY && KRABITQ
 #define PREP_QUERY_FMT 1
-// The 4-bit query of R·q (unscaled; query.cuh rabitq_query_block), then the scale log2(e)/√d.
+// The 4-bit query of R·q (unscaled; rabitq_query_block), then the scale log2(e)/√d.
 __device__ __forceinline__ void prep_query_fmt(float q, float* __restrict__ out, const float* __restrict__ kt,
                                                float krot_scale, float* s, int tid) {
     float r = q * kt[tid];
     r = rabitq_query_block(fwht_block(r, s, tid) * krot_scale, tid);
     *out = __fmul_rn(r, LOG2E / sqrtf((float)D));
+}
+#endif
+
+#if FMT_PREFILL && KQUANT
+// rabitq keys: each query row as the format scores it, q̄ = Rᵀ·quant₄(R·q) (rabitq.rs
+// scoring_query_ref), for the GEMM against the decoded codes. Grid: (rows, NKV); block: D
+// threads; q16 rows in the grouped layout (stride q_gstride per KV head), out rows packed.
+extern "C" __global__ void rabitq_query(const u16* __restrict__ q16, long q_gstride, const float* __restrict__ ksigns,
+                                        float krot_scale, u16* __restrict__ out, int rows) {
+    __shared__ float sh[D];
+    const int row = blockIdx.x, g = blockIdx.y, tid = threadIdx.x;
+    const float sg = ksigns[(size_t)g * D + tid];
+    float r = fwht_block(h2f(q16[g * q_gstride + (size_t)row * D + tid]) * sg, sh, tid) * krot_scale;
+    r = rabitq_query_block(r, tid);
+    __syncthreads();  // fwht_block's last reads of sh
+    r = fwht_block(r, sh, tid) * (sg * krot_scale);
+    out[((size_t)g * rows + row) * D + tid] = f2h(r);
 }
 #endif
