@@ -136,11 +136,27 @@ __device__ __forceinline__ float fexp2(float x) {
 #endif
 }
 
+// Exact small-integer → f16x2 by the 1024-magic: bytes of w at selector positions become
+// half2(q), then one f16x2 multiply by the block scale (one rounding, as q·s in f32 then
+// cvt would give: the f32 product of an 8-bit q and an f16 scale is exact).
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
 // Codes [first, first + N) of a packed row (ROWW words of BITS-bit codes) -> N/2 f16x2 of
 // table values. When N·BITS is a whole number of words the window is word-aligned for every
 // thread (first is a multiple of N) and is read with the widest aligned vector loads.
-template <int BITS, int N, int ROWW>
+// INTS (2- and 4-bit codes whose table is the integers 0, 1, …: kivi): the same f16 values
+// by the 1024-magic in registers, no table lookups.
+template <int BITS, int N, int ROWW, bool INTS = false>
 __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16* tab, u32* out) {
+    static_assert(!INTS || BITS == 2 || BITS == 4, "integer codes by the magic: 2 or 4 bits");
     const bool ALIGNED = (N * BITS) % 32 == 0;
     const int NW = ALIGNED ? (N * BITS) / 32 : (N * BITS + 31) / 32 + 1;
     u32 sw[NW + 1];
@@ -175,6 +191,15 @@ __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16
     }
 #pragma unroll
     for (int c = 0; c < N; c += 2) {
+        if (INTS) {
+            // Codes c, c + 1: 2·BITS bits at a multiple of 2·BITS (first is even), in one word;
+            // b + (b << (16 − BITS)) moves code c + 1 to bit 16 without overlapping code c.
+            const int bit = c * BITS;
+            const u32 m = (1u << BITS) - 1u, b = (sw[bit >> 5] >> (bit & 31)) & (m | (m << BITS));
+            const u32 x = (b * (1u + (1u << (16 - BITS)))) & (m | (m << 16));
+            out[c / 2] = hsub2(x | 0x64006400u, 0x64006400u);  // 1024 + u − 1024 = u exactly
+            continue;
+        }
         u32 cc[2];
 #pragma unroll
         for (int e = 0; e < 2; e++) {
@@ -187,19 +212,6 @@ __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16
     }
 }
 
-// Exact small-integer → f16x2 by the 1024-magic: bytes of w at selector positions become
-// half2(q), then one f16x2 multiply by the block scale (one rounding, as q·s in f32 then
-// cvt would give: the f32 product of an 8-bit q and an f16 scale is exact).
-__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
-    u32 r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
 // int8 pair (low 16 bits of w) -> f16x2(q0·s, q1·s); s2 = scale in both halves.
 __device__ __forceinline__ u32 i8x2_h2(u32 w, u32 s2) {
     u32 t = prmt(w, 0u, 0x4140u) ^ 0x00800080u;  // (q + 128) as u8 in each half

@@ -226,12 +226,28 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 #if FMT_DECODE && KK == 8
 // kivi keys (kivi.rs): row `row` of page kp as k_row's quarter for thread t, k = s·u + z with
 // (s, z) of each channel's token group; adjacent channels' f16 pairs are one word each.
+// The codes are integers (the magic, no lookups); a group as long as the page is the same for
+// every row, so its scales and zeros are loaded once a page.
 __device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u16* tab, u32* out) {
-    codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)(kp + row * K_ROW_BYTES), t * QD, tab, out);
-    const u32* s2 = (const u32*)(kp + T * K_ROW_BYTES) + ((row / KG) * D + t * QD) / 2;
+    codes_to_h2<KB, QD, K_ROW_BYTES / 4, true>((const u32*)(kp + row * K_ROW_BYTES), t * QD, tab, out);
+    const int grp = KG >= T ? 0 : row / KG;
+    const u32* s2 = (const u32*)(kp + T * K_ROW_BYTES) + (grp * D + t * QD) / 2;
     const u32* z2 = s2 + (T * D / KG) / 2;
+#if K_PAGE_BYTES % 16 == 0 && (T * K_ROW_BYTES) % 16 == 0 && QD % 8 == 0 && (T * D / KG) % 8 == 0
+    // 16-byte loads: pages and their scales start 16-byte aligned, and so do the thread's QD
+    // channels and the zeros.
+#pragma unroll
+    for (int i = 0; i < QD / 8; i++) {
+        const vec4u s = ((const vec4u*)s2)[i], z = ((const vec4u*)z2)[i];
+        out[4 * i] = hfma2(out[4 * i], s.x, z.x);
+        out[4 * i + 1] = hfma2(out[4 * i + 1], s.y, z.y);
+        out[4 * i + 2] = hfma2(out[4 * i + 2], s.z, z.z);
+        out[4 * i + 3] = hfma2(out[4 * i + 3], s.w, z.w);
+    }
+#else
 #pragma unroll
     for (int i = 0; i < QD / 2; i++) out[i] = hfma2(out[i], s2[i], z2[i]);
+#endif
 }
 #define K_ROW(kp, row, t, tab, out) k_row_kivi(kp, row, t, tab, out)
 #endif
@@ -239,7 +255,7 @@ __device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u
 // kivi values: row `row` of page vp as v_row's dims for thread row-group g (within one group of
 // VG ≥ VC channels), v = s·u + z.
 __device__ __forceinline__ void v_row_kivi(const u8* vp, int row, int g, const u16* tab, u32* out) {
-    codes_to_h2<VB, VC, V_ROW_BYTES / 4>((const u32*)(vp + row * V_ROW_BYTES), g * VC, tab, out);
+    codes_to_h2<VB, VC, V_ROW_BYTES / 4, true>((const u32*)(vp + row * V_ROW_BYTES), g * VC, tab, out);
     const u16* sz = (const u16*)(vp + T * V_ROW_BYTES);
     const int p = row * (D / VG) + (g * VC) / VG;
     const u32 s2 = (u32)sz[p] * 0x10001u, z2 = (u32)sz[T * D / VG + p] * 0x10001u;
