@@ -23,7 +23,14 @@
 #define PREP_QUERY_FMT 0
 #endif
 
-extern "C" __global__ void prep_query(const float* __restrict__ q, float* __restrict__ qprep,
+#if (KSKETCH || KPROD) && D <= 128
+// The sketched query's D loads per thread all in flight at once (sketch_query_block): ptxas
+// keeps them in registers when told the block is D threads, one per SM at least.
+#define PREP_BOUNDS __launch_bounds__(D, 1)
+#else
+#define PREP_BOUNDS
+#endif
+extern "C" __global__ void PREP_BOUNDS prep_query(const float* __restrict__ q, float* __restrict__ qprep,
                                       const float* __restrict__ ksigns, float krot_scale) {
     __shared__ float s[D];
     const int hq = blockIdx.x, b = blockIdx.y, tid = threadIdx.x, n_q = gridDim.x;

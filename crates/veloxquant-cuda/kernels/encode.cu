@@ -1,8 +1,9 @@
 // Fused encode, three kernels, all bit-identical to the CPU (--fmad=false):
 // - encode_rows: one warp per token row (grid: ceil(rows/8) blocks of 256 threads; kivi:
-//   one warp per page). Lane l holds elements l, l+32, … (the canonical reduction order of
-//   reduce.rs). Used for fp16, for pages of T != 32 tokens, and for the rare rows the fast
-//   kernels hand back.
+//   one warp per page; qjl and turboquant_prod: RPW rows of a page per warp). Lane l holds
+//   elements l, l+32, … (the canonical reduction order of reduce.rs). Used for fp16, qjl,
+//   turboquant_prod, for pages of T != 32 tokens, and for the rare rows the fast kernels hand
+//   back.
 // - encode_pages_tpr: one warp per 32-token page, one lane per row (q8_0, q4_0, rabitq,
 //   turboquant_rvq; codes when encode_pages_tpr2 is off).
 // - encode_pages_tpr2: two lanes per row (turboquant_mse codes; formats/turboquant_mse.cuh).
@@ -10,7 +11,12 @@
 // turboquant_rvq, 8 kivi: 4-8 encode_rows only), BITS, BITS2, GRP, PERCH, ROT, EDEN, IN_KIND
 // (0 f32, 1 f16, 2 bf16), ROW_BYTES, PAGE_BYTES; for the page kernels WARPS/MINB (tpr),
 // WARPS2/MINB2 (tpr2), PF (cp.async prefetch), LOCKSTEP, QK/QS (cell table).
-extern "C" __global__ void __launch_bounds__(256) encode_rows(
+#if RPW > 1
+#define ENCODE_ROWS_BOUNDS __launch_bounds__(256, 2)  // two blocks per SM (≤ 128 registers)
+#else
+#define ENCODE_ROWS_BOUNDS __launch_bounds__(256)
+#endif
+extern "C" __global__ void ENCODE_ROWS_BOUNDS encode_rows(
     const void* __restrict__ x, int n_rows, const int* __restrict__ page_idx,
     const int* __restrict__ head_idx, u8* __restrict__ pool, const float* __restrict__ signs,
     float rot_scale, const float* __restrict__ thresholds, const float* __restrict__ centroids) {
@@ -24,6 +30,28 @@ extern "C" __global__ void __launch_bounds__(256) encode_rows(
         const size_t row0 = (size_t)job * T;
         auto load = [&](int i, float* v) { kivi_load_blk(x, row0 + i, lane, v); };
         kivi_page_warp<true>(load, pool + (size_t)page_idx[job] * PAGE_BYTES, lane);
+        return;
+    }
+#endif
+#if RPW > 1
+    // RPW rows of one page per warp (the launch has n_rows / RPW warps; RPW divides T), by the
+    // format's encode_rows_fmt, with RPW·D floats of shared memory for each of the block's 8
+    // warps.
+    {
+        __shared__ __align__(16) float xs[8][RPW * D];
+        const int r0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * RPW;
+        if (r0 >= n_rows) return;
+        const int job = r0 / T;
+        const float* const sg = signs + (size_t)head_idx[job] * TW;
+        float v[RPW][EPL];
+#pragma unroll
+        for (int r = 0; r < RPW; r++) {
+#pragma unroll
+            for (int k = 0; k < EPL; k++) v[r][k] = load_in(x, (size_t)(r0 + r) * D + lane + 32 * k);
+            rotate_warp(v[r], sg, rot_scale, lane);
+        }
+        encode_rows_fmt(v, pool + (size_t)page_idx[job] * PAGE_BYTES, r0 % T, sg, thresholds, centroids,
+                        xs[threadIdx.x >> 5], lane);
         return;
     }
 #endif

@@ -13,6 +13,10 @@
 #ifndef MSE_BYTES
 #define MSE_BYTES 0
 #endif
+// Rows per warp of encode_rows' multi-row path (a format's encode_rows_fmt; 1: a warp per row).
+#ifndef RPW
+#define RPW 1
+#endif
 
 __device__ __forceinline__ float load_in(const void* x, size_t i) {
 #if IN_KIND == 0
@@ -148,12 +152,8 @@ __device__ __forceinline__ void put_two_sides(u8* page, int t, float2 sides, int
 #define TW D
 #endif
 
-// One row held by a warp (lane l: elements l, l+32, …, unrotated input) encoded as row t of
-// `page` (rotation signs sg, when the format rotates): the body shared by encode_rows and the
-// cache's row appends (kv.cu).
-__device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const float* __restrict__ sg,
-                                                float rot_scale, const float* __restrict__ thresholds,
-                                                const float* __restrict__ centroids, int lane) {
+// The format's rotation of a row held by a warp (signs sg, then the FWHT, then the scale).
+__device__ __forceinline__ void rotate_warp(float* v, const float* __restrict__ sg, float rot_scale, int lane) {
 #if ROT
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = v[k] * sg[lane + 32 * k];
@@ -161,5 +161,14 @@ __device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = v[k] * rot_scale;
 #endif
+}
+
+// One row held by a warp (lane l: elements l, l+32, …, unrotated input) encoded as row t of
+// `page` (rotation signs sg, when the format rotates): the body shared by encode_rows and the
+// cache's row appends (kv.cu).
+__device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const float* __restrict__ sg,
+                                                float rot_scale, const float* __restrict__ thresholds,
+                                                const float* __restrict__ centroids, int lane) {
+    rotate_warp(v, sg, rot_scale, lane);
     encode_row_fmt(v, page, t, sg, rot_scale, thresholds, centroids, lane);
 }

@@ -2,8 +2,9 @@
 //! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0, rabitq,
 //! turboquant_rvq and turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
 //! one warp per page, one lane per row, all in registers; two lanes per row for the codes);
-//! fp16, qjl, turboquant_prod and other page sizes use one warp per row (`encode_rows`), kivi
-//! one warp per page (the same kernel, launched with a warp per page).
+//! fp16 and other page sizes use one warp per row (`encode_rows`), qjl and turboquant_prod one
+//! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all), kivi one
+//! warp per page (the same kernel, launched with a warp per page).
 
 use std::sync::Arc;
 
@@ -23,8 +24,9 @@ pub enum InputKind {
 }
 
 /// The encode module's defines for `fmt` and `input` (`pf`: the cp.async prefetch, sm_80+).
-pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 21] {
+pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 22] {
     [
+        ("RPW", fmt.encode_rows_per_warp() as i64),
         ("GRP", fmt.group.max(1) as i64),
         ("PERCH", fmt.per_channel as i64),
         ("MSE_BYTES", fmt.mse_bytes as i64),
@@ -186,8 +188,13 @@ impl GpuEncoder {
             unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
             return Ok(());
         }
-        // A warp per row; kivi's a warp per page (its kernel reads n_rows / T pages).
-        let warps = if self.fmt.kind == KernelKind::Kivi { n_jobs } else { n_rows as usize };
+        // A warp per row (qjl, turboquant_prod: per RPW rows of a page); kivi's a warp per page
+        // (its kernel reads n_rows / T pages).
+        let warps = if self.fmt.kind == KernelKind::Kivi {
+            n_jobs
+        } else {
+            (n_rows as usize).div_ceil(self.fmt.encode_rows_per_warp())
+        };
         let cfg =
             LaunchConfig { grid_dim: (warps.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.dev.stream.launch_builder(&self.func);

@@ -319,6 +319,18 @@ impl GpuFormat {
         }
     }
 
+    /// Rows of a page one warp of `encode_rows` encodes (`RPW`): 8 for the sketches (4 at
+    /// d = 256; their staged rows fill 32 KB of shared memory per block) where it divides the
+    /// page, else 1.
+    pub fn encode_rows_per_warp(&self) -> usize {
+        let rows = if self.d > 128 { 4 } else { 8 };
+        if matches!(self.kind, KernelKind::Sketch | KernelKind::Prod) && self.t.is_multiple_of(rows) {
+            rows
+        } else {
+            1
+        }
+    }
+
     /// Whether the cache may encode this format a row at a time (kivi needs whole pages).
     pub fn row_granular(&self) -> bool {
         self.kind != KernelKind::Kivi

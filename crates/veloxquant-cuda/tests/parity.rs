@@ -191,6 +191,58 @@ fn encode_bit_identical_to_cpu() {
     assert!(failures.is_empty(), "encode mismatches: {failures:?}");
 }
 
+/// The sketch encoders' sign test (qjl's sketch_signs_rows: FMA sums, the CPU's order redone
+/// for a row where some output lies within the FMA sum's error bound) on rows made to put
+/// one output (S·x)_i at the rounding level: x = g − (⟨g, S_i⟩/‖S_i‖²)·S_i in f64, then f32.
+/// The test first checks on the host that FMA sums (f32::mul_add, e ascending: the kernel's)
+/// give a different sign bit than the CPU's sum on some of these rows — so a GPU path
+/// without the exact redo would fail here — then that the GPU's pages equal the CPU's.
+#[test]
+fn sketch_signs_at_the_rounding_level_bit_identical() {
+    let t = 32;
+    let n_pages = 16;
+    let mut cases = Vec::new();
+    for spec in ["qjl", "qjl:orth"].map(|s| FormatSpec::parse(s).unwrap()) {
+        for d in [64usize, 128, 256] {
+            let seed = 0x51 + d as u64;
+            let gf = GpuFormat::new(&spec, d, t, seed).unwrap();
+            let (st, _) = gf.sketch.clone().unwrap();
+            let s_row = |i: usize| (0..d).map(|e| st[e * d + i] as f64).collect::<Vec<f64>>();
+            let mut rng = SplitMix64::new(seed ^ 0x5e);
+            let mut x = Vec::with_capacity(n_pages * t * d);
+            let mut fma_differs = 0;
+            for r in 0..n_pages * t {
+                let i = (r * 37) % d;
+                let si = s_row(i);
+                let g: Vec<f64> = (0..d).map(|_| rng.next_gaussian()).collect();
+                let c = g.iter().zip(&si).map(|(a, b)| a * b).sum::<f64>() / si.iter().map(|v| v * v).sum::<f64>();
+                let row: Vec<f32> = g.iter().zip(&si).map(|(a, b)| (a - c * b) as f32).collect();
+                // The CPU's sum (sketch.rs project) and the FMA chain, for output i.
+                let cpu_sum: f32 = row.iter().enumerate().map(|(e, v)| st[e * d + i] * v).sum();
+                let fma_sum = row.iter().enumerate().fold(0f32, |acc, (e, v)| st[e * d + i].mul_add(*v, acc));
+                fma_differs += usize::from((cpu_sum >= 0.0) != (fma_sum > 0.0));
+                x.extend(row);
+            }
+            assert!(fma_differs > 0, "{spec} d={d}: no row where the FMA sum's sign differs (test too weak)");
+            eprintln!("{spec} d={d}: FMA sums alone differ on {fma_differs} of {} rows", n_pages * t);
+            cases.push((spec.clone(), d, seed, gf, x, fma_differs));
+        }
+    }
+    let Some(dev) = device() else { return };
+    for (spec, d, seed, gf, x, fma_differs) in cases {
+        let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
+        let enc = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap();
+        let got = enc.encode_pages_f32(&x).unwrap();
+        let pb = cpu.page_bytes();
+        let mut want = vec![0u8; pb];
+        for p in 0..n_pages {
+            cpu.encode_page(&x[p * t * d..(p + 1) * t * d], &mut want).unwrap();
+            assert!(got[p * pb..(p + 1) * pb] == want[..], "{spec} d={d} page {p} differs from the CPU's");
+        }
+        eprintln!("{spec} d={d}: {} rows bit-identical ({fma_differs} where FMA sums alone would differ)", n_pages * t);
+    }
+}
+
 /// kivi's encoders (the blocked page kernel and the Markstein quotients) on many pages of
 /// values on half-integer grids, where (x − z)/s lands on and beside the ties between codes,
 /// mixed with the awkward rows; f32 and f16 input, both streams, every bit width and group.

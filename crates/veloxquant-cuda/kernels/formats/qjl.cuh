@@ -36,6 +36,95 @@ __device__ __forceinline__ void sketch_signs_warp(const float* v, u8* row, const
 }
 #endif
 
+#if FMT_ROW && (KIND == 4 || KIND == 5) && RPW > 1
+// The sign bits of S·x for RPW rows of a warp at once (encode_rows' multi-row path; x_r in
+// v[r] and staged in xs, RPW·D floats of the warp's shared memory): each load of Sᵀ serves
+// every row, and the products are summed by FMA. That sum and the CPU's (each product
+// rounded, then added) both lie within γ·Σ_e|S_ie·x_e| of the exact one (γ = D·2⁻²⁴/(1 − D·2⁻²⁴),
+// any order), so they differ by at most 2γ·‖S_i‖·‖x‖ (Cauchy–Schwarz; ‖S_i‖ summed here,
+// ‖x‖ = nrm[r], 1 % margin for both, plus an absolute 1e-37 for underflow): where every
+// output of a row lies beyond that bound, its sign is the CPU's. A row with an output within
+// it, or with a norm too large (or not finite) to bound its sums, is redone by
+// sketch_signs_warp, operation for operation (random rows: ~2 % of them at d = 128).
+__device__ __forceinline__ void sketch_signs_rows(const float (*v)[EPL], const float* nrm, u8* const* rows,
+                                                  float* xs, const float* __restrict__ st, int lane) {
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+#pragma unroll
+        for (int k = 0; k < EPL; k++) xs[r * D + lane + 32 * k] = v[r][k];
+    }
+    __syncwarp();
+    float p[RPW][EPL], ns[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        ns[k] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < RPW; r++) p[r][k] = 0.0f;
+    }
+    st += lane;
+#pragma unroll 1
+    for (int e = 0; e < D; e += 4) {
+        float se[4][EPL];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+#pragma unroll
+            for (int k = 0; k < EPL; k++) {
+                se[j][k] = st[(size_t)(e + j) * D + 32 * k];
+                ns[k] = fmaf(se[j][k], se[j][k], ns[k]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < RPW; r++) {
+            const float4 xv = *(const float4*)(xs + r * D + e);  // x_e … x_{e+3}, one broadcast
+#pragma unroll
+            for (int k = 0; k < EPL; k++) {
+                p[r][k] = fmaf(se[0][k], xv.x, p[r][k]);
+                p[r][k] = fmaf(se[1][k], xv.y, p[r][k]);
+                p[r][k] = fmaf(se[2][k], xv.z, p[r][k]);
+                p[r][k] = fmaf(se[3][k], xv.w, p[r][k]);
+            }
+        }
+    }
+    __syncwarp();  // xs read by every lane before the next rows overwrite it
+    const float rel = 2.0f * (float)D * 5.9604645e-8f * 1.01f;
+    float bs[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) bs[k] = rel * sqrtf(ns[k]);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+        bool sure = nrm[r] < 1e30f;
+#pragma unroll
+        for (int k = 0; k < EPL; k++) sure = sure && fabsf(p[r][k]) > bs[k] * nrm[r] + 1e-37f;
+        if (__all_sync(FULL_MASK, sure)) {
+#pragma unroll
+            for (int k = 0; k < EPL; k++) {
+                const u32 w = __ballot_sync(FULL_MASK, p[r][k] > 0.0f);
+                if (lane == 0) ((u32*)rows[r])[k] = w;
+            }
+        } else {
+            sketch_signs_warp(v[r], rows[r], st - lane, lane);
+        }
+    }
+}
+#endif
+#if FMT_ROW && KIND == 4 && RPW > 1
+// RPW rows t0.. of a page (encode_rows' multi-row path): ‖x‖ and the signs, as encode_row_fmt.
+__device__ __forceinline__ void encode_rows_fmt(float (*v)[EPL], u8* page, int t0, const float* __restrict__ sg,
+                                                const float* __restrict__ thresholds,
+                                                const float* __restrict__ centroids, float* xs, int lane) {
+    float nrm[RPW];
+    u8* rows[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+        nrm[r] = norm_warp(v[r]);
+        rows[r] = page + (t0 + r) * ROW_BYTES;
+    }
+    sketch_signs_rows(v, nrm, rows, xs, sg, lane);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) put_sides(page, t0 + r, nrm[r], 1, lane);
+}
+#endif
+
 #if FMT_ROW && (KIND == 4 || KIND == 5)
 // v (lane l: elements l, l+32, …) += s·Sᵀ·sign for the m = d sign bits at w: the reference
 // back-projection (sketch.rs add_back_projection; summed in another order, so equal within
@@ -87,9 +176,22 @@ __device__ __forceinline__ float sketch_query_block(float x, float* s, const flo
                                                     int tid) {
     s[tid] = x;
     __syncthreads();
-    // Four chains, unrolled: the loads of Sᵀ (L2) overlap instead of one per FMA latency.
+    // Four chains. At d ≤ 128 every load of Sᵀ (L2) is issued before the first use: one
+    // round trip before the decode step can start, where a pipelined loop took several.
     st += tid;
     float p0 = 0.0f, p1 = 0.0f, p2 = 0.0f, p3 = 0.0f;
+#if D <= 128
+    float sv[D];
+#pragma unroll
+    for (int e = 0; e < D; e++) sv[e] = st[(size_t)e * D];
+#pragma unroll
+    for (int e = 0; e < D; e += 4) {
+        p0 += sv[e] * s[e];
+        p1 += sv[e + 1] * s[e + 1];
+        p2 += sv[e + 2] * s[e + 2];
+        p3 += sv[e + 3] * s[e + 3];
+    }
+#else
 #pragma unroll 8
     for (int e = 0; e < D; e += 4) {
         p0 += st[(size_t)e * D] * s[e];
@@ -97,6 +199,7 @@ __device__ __forceinline__ float sketch_query_block(float x, float* s, const flo
         p2 += st[(size_t)(e + 2) * D] * s[e + 2];
         p3 += st[(size_t)(e + 3) * D] * s[e + 3];
     }
+#endif
     return ((p0 + p1) + (p2 + p3)) * sc;
 }
 #endif

@@ -30,6 +30,30 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 }
 #endif
 
+#if FMT_ROW && KIND == 5 && RPW > 1
+// RPW rows t0.. of a page (encode_rows' multi-row path), as encode_row_fmt: stage 1 and γ per
+// row, then the residuals' signs together (sketch_signs_rows).
+__device__ __forceinline__ void encode_rows_fmt(float (*v)[EPL], u8* page, int t0, const float* __restrict__ sg,
+                                                const float* __restrict__ thresholds,
+                                                const float* __restrict__ centroids, float* xs, int lane) {
+    float2 sides[RPW];
+    u8* rows[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; r++) {
+        u8* row = page + (t0 + r) * ROW_BYTES;
+        const float norm = stage1_warp(v[r], row, thresholds, centroids, lane);
+        sides[r] = make_float2(norm, norm_warp(v[r]));
+        rows[r] = row + MSE_BYTES;
+    }
+    float gam[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; r++) gam[r] = sides[r].y;
+    sketch_signs_rows(v, gam, rows, xs, sg + D, lane);
+#pragma unroll
+    for (int r = 0; r < RPW; r++) put_two_sides(page, t0 + r, sides[r], lane);
+}
+#endif
+
 #if FMT_DECODE && KK == 5
 // Two-segment key rows (turboquant_prod; turboquant_rvq reads as them): the first segment's
 // codes, then the second's through its own table (k_second).
