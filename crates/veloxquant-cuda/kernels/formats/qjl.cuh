@@ -37,8 +37,9 @@ __device__ __forceinline__ void sketch_signs_warp(const float* v, u8* row, const
 #endif
 
 #if FMT_ROW && (KIND == 4 || KIND == 5) && RPW > 1
-// The sign bits of S·x for RPW rows of a warp at once (encode_rows' multi-row path; x_r in
-// v[r] and staged in xs, RPW·D floats of the warp's shared memory): each load of Sᵀ serves
+// The sign bits of S·x for RPW rows of a warp at once, written at byte `off` of rows t0.. of
+// `page` (encode_rows' multi-row path; x_r in v[r] and staged in xs, RPW·D floats of the
+// warp's shared memory): each load of Sᵀ serves
 // every row, and the products are summed by FMA. That sum and the CPU's (each product
 // rounded, then added) both lie within γ·Σ_e|S_ie·x_e| of the exact one (γ = D·2⁻²⁴/(1 − D·2⁻²⁴),
 // any order), so they differ by at most 2γ·‖S_i‖·‖x‖ (Cauchy–Schwarz; ‖S_i‖ summed here,
@@ -46,8 +47,8 @@ __device__ __forceinline__ void sketch_signs_warp(const float* v, u8* row, const
 // output of a row lies beyond that bound, its sign is the CPU's. A row with an output within
 // it, or with a norm too large (or not finite) to bound its sums, is redone by
 // sketch_signs_warp, operation for operation (random rows: ~2 % of them at d = 128).
-__device__ __forceinline__ void sketch_signs_rows(const float (*v)[EPL], const float* nrm, u8* const* rows,
-                                                  float* xs, const float* __restrict__ st, int lane) {
+__device__ __forceinline__ void sketch_signs_rows(const float (*v)[EPL], const float* nrm, u8* page, int t0,
+                                                  int off, float* xs, const float* __restrict__ st, int lane) {
 #pragma unroll
     for (int r = 0; r < RPW; r++) {
 #pragma unroll
@@ -61,7 +62,7 @@ __device__ __forceinline__ void sketch_signs_rows(const float (*v)[EPL], const f
 #pragma unroll
         for (int r = 0; r < RPW; r++) p[r][k] = 0.0f;
     }
-    st += lane;
+    const float* const stl = st + lane;
 #pragma unroll 1
     for (int e = 0; e < D; e += 4) {
         float se[4][EPL];
@@ -69,7 +70,7 @@ __device__ __forceinline__ void sketch_signs_rows(const float (*v)[EPL], const f
         for (int j = 0; j < 4; j++) {
 #pragma unroll
             for (int k = 0; k < EPL; k++) {
-                se[j][k] = st[(size_t)(e + j) * D + 32 * k];
+                se[j][k] = stl[(size_t)(e + j) * D + 32 * k];
                 ns[k] = fmaf(se[j][k], se[j][k], ns[k]);
             }
         }
@@ -92,6 +93,7 @@ __device__ __forceinline__ void sketch_signs_rows(const float (*v)[EPL], const f
     for (int k = 0; k < EPL; k++) bs[k] = rel * sqrtf(ns[k]);
 #pragma unroll
     for (int r = 0; r < RPW; r++) {
+        u8* const row = page + (t0 + r) * ROW_BYTES + off;
         bool sure = nrm[r] < 1e30f;
 #pragma unroll
         for (int k = 0; k < EPL; k++) sure = sure && fabsf(p[r][k]) > bs[k] * nrm[r] + 1e-37f;
@@ -99,10 +101,10 @@ __device__ __forceinline__ void sketch_signs_rows(const float (*v)[EPL], const f
 #pragma unroll
             for (int k = 0; k < EPL; k++) {
                 const u32 w = __ballot_sync(FULL_MASK, p[r][k] > 0.0f);
-                if (lane == 0) ((u32*)rows[r])[k] = w;
+                if (lane == 0) ((u32*)row)[k] = w;
             }
         } else {
-            sketch_signs_warp(v[r], rows[r], st - lane, lane);
+            sketch_signs_warp(v[r], row, st, lane);
         }
     }
 }
@@ -113,13 +115,9 @@ __device__ __forceinline__ void encode_rows_fmt(float (*v)[EPL], u8* page, int t
                                                 const float* __restrict__ thresholds,
                                                 const float* __restrict__ centroids, float* xs, int lane) {
     float nrm[RPW];
-    u8* rows[RPW];
 #pragma unroll
-    for (int r = 0; r < RPW; r++) {
-        nrm[r] = norm_warp(v[r]);
-        rows[r] = page + (t0 + r) * ROW_BYTES;
-    }
-    sketch_signs_rows(v, nrm, rows, xs, sg, lane);
+    for (int r = 0; r < RPW; r++) nrm[r] = norm_warp(v[r]);
+    sketch_signs_rows(v, nrm, page, t0, 0, xs, sg, lane);
 #pragma unroll
     for (int r = 0; r < RPW; r++) put_sides(page, t0 + r, nrm[r], 1, lane);
 }

@@ -36,21 +36,15 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 __device__ __forceinline__ void encode_rows_fmt(float (*v)[EPL], u8* page, int t0, const float* __restrict__ sg,
                                                 const float* __restrict__ thresholds,
                                                 const float* __restrict__ centroids, float* xs, int lane) {
-    float2 sides[RPW];
-    u8* rows[RPW];
+    float norm[RPW], gam[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; r++) {
-        u8* row = page + (t0 + r) * ROW_BYTES;
-        const float norm = stage1_warp(v[r], row, thresholds, centroids, lane);
-        sides[r] = make_float2(norm, norm_warp(v[r]));
-        rows[r] = row + MSE_BYTES;
+        norm[r] = stage1_warp(v[r], page + (t0 + r) * ROW_BYTES, thresholds, centroids, lane);
+        gam[r] = norm_warp(v[r]);
     }
-    float gam[RPW];
+    sketch_signs_rows(v, gam, page, t0, MSE_BYTES, xs, sg + D, lane);
 #pragma unroll
-    for (int r = 0; r < RPW; r++) gam[r] = sides[r].y;
-    sketch_signs_rows(v, gam, rows, xs, sg + D, lane);
-#pragma unroll
-    for (int r = 0; r < RPW; r++) put_two_sides(page, t0 + r, sides[r], lane);
+    for (int r = 0; r < RPW; r++) put_two_sides(page, t0 + r, make_float2(norm[r], gam[r]), lane);
 }
 #endif
 
