@@ -5,7 +5,7 @@
 // combine: merge the split partials (16 per L2 round trip, no block barrier), one
 // inverse value rotation on the merged accumulator,
 // then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, KPROD, KRVQ,
-// KRABITQ, VROT, PDL (combine launched
+// KRABITQ, KFRAC, KCENTER, VROT, VFRAC, VCENTER, PDL (combine launched
 // as a programmatic dependent of decode_pages: it scores the tail while decode_pages runs).
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -63,7 +63,8 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
                                    const int* __restrict__ slot_of, const int* __restrict__ seq_len,
                                    const int* __restrict__ n_coded, int n_sink, int ring_cap,
                                    const float* __restrict__ vsigns, float vrot_scale,
-                                   float* __restrict__ out, u16* __restrict__ out16) {
+                                   const float* __restrict__ ksigns, float* __restrict__ out,
+                                   u16* __restrict__ out16) {
     extern __shared__ float ts[];  // scores of the exact tokens (n_sink + ring_cap)
     __shared__ float s[D];
     __shared__ float qs[D];
@@ -180,7 +181,37 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
         }
         M = mc;
     }
-#if VROT
+#if KCENTER
+    // turboquant_frac keys with a mean μ: every coded score lacks ⟨q, μ⟩ (one constant per
+    // head, turboquant_frac.rs scores), so the codes' max moves by it (in log2 units).
+    {
+        __shared__ float red[D / 32];
+        float p = q[((size_t)b * n_q + hq) * D + tid] * ksigns[(size_t)hkv * KTW + D + tid];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) p += __shfl_xor_sync(FULL_MASK, p, off);
+        if (lane == 0) red[warp] = p;
+        __syncthreads();
+        float aux = 0.0f;
+#pragma unroll
+        for (int w = 0; w < D / 32; w++) aux += red[w];
+        if (M != NEG_INF) M += aux * (LOG2E / sqrtf((float)D));
+    }
+#endif
+#if VFRAC
+    // turboquant_frac values: the accumulator is in storage order and unit scale — times the
+    // base, each channel from its slot, the inverse rotation, then μ by the codes' weight.
+    {
+        const float* vt = vsigns + (size_t)hkv * (3 * D + 4);
+        s[tid] = A * vt[3 * D];
+        __syncthreads();
+        A = s[(int)vt[2 * D + tid]];
+        __syncthreads();
+        A = fwht_block(A, s, tid) * (vt[tid] * vrot_scale);
+#if VCENTER
+        A += L * vt[D + tid];
+#endif
+    }
+#elif VROT
     A = fwht_block(A, s, tid) * (vsigns[hkv * D + tid] * vrot_scale);
 #endif
     // The codes' share and the exact tokens', each rescaled to the larger max.

@@ -239,9 +239,13 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #ifndef V_ROW
 #define V_ROW(vp, row, g, tab, out) v_row((vp) + (row) * V_ROW_BYTES, g, tab, out)
 #endif
-#if !KRATIO
+#if !KRATIO && !defined(KSCALE_FMT)
 // Token i's key scale from the page's sides kn: ‖x‖ (codes, qjl, both two-segment formats).
 __device__ __forceinline__ float kscale(const u16* kn, int i) { return h2f(kn[i]); }
+#endif
+#ifndef VSCALE_FMT
+// Token i's value scale from the page's sides vn: ‖x‖ (codes).
+__device__ __forceinline__ float vscale(const u16* vn, int i) { return h2f(vn[i]); }
 #endif
 #ifndef KDIM_FMT
 #define KDIM_FMT 0
@@ -657,12 +661,16 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const int* __restrict__ page_table, const int* __restrict__ slot_of, const int* __restrict__ n_coded,
     int max_pages,
     int pages_per_split, int n_splits, int n_kv, const Tab16 ktab_p, const Tab16 vtab_p, const Tab16 k2tab_p,
+    const Tab16 v2tab_p,
     float* __restrict__ part_acc, float* __restrict__ part_ml,
     const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale, int batch,
     int* __restrict__ part_rows) {
     __shared__ u16 ktab[16], vtab[16];
-#if KK == 5
-    __shared__ u16 k2tab[16];  // the second segment's table
+#if KK == 5 || KK == 9
+    __shared__ u16 k2tab[16];  // the second segment's table (turboquant_frac: the narrow codes')
+#endif
+#if VK == 9
+    __shared__ u16 v2tab[16];
 #endif
 #if STREAMK
     __shared__ float qw[NWARPS][FUSEQ ? D : 1];  // FUSEQ: each warp's query row being rotated
@@ -855,13 +863,21 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
         ktab[tid] = kx;
         vtab[tid] = vx;
-#if KK == 5
+#if KK == 5 || KK == 9
         u16 k2x = 0;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
             if (tid == i) k2x = k2tab_p.v[i];
         }
         k2tab[tid] = k2x;
+#endif
+#if VK == 9
+        u16 v2x = 0;
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            if (tid == i) v2x = v2tab_p.v[i];
+        }
+        v2tab[tid] = v2x;
 #endif
     }
     __syncthreads();
@@ -1158,7 +1174,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             K_ROW(kp, 16 * mt + g + 8, t, ktab, kb);
             float c[4];
             score_tile(ka, kb, qh, ql, t, c);
-#if KK == 3
+#if KK == 3 || KK == 9
             const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
             float n0 = kscale(kn, 16 * mt + g), n1 = kscale(kn, 16 * mt + g + 8);
             c[0] *= n0; c[1] *= n0; c[2] *= n1; c[3] *= n1;
@@ -1327,9 +1343,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             }
 #endif
 #else
-#if VK == 3
+#if VK == 3 || VK == 9
             const u16* vn = (const u16*)(vp + T * V_ROW_BYTES);
-            wA *= h2f(vn[tA]); wB *= h2f(vn[tA + 1]); wC *= h2f(vn[tA + 8]); wD *= h2f(vn[tA + 9]);
+            wA *= vscale(vn, tA); wB *= vscale(vn, tA + 1); wC *= vscale(vn, tA + 8); wD *= vscale(vn, tA + 9);
 #endif
             const u32 b0 = pack_h2(wA, wB), b1 = pack_h2(wC, wD);
             u32 xa[VC / 2], xb[VC / 2], xc[VC / 2], xd[VC / 2];

@@ -66,7 +66,7 @@ __device__ __forceinline__ float norm_warp(const float* v) {
 }
 #endif
 
-#if KIND == 3 || KIND == 5 || KIND == 7 || KIND == 8
+#if KIND == 3 || KIND == 5 || KIND == 7 || KIND == 8 || KIND == 9
 // The warp's codes (lane l: codes l, l+32, …) packed into `row`: chunk k (codes 32k..32k+31)
 // is exactly words k*NB .. k*NB+NB-1. Word w is the OR of each lane's part of it (code c sits
 // at bits c·NB − 32w, a 3-bit code straddling two words gives each its part): one warp
@@ -146,7 +146,9 @@ __device__ __forceinline__ void put_two_sides(u8* page, int t, float2 sides, int
 
 // Each format's row codec (FMT_ROW): encode_row_fmt (row t of a page from v, rotated when the
 // format rotates; its sides too) and decode_row_fmt (row t back, sides applied, still in the
-// rotated domain), and TW, the floats per head of its transform argument (default D).
+// rotated domain), and TW, the floats per head of its transform argument (default D);
+// optionally row_pre_fmt (ROW_PRE: before the rotation) and row_post_fmt (ROW_POST: after the
+// inverse rotation of a decoded row).
 // @formats FMT_ROW
 #ifndef TW
 #define TW D
@@ -169,6 +171,9 @@ __device__ __forceinline__ void rotate_warp(float* v, const float* __restrict__ 
 __device__ __forceinline__ void encode_row_warp(float* v, u8* page, int t, const float* __restrict__ sg,
                                                 float rot_scale, const float* __restrict__ thresholds,
                                                 const float* __restrict__ centroids, int lane) {
+#ifdef ROW_PRE
+    row_pre_fmt(v, sg, lane);  // a format's step before the rotation (turboquant_frac: − μ)
+#endif
     rotate_warp(v, sg, rot_scale, lane);
     encode_row_fmt(v, page, t, sg, rot_scale, thresholds, centroids, lane);
 }

@@ -134,6 +134,9 @@ extern "C" __global__ void kv_dense(int slot, int n_end, int coded, const u16* _
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = v[k] * rot_scale * sg[lane + 32 * k];
 #endif
+#ifdef ROW_POST
+    row_post_fmt(v, signs + (size_t)h * TW, lane);
+#endif
 #pragma unroll
     for (int k = 0; k < EPL; k++) o[lane + 32 * k] = f2h(v[k]);
 }

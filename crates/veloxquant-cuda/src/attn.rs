@@ -175,6 +175,13 @@ fn decode_defines(
         defs.push(("K2SAME".into(), second_like_first(kf) as i64));
     }
     defs.push(("KRATIO".into(), (kf.kind == KernelKind::Rabitq) as i64));
+    // turboquant_frac: the wide channels' count and the narrow ones' bits (KB/VB: the wide).
+    for (p, f) in [('K', kf), ('V', vf)] {
+        if let Some(fs) = &f.frac {
+            defs.push((format!("{p}NHI"), fs.n_hi as i64));
+            defs.push((format!("{p}LB"), f.bits2 as i64));
+        }
+    }
     defs.push(("KG".into(), kf.group.max(1) as i64));
     defs.push(("VG".into(), vf.group.max(1) as i64));
     if !pipe.fast && fast_path(kf, vf) {
@@ -236,7 +243,11 @@ fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(Str
         ("KPROD", (kf.kind == KernelKind::Prod) as i64),
         ("KRVQ", (kf.kind == KernelKind::Rvq) as i64),
         ("KRABITQ", (kf.kind == KernelKind::Rabitq) as i64),
+        ("KFRAC", (kf.kind == KernelKind::Frac) as i64),
+        ("KCENTER", (kf.kind == KernelKind::Frac && kf.spec.center) as i64),
         ("VROT", vf.rotation.is_some() as i64),
+        ("VFRAC", (vf.kind == KernelKind::Frac) as i64),
+        ("VCENTER", (vf.kind == KernelKind::Frac && vf.spec.center) as i64),
         ("PDL", pdl as i64),
     ]
     .iter()
@@ -702,7 +713,7 @@ impl PlanCore {
             shared_mem_bytes: smem,
         };
         let (ktab, vtab) = (Tab16(cache.k.fmt.table_f16), Tab16(cache.v.fmt.table_f16));
-        let k2tab = Tab16(cache.k.fmt.table2_f16);
+        let (k2tab, v2tab) = (Tab16(cache.k.fmt.table2_f16), Tab16(cache.v.fmt.table2_f16));
         let table = cache.meta.slice(..cache.n_table());
         let coded = cache.meta.slice(cache.coded_at()..cache.coded_at() + cfg.max_seqs);
         let seq_len = cache.meta.slice(cache.seq_len_at()..cache.seq_len_at() + cfg.max_seqs);
@@ -712,7 +723,7 @@ impl PlanCore {
         let (tab, rows_d, coded_d) = (dptr(&table), self.rows.device_ptr(&s).0, dptr(&coded));
         let (pacc, pml) = (self.part_acc.device_ptr_mut(&s).0, self.part_ml.device_ptr_mut(&s).0);
         let (qd, ksg, prows) = (q.device_ptr(&s).0, ksigns.device_ptr(&s).0, self.part_rows.device_ptr_mut(&s).0);
-        let mut dparams: [*mut c_void; 20] = [
+        let mut dparams: [*mut c_void; 21] = [
             arg(&qprep),
             arg(&kpool),
             arg(&vpool),
@@ -726,6 +737,7 @@ impl PlanCore {
             arg(&ktab),
             arg(&vtab),
             arg(&k2tab),
+            arg(&v2tab),
             arg(&pacc),
             arg(&pml),
             arg(&qd),
@@ -758,7 +770,7 @@ impl PlanCore {
             DecodeOut::F32(o) => (o.device_ptr_mut(&s).0, 0u64),
             DecodeOut::F16(o) => (0u64, o.device_ptr_mut(&s).0),
         };
-        let mut params: [*mut c_void; 17] = [
+        let mut params: [*mut c_void; 18] = [
             arg(&acc),
             arg(&ml),
             arg(&part_rows),
@@ -774,6 +786,7 @@ impl PlanCore {
             arg(&ring),
             arg(&vs),
             arg(&cache.v.rot_scale),
+            arg(&ksg),
             arg(&o32),
             arg(&o16),
         ];

@@ -24,7 +24,7 @@ pub enum InputKind {
 }
 
 /// The encode module's defines for `fmt` and `input` (`pf`: the cp.async prefetch, sm_80+).
-pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 22] {
+pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 24] {
     [
         ("RPW", fmt.encode_rows_per_warp() as i64),
         ("GRP", fmt.group.max(1) as i64),
@@ -51,6 +51,9 @@ pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) ->
         ("MINB2", t.encode_minb2),
         ("QK", BIN_QK as i64),
         ("QS", BIN_QS as i64),
+        // turboquant_frac: the wide channels' count (BITS: theirs, BITS2: the others'), μ.
+        ("NHI", fmt.frac.as_ref().map_or(0, |f| f.n_hi) as i64),
+        ("CENTER", fmt.spec.center as i64),
     ]
 }
 
@@ -68,6 +71,12 @@ pub struct GpuEncoder {
 
 impl GpuEncoder {
     pub fn new(dev: &Arc<GpuDevice>, fmt: &GpuFormat, input: InputKind) -> Result<Self> {
+        if fmt.frac.as_ref().is_some_and(|f| !f.calibrated) {
+            return Err(CudaError::Core(veloxquant::VqError::MissingCalibration {
+                format: fmt.spec.to_string(),
+                why: "the GPU encoder needs the calibrated state (GpuFormat::with_state)".into(),
+            }));
+        }
         let t = dev.tuning;
         let self_warps = t.encode_warps;
         let pf = (dev.compute_capability.0 >= 8 && t.encode_prefetch) as i64;

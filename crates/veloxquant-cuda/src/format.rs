@@ -3,13 +3,13 @@
 
 use half::f16;
 use veloxquant::codebook::ScaledCodebook;
-use veloxquant::format::rows::{RowKind, RowLayout};
+use veloxquant::format::rows::{log_u8_edges, RowKind, RowLayout, RowScale};
 use veloxquant::format::sketch::Sketch;
 use veloxquant::format::Stream;
 use veloxquant::pack;
 use veloxquant::rng::derive_seed;
 use veloxquant::rotate::Rotation;
-use veloxquant::{FormatSpec, NormMode};
+use veloxquant::{FormatSpec, NormMode, VqError};
 
 use crate::error::{CudaError, Result};
 
@@ -38,6 +38,11 @@ pub enum KernelKind {
     /// (keys: per channel over GRP tokens; values: per token over GRP channels); x̂ = s·u + z.
     /// A whole page is encoded at once (KIND = KK = VK = 8), so the cache runs in page mode.
     Kivi = 8,
+    /// turboquant_frac: per row the codes of y = R·(x − μ)/‖R·(x − μ)‖ in storage order (the
+    /// n_hi wide channels at b + 1 bits, then the rest at b, one LSB-first stream of whole
+    /// bytes), then per token one log-scale byte; the per-head channel map, μ and the scale
+    /// base come from the CPU format's calibrated state (KIND = KK = VK = 9).
+    Frac = 9,
 }
 
 impl KernelKind {
@@ -55,6 +60,7 @@ impl KernelKind {
         match self {
             KernelKind::Codes | KernelKind::Sketch => 1,
             KernelKind::Prod | KernelKind::Rabitq | KernelKind::Rvq => 2,
+            // turboquant_frac's scales are bytes (cleared by `GpuFormat::clear_rows_from`).
             _ => 0,
         }
     }
@@ -95,6 +101,62 @@ pub struct GpuFormat {
     /// Lloyd-Max cell lookup for the thread-per-row encoder (codes only; `None` when some bin
     /// of width 1/`BIN_QS` would hold two thresholds): see [`bin_table`].
     pub bins: Option<Vec<u32>>,
+    /// turboquant_frac: the calibrated per-head state (`None` for every other format).
+    pub frac: Option<FracState>,
+}
+
+/// turboquant_frac's per-head state as the kernels take it: the storage slot of each rotated
+/// channel (wide channels ascending, then the rest), μ (zeros without `center`), the
+/// log-scale base, and the wide channels' count. From the CPU format's `export_state`.
+#[derive(Clone, Debug)]
+pub struct FracState {
+    /// False for [`GpuFormat::for_stream`]'s placeholder.
+    pub calibrated: bool,
+    pub n_hi: usize,
+    pub slot_of: Vec<u32>,
+    pub mean: Vec<f32>,
+    pub base: f32,
+}
+
+impl FracState {
+    /// `state`: [base, d channel flags (1 = wide), μ (d, with `center`)], as
+    /// `TurboFrac::export_state` writes it; checked as the CPU's restore checks it.
+    fn from_export(spec: &FormatSpec, d: usize, n_hi: usize, state: &[f32]) -> Result<Self> {
+        let bad = |why: String| CudaError::Core(VqError::InvalidConfig(format!("{spec}: saved state {why}")));
+        let want = 1 + d + if spec.center { d } else { 0 };
+        if state.len() != want {
+            return Err(bad(format!("has {} floats, expected {want}", state.len())));
+        }
+        let base = state[0];
+        if !(base.is_finite() && base > 0.0) {
+            return Err(bad(format!("scale base {base} must be finite and > 0")));
+        }
+        let flags = &state[1..1 + d];
+        if flags.iter().any(|&f| f != 0.0 && f != 1.0) || flags.iter().filter(|&&f| f == 1.0).count() != n_hi {
+            return Err(bad(format!("channel map is not {n_hi} ones among zeros")));
+        }
+        let mean: Vec<f32> = if spec.center { state[1 + d..].to_vec() } else { vec![0.0; d] };
+        if mean.iter().any(|m| !m.is_finite()) {
+            return Err(bad("mean is not finite".into()));
+        }
+        // Storage order: the wide channels ascending, then the others (turboquant_frac.rs order()).
+        let mut slot_of = vec![0u32; d];
+        let (mut wide, mut narrow) = (0u32, n_hi as u32);
+        for (j, &f) in flags.iter().enumerate() {
+            let next = if f == 1.0 { &mut wide } else { &mut narrow };
+            slot_of[j] = *next;
+            *next += 1;
+        }
+        // The CPU keeps μ in f16; the state holds those f16 values as f32.
+        let mean = mean.iter().map(|&m| f16::from_f32(m).to_f32()).collect();
+        Ok(Self { calibrated: true, n_hi, slot_of, mean, base })
+    }
+
+    /// A placeholder (the first n_hi channels wide, μ = 0, base 1): for layouts and kernel
+    /// configurations only, never for coding data.
+    fn layout_only(d: usize, n_hi: usize) -> Self {
+        Self { calibrated: false, n_hi, slot_of: (0..d as u32).collect(), mean: vec![0.0; d], base: 1.0 }
+    }
 }
 
 /// Bins per unit of y in the encoder's cell table, and the bins either side of zero.
@@ -145,9 +207,26 @@ impl GpuFormat {
         Self::for_stream(spec, d, t, seed, Stream::Keys)
     }
 
-    /// As [`Self::new`], for the key or the value stream.
+    /// As [`Self::new`], for the key or the value stream. A calibrated format (turboquant_frac)
+    /// gets a placeholder state: right layout and kernels, not the CPU's codes
+    /// ([`Self::calibrated`] is false; encoders refuse it): use [`Self::with_state`] for data.
     pub fn for_stream(spec: &FormatSpec, d: usize, t: usize, seed: u64, stream: Stream) -> Result<Self> {
+        Self::with_state(spec, d, t, seed, stream, None)
+    }
+
+    /// As [`Self::for_stream`], with a calibrated format's state as the CPU format's
+    /// `export_state` gives it (turboquant_frac: scale base, channel map, μ).
+    pub fn with_state(
+        spec: &FormatSpec,
+        d: usize,
+        t: usize,
+        seed: u64,
+        stream: Stream,
+        state: Option<&[f32]>,
+    ) -> Result<Self> {
         let unsupported = |why| CudaError::UnsupportedFormat { format: spec.to_string(), why };
+        // turboquant_frac: (state, wide codebook, narrow codebook).
+        let mut frac: Option<(FracState, ScaledCodebook, ScaledCodebook)> = None;
         if !matches!(d, 64 | 128 | 256) {
             return Err(unsupported("head size must be 64, 128 or 256 on the GPU"));
         }
@@ -200,14 +279,40 @@ impl GpuFormat {
                 table.iter_mut().enumerate().for_each(|(i, c)| *c = i as f32);
                 (KernelKind::Kivi, RowKind::Codes { bits: spec.bits, table }, false)
             }
+            "turboquant_frac" => {
+                // The CPU's layout (turboquant_frac.rs build): n_hi = d·e/8 wide channels at
+                // b + 1 bits; whole widths (e = 0) are plain b-bit codes.
+                let (b, e) = (spec.bits, spec.hi_eighths as usize);
+                let n_hi = d * e / 8;
+                if e > 0 && (!(d * e).is_multiple_of(8) || !n_hi.is_multiple_of(8) || !(d - n_hi).is_multiple_of(8)) {
+                    return Err(unsupported("a fractional width needs both channel sets to be multiples of 8"));
+                }
+                let (hi, lo) = (ScaledCodebook::new(if e > 0 { b + 1 } else { b }, d), ScaledCodebook::new(b, d));
+                let row_kind = if e > 0 {
+                    RowKind::Split { hi_bits: b + 1, n_hi, hi_table: hi.table16(), lo_table: lo.table16() }
+                } else {
+                    RowKind::Codes { bits: b, table: lo.table16() }
+                };
+                let fs = match state {
+                    Some(st) => FracState::from_export(spec, d, n_hi, st)?,
+                    None => FracState::layout_only(d, n_hi),
+                };
+                frac = Some((fs, hi, lo));
+                (KernelKind::Frac, row_kind, true)
+            }
             _ => return Err(unsupported("no CUDA kernel for this format yet")),
         };
-        let layout = RowLayout::new(row_kind, d, t);
+        let mut layout = RowLayout::new(row_kind, d, t);
+        if let Some((fs, ..)) = &frac {
+            layout = layout.with_scale(RowScale::LogU8 { base: fs.base });
+        }
         // Second segments (sketch.rs TokenLayout: rows of both segments, two f16 sides):
         // turboquant_prod's d sign bits, turboquant_rvq's stage-2 codes.
+        // turboquant_frac: the narrow channels are the second segment.
         let bits2 = match kind {
             KernelKind::Prod => 1,
             KernelKind::Rvq => spec.bits2,
+            KernelKind::Frac => spec.bits,
             _ => 0,
         };
         let (mse_bytes, row_bytes, page_bytes) = match kind {
@@ -221,6 +326,7 @@ impl GpuFormat {
             KernelKind::Kivi => {
                 (0, layout.row_bytes, (t * layout.row_bytes + 4 * t * d / spec.group as usize).div_ceil(4) * 4)
             }
+            KernelKind::Frac => (layout.kind.lo_offset(), layout.row_bytes, layout.page_bytes()),
             _ => (0, layout.row_bytes, layout.page_bytes()),
         };
         let hadamard = |seed| match Rotation::new(d, seed)? {
@@ -249,6 +355,7 @@ impl GpuFormat {
         // Code bits per value as the kernels see them (qjl's signs: 1; no codes: 0).
         let bits = match &layout.kind {
             RowKind::Codes { bits, .. } => *bits,
+            RowKind::Split { hi_bits, .. } => *hi_bits,
             _ => 0,
         };
         let (thresholds, centroids) = match kind {
@@ -261,6 +368,11 @@ impl GpuFormat {
                 ([c1.thresholds, c2.thresholds].concat(), [c1.centroids, c2.centroids].concat())
             }
             KernelKind::Sketch | KernelKind::Rabitq => (vec![0.0], vec![-1.0, 1.0]),
+            // Both codebooks, then the log scale's edges after the thresholds.
+            KernelKind::Frac => frac.as_ref().map_or((vec![0.0], vec![0.0]), |(_, hi, lo)| {
+                let thr = [&hi.thresholds[..], &lo.thresholds[..], &log_u8_edges()[..]].concat();
+                (thr, [&hi.centroids[..], &lo.centroids[..]].concat())
+            }),
             _ => (vec![0.0], vec![0.0]),
         };
         let f16_table = |c: &[f32]| {
@@ -270,11 +382,11 @@ impl GpuFormat {
             }
             t
         };
-        let n_first = if kind == KernelKind::Rvq { 1 << bits } else { centroids.len() };
+        let n_first = if matches!(kind, KernelKind::Rvq | KernelKind::Frac) { 1 << bits } else { centroids.len() };
         let table_f16 = f16_table(&centroids[..n_first]);
         let table2_f16 = match kind {
             KernelKind::Prod => f16_table(&[-1.0, 1.0]),
-            KernelKind::Rvq => f16_table(&centroids[1 << bits..]),
+            KernelKind::Rvq | KernelKind::Frac => f16_table(&centroids[1 << bits..]),
             _ => [0; 16],
         };
         let bins = if kind == KernelKind::Codes { bin_table(&thresholds, &centroids) } else { None };
@@ -298,13 +410,14 @@ impl GpuFormat {
             table2_f16,
             rotation2,
             sketch,
-            eden: spec.norm == NormMode::Eden && kind == KernelKind::Codes,
+            eden: spec.norm == NormMode::Eden && matches!(kind, KernelKind::Codes | KernelKind::Frac),
             thresholds,
             centroids,
             table_f16,
             bins,
             group,
             per_channel,
+            frac: frac.map(|(fs, ..)| fs),
         })
     }
 
@@ -313,7 +426,7 @@ impl GpuFormat {
     /// table ([`bin_table`]).
     pub fn page_codec(&self) -> bool {
         match self.kind {
-            KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod | KernelKind::Kivi => false,
+            KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod | KernelKind::Kivi | KernelKind::Frac => false,
             KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Rabitq | KernelKind::Rvq => true,
             KernelKind::Codes => self.bins.is_some(),
         }
@@ -344,6 +457,9 @@ impl GpuFormat {
         }
         page[from * self.row_bytes..self.t * self.row_bytes].fill(0);
         let at = self.t * self.row_bytes;
+        if self.kind == KernelKind::Frac {
+            page[at + from..at + self.t].fill(0); // one scale byte per token
+        }
         for k in 0..self.kind.token_sides() {
             page[at + 2 * (k * self.t + from)..at + 2 * (k + 1) * self.t].fill(0);
         }
@@ -355,12 +471,14 @@ impl GpuFormat {
         let rot = self.rotation.as_ref().map_or(0, |(s, _)| s.len() * 4);
         let sk = self.sketch.as_ref().map_or(0, |(s, _)| s.len() * 4);
         let rot2 = self.rotation2.as_ref().map_or(0, |s| s.len() * 4);
-        let cb = if matches!(self.kind, KernelKind::Codes | KernelKind::Prod | KernelKind::Rvq) {
+        let cb = if matches!(self.kind, KernelKind::Codes | KernelKind::Prod | KernelKind::Rvq | KernelKind::Frac) {
             (self.centroids.len() + self.thresholds.len()) * 4
         } else {
             0
         };
-        rot + rot2 + sk + cb
+        // turboquant_frac: the slots, μ and the base beside the signs (transform_words).
+        let fr = if self.frac.is_some() { (self.transform_words() - self.d) * 4 } else { 0 };
+        rot + rot2 + sk + cb + fr
     }
 
     pub fn bits_per_value(&self) -> f64 {
@@ -372,7 +490,14 @@ impl GpuFormat {
     /// the sketch Sᵀ and the estimator's scale.
     /// turboquant_prod: the signs, then Sᵀ, with the rotation's scale (the sketch's is a
     /// constant of d the kernels compute). turboquant_rvq: both rotations' signs.
+    /// turboquant_frac: the signs, μ, each rotated channel's storage slot (as f32), then the
+    /// scale base and three zeros (16-byte rows).
     pub fn transform(&self) -> (Vec<f32>, f32) {
+        if let (Some((r, sc)), Some(fs)) = (&self.rotation, &self.frac) {
+            let slots = fs.slot_of.iter().map(|&s| s as f32);
+            let tail = [fs.base, 0.0, 0.0, 0.0];
+            return (r.iter().chain(&fs.mean).copied().chain(slots).chain(tail).collect(), *sc);
+        }
         if let (Some((r, sc)), Some(r2)) = (&self.rotation, &self.rotation2) {
             return ([&r[..], &r2[..]].concat(), *sc);
         }
@@ -384,10 +509,13 @@ impl GpuFormat {
     }
 
     /// Floats per head of [`Self::transform`]: d, d·d for qjl's sketch, d + d·d for
-    /// turboquant_prod, 2d for turboquant_rvq (kernels: `TW`).
+    /// turboquant_prod, 2d for turboquant_rvq, 3d + 4 for turboquant_frac (kernels: `TW`).
     pub fn transform_words(&self) -> usize {
         if self.rotation2.is_some() {
             return 2 * self.d;
+        }
+        if self.frac.is_some() {
+            return 3 * self.d + 4;
         }
         match (&self.rotation, &self.sketch) {
             (Some(_), Some(_)) => self.d + self.d * self.d,

@@ -224,6 +224,11 @@ fn every_kernel_configuration_compiles() {
         "turboquant_rvq:1:1",
         "turboquant_rvq:4:2",
         "turboquant_rvq:4:4",
+        // 22-25: turboquant_frac (layouts and kernels need no calibration; a placeholder state).
+        "turboquant_frac:3.5:center:eden",
+        "turboquant_frac:2.5:center",
+        "turboquant_frac:3",
+        "turboquant_frac:2.25:eden",
     ];
     // Every distinct module first, then compiled on all cores (one at a time took ~30 min).
     // (module key, family, defines, target)
@@ -269,6 +274,9 @@ fn every_kernel_configuration_compiles() {
             // (qjl, turboquant_prod, rabitq and, on the GPU, turboquant_rvq are keys only:
             // paired with value formats.)
             let mut pairs: Vec<(usize, usize)> = (0..11).map(|i| (i, i)).collect();
+            // turboquant_frac: keys 3.5 / values 2.5 (the README's method), whole and byte-row
+            // widths with themselves, beside turboquant_mse:3 either way (~1.4 s a module).
+            pairs.extend([(22, 23), (24, 24), (25, 25), (22, 7), (7, 23)]);
             // d = 256 takes the generic path for every pair: the same pairs and one per key kind.
             let mixed: &[(usize, usize)] = if d == 256 { &[(11, 6), (13, 7), (16, 1), (18, 6)] } else { &[] };
             pairs.extend(mixed);
@@ -432,6 +440,7 @@ fn format_kernel_files_match_the_host() {
         "turboquant_rvq:2:2",
         "rabitq",
         "kivi:2:g16",
+        "turboquant_frac:2.5:center",
     ] {
         for (d, t) in [(64, 32), (256, 32), (64, 16)] {
             let f = GpuFormat::new(&FormatSpec::parse(spec).unwrap(), d, t, 5).unwrap();
@@ -448,7 +457,7 @@ fn format_kernel_files_match_the_host() {
             assert_eq!(has("encode_pages_tpr2"), tpr && f.kind == KernelKind::Codes, "{spec} d={d} T={t}: {got:?}");
         }
     }
-    assert_eq!(kinds.len(), 9, "one spec per kernel kind");
+    assert_eq!(kinds.len(), 10, "one spec per kernel kind");
     // rabitq's prefill query kernel, in its prefill modules alone (prefill.rs asks for it there).
     for spec in ["rabitq", "q8_0", "turboquant_mse:4"] {
         let spec = FormatSpec::parse(spec).unwrap();

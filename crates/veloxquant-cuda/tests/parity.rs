@@ -99,7 +99,8 @@ fn encode_f16_input_bit_identical_to_cpu() {
     let t = 32;
     let mut checked = 0;
     let mut failures = Vec::new();
-    for spec in all_specs() {
+    // Calibrated formats (turboquant_frac) have their own test: frac_encode_bit_identical_to_cpu.
+    for spec in all_specs().into_iter().filter(|s| !s.desc().needs_calibration) {
         let one = if spec.desc().for_values { Stream::Values } else { Stream::Keys };
         for (d, stream) in
             [64usize, 128, 256].into_iter().flat_map(|d| streams(&spec, one).into_iter().map(move |s| (d, s)))
@@ -142,7 +143,7 @@ fn encode_bit_identical_to_cpu() {
     let t = 32;
     let mut checked = 0;
     let mut failures = Vec::new();
-    for spec in all_specs() {
+    for spec in all_specs().into_iter().filter(|s| !s.desc().needs_calibration) {
         let one = Stream::Keys;
         for (d, stream) in
             [64usize, 128, 256].into_iter().flat_map(|d| streams(&spec, one).into_iter().map(move |s| (d, s)))
@@ -292,6 +293,71 @@ fn kivi_encode_bit_identical_on_grid_values() {
     assert!(checked >= 20, "{checked}");
 }
 
+/// turboquant_frac (calibrated: channel map, μ and scale base from the CPU format's state)
+/// encodes bit-identically to the CPU: wide and narrow channels, whole widths, centered or
+/// not, plain and EDEN scales, rows that need byte reads (d = 64 at 2.25 bits: 18-byte rows),
+/// f32 and f16 input, d ∈ {64, 128, 256}.
+#[test]
+fn frac_encode_bit_identical_to_cpu() {
+    let Some(dev) = device() else { return };
+    let t = 32;
+    let mut checked = 0;
+    for spec in [
+        "turboquant_frac:3.5:center:eden",
+        "turboquant_frac:2.5:center",
+        "turboquant_frac:3",
+        "turboquant_frac:2.25:eden",
+        "turboquant_frac:1.5:center:eden",
+        "turboquant_frac:3.75",
+    ]
+    .map(|s| FormatSpec::parse(s).unwrap())
+    {
+        for d in [64usize, 128, 256] {
+            let seed = 0x7ac + d as u64;
+            let mut rng = SplitMix64::new(seed);
+            let mean: Vec<f32> = (0..d).map(|j| 2.0 * (j as f32 * 0.37).cos()).collect();
+            let mut ctx = FormatCtx::new(d, t, Stream::Keys, seed);
+            ctx.calibration = Some(
+                (0..300 * d)
+                    .map(|i| rng.next_gaussian() as f32 * (1 + i % 5) as f32 + mean[i % d])
+                    .collect::<Vec<f32>>()
+                    .into(),
+            );
+            let cpu = spec.build(&ctx).unwrap();
+            let state = cpu.export_state();
+            let gf = GpuFormat::with_state(&spec, d, t, seed, Stream::Keys, Some(&state)).unwrap();
+            assert_eq!(gf.page_bytes, cpu.page_bytes(), "{spec} d={d}");
+            let n_pages = 8;
+            // The awkward rows, every other page around the calibrated mean (rows equal to μ
+            // become zero after centering).
+            let mut x = awkward_rows(&mut rng, n_pages * t, d);
+            for (i, v) in x.iter_mut().enumerate() {
+                if (i / (t * d)) % 2 == 1 {
+                    *v += mean[i % d];
+                }
+            }
+            let pb = cpu.page_bytes();
+            let mut want = vec![0u8; n_pages * pb];
+            let mut check = |x: &[f32], got: &[u8], what: &str| {
+                for p in 0..n_pages {
+                    cpu.encode_page(&x[p * t * d..(p + 1) * t * d], &mut want[p * pb..(p + 1) * pb]).unwrap();
+                }
+                let bad = (0..n_pages).find(|&p| got[p * pb..(p + 1) * pb] != want[p * pb..(p + 1) * pb]);
+                assert!(bad.is_none(), "{spec} d={d} {what}: page {bad:?} differs");
+            };
+            let got = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap().encode_pages_f32(&x).unwrap();
+            check(&x, &got, "f32");
+            let x16: Vec<u16> = x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            let xr: Vec<f32> = x16.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+            let got = GpuEncoder::new(&dev, &gf, InputKind::F16).unwrap().encode_pages_f16(&x16).unwrap();
+            check(&xr, &got, "f16");
+            checked += 1;
+        }
+    }
+    eprintln!("turboquant_frac encode: {checked} (format, d) cases × 8 pages bit-identical (f32 and f16 input)");
+    assert_eq!(checked, 18);
+}
+
 struct Case {
     k: &'static str,
     v: &'static str,
@@ -366,7 +432,20 @@ fn run_case_with(dev: &Arc<GpuDevice>, c: &Case, seed: u64, opts: attn::DecodeOp
     let d = c.d;
     let hq = n_kv * c.gqa;
     let max_len = *c.lens.iter().max().unwrap();
-    let cfg = cpu_config(c, n_kv);
+    let mut cfg = cpu_config(c, n_kv);
+    // Calibrated formats (turboquant_frac): keys with a per-channel mean (what `center`
+    // removes), calibrated on other draws of the same distributions.
+    let calibrated = cfg.k.desc().needs_calibration || cfg.v.desc().needs_calibration;
+    let key_mean = |i: usize| if calibrated { 3.0 * ((i % d) as f32 * 0.7).sin() } else { 0.0 };
+    let key_at =
+        |rng: &mut SplitMix64, i: usize| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 } + key_mean(i);
+    if calibrated {
+        let mut rng = SplitMix64::new(seed ^ 0xca1);
+        let mut cal = veloxquant::Calibration::new();
+        cal.insert_for_all(Stream::Keys, (0..256 * d).map(|i| key_at(&mut rng, i)).collect());
+        cal.insert_for_all(Stream::Values, rng.gaussian_vec(256 * d));
+        cfg.calibration = Some(Arc::new(cal));
+    }
     let total: usize = c.lens.iter().sum();
     // Room for the pages the plan covers (32-token pages), beyond the longest row if asked.
     let cap = max_len.max(32 * opts.cover_pages);
@@ -377,8 +456,7 @@ fn run_case_with(dev: &Arc<GpuDevice>, c: &Case, seed: u64, opts: attn::DecodeOp
     for &n in c.lens {
         let slot = gpu.add_seq().unwrap();
         let mut cpu = PagedCache::new(cfg.clone()).unwrap();
-        let keys: Vec<f32> =
-            (0..n_kv * n * d).map(|i| rng.next_gaussian() as f32 * if i % d < 4 { 6.0 } else { 1.0 }).collect();
+        let keys: Vec<f32> = (0..n_kv * n * d).map(|i| key_at(&mut rng, i)).collect();
         let vals = rng.gaussian_vec(n_kv * n * d);
         // A prefill-sized chunk (two-phase append), then token by token (one-launch append).
         let first = n * 2 / 3;
@@ -489,6 +567,8 @@ struct Sweep {
     windows: &'static [(usize, usize, bool)],
     lens: fn(usize) -> &'static [usize],
     skip: fn(&str, usize) -> bool,
+    /// Print each case's error as it finishes (a run cut by a time limit still tells).
+    verbose: bool,
 }
 
 impl Sweep {
@@ -503,6 +583,9 @@ impl Sweep {
                         }
                         let c = Case { k, v, d, gqa, recent, sink, page_mode, lens: (self.lens)(gqa) };
                         let e = run_case(dev, &c, (pi * 100 + d + gqa + recent) as u64);
+                        if self.verbose {
+                            eprintln!("{k}/{v} d={d} G={gqa} R={recent} S={sink} pages={page_mode}: {e:.2e}");
+                        }
                         #[allow(clippy::neg_cmp_op_on_partial_ord)]
                         if !(e <= 2e-3) {
                             bad.push(format!("{k}/{v} d={d} G={gqa} R={recent} S={sink} pages={page_mode}: {e:.2e}"));
@@ -536,9 +619,36 @@ fn decode_kivi_keys_match_cpu_reference() {
         windows: &[(0, 0, false), (8, 4, true)],
         lens: |gqa| if gqa % 2 == 0 { &[17, 97, 300] } else { &[33, 64, 1] },
         skip: |v, d| d == 256 && v.ends_with("g16"), // values need G ≥ d/8
+        verbose: false,
     }
     .run(&dev);
     eprintln!("kivi keys decode: {n} cases, worst rel err {worst:.2e}");
+}
+
+/// turboquant_frac (calibrated, keys with a per-channel mean) as keys and values, beside
+/// itself and other formats: the cache's pages bit-identical to the CPU's (row appends), decode
+/// within 2e-3 of the CPU reference — the keys' ⟨q, μ⟩ against the exact window's scores, the
+/// values' μ by the codes' weight, byte-read rows, d ∈ {64, 128, 256}, G ∈ {1, 4} (each case compiles its modules: ~1.5 s each).
+#[test]
+fn decode_frac_matches_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let (n, worst) = Sweep {
+        pairs: &[
+            ("turboquant_frac:3.5:center:eden", "turboquant_frac:2.5:center:eden"),
+            ("turboquant_frac:2.25:eden", "turboquant_frac:3"),
+            ("turboquant_frac:3.5:center", "turboquant_mse:3"),
+            ("turboquant_mse:4", "turboquant_frac:2.5:center"),
+            ("turboquant_frac:1.5:center", "fp16"),
+        ],
+        ds: &[64, 128, 256],
+        gqas: &[1, 4],
+        windows: &[(8, 4, false), (32, 0, true)],
+        lens: |gqa| if gqa % 2 == 0 { &[17, 97, 300] } else { &[33, 64, 1] },
+        skip: |_, _| false,
+        verbose: true,
+    }
+    .run(&dev);
+    eprintln!("turboquant_frac decode: {n} cases, worst rel err {worst:.2e}");
 }
 
 /// The block formats (q4_0's 18-byte and q8_0's 34-byte blocks) as keys and values beside each
@@ -561,6 +671,7 @@ fn decode_block_formats_match_cpu_reference() {
         windows: &[(0, 0, false), (8, 4, false)],
         lens: |gqa| if gqa == 4 { &[17, 97, 300] } else { &[33, 64, 1] },
         skip: |_, _| false,
+        verbose: false,
     }
     .run(&dev);
     eprintln!("block formats decode: {n} cases, worst rel err {worst:.2e}");

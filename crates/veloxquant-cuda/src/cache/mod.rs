@@ -20,9 +20,10 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use veloxquant::format::FormatCtx;
 use veloxquant::format::Stream as StreamKind;
 use veloxquant::rng::derive_seed;
-use veloxquant::{CacheConfig, FormatSpec};
+use veloxquant::{CacheConfig, Calibration, FormatSpec};
 
 use crate::device::{Family, GpuDevice};
 use crate::encode::{GpuEncoder, InputKind};
@@ -55,6 +56,10 @@ pub struct GpuCacheConfig {
     pub max_pages_per_seq: usize,
     /// Page groups in the pool (one page per KV head each), shared by all slots.
     pub pool_groups: usize,
+    /// Calibration for calibrated formats (turboquant_frac), as the CPU cache takes it: each
+    /// (layer, head, stream) instance is built by the CPU format from it and its state moved
+    /// to the device.
+    pub calibration: Option<Arc<Calibration>>,
 }
 
 /// The device's exact-window bound (the combine kernel scores sinks + ring in shared memory).
@@ -79,6 +84,7 @@ impl GpuCacheConfig {
             encode_rows: cpu.encode_rows,
             max_pages_per_seq: max_tokens.div_ceil(t) + 1,
             pool_groups: pool_tokens.div_ceil(t) + max_seqs,
+            calibration: cpu.calibration.clone(),
         }
     }
 
@@ -193,6 +199,9 @@ pub struct Stream {
     /// rotation signs (ones when the format does not rotate) or a sketch's Sᵀ.
     pub signs: CudaSlice<f32>,
     pub rot_scale: f32,
+    /// A calibrated format's exported state per (layer, KV head) (empty otherwise): what a
+    /// CPU cache moving to or from this one must hold.
+    pub states: Vec<Vec<f32>>,
 }
 
 impl Stream {
@@ -253,11 +262,25 @@ fn make_stream(
     let sid = stream as u64;
     let (d, t) = (cfg.head_dim, cfg.page_tokens);
     let mut signs = Vec::new();
+    let mut states = Vec::new();
     let mut fmt0 = None;
+    // Fail before any calibration work where the GPU has no kernel for the format.
+    GpuFormat::for_stream(spec, d, t, cfg.seed, stream)?;
     let mut rot_scale = 1.0;
     for l in 0..cfg.n_layers {
         for h in 0..cfg.n_kv_heads {
-            let f = GpuFormat::for_stream(spec, d, t, derive_seed(cfg.seed, &[l as u64, h as u64, sid]), stream)?;
+            let seed = derive_seed(cfg.seed, &[l as u64, h as u64, sid]);
+            // A calibrated format: the CPU's instance (PagedCache::build_formats' context), its state.
+            let state = if spec.desc().needs_calibration {
+                let mut ctx = FormatCtx::new(d, t, stream, seed);
+                ctx.calibration = cfg.calibration.as_ref().and_then(|c| c.get(l, h, stream));
+                ctx.query_moments = cfg.calibration.as_ref().and_then(|c| c.query_moments(l, h));
+                Some(spec.build(&ctx)?.export_state())
+            } else {
+                None
+            };
+            let f = GpuFormat::with_state(spec, d, t, seed, stream, state.as_deref())?;
+            states.extend(state);
             let (s, sc) = f.transform();
             signs.extend(s);
             rot_scale = sc;
@@ -288,6 +311,7 @@ fn make_stream(
         pools,
         exact,
         rot_scale,
+        states,
         fmt,
         enc,
     })
@@ -309,6 +333,8 @@ pub fn kv_defines(cfg: &GpuCacheConfig, fmt: &GpuFormat, row_mode: bool) -> Vec<
         ("BITS2", fmt.bits2.max(1) as i64),
         ("GRP", fmt.group.max(1) as i64),
         ("PERCH", fmt.per_channel as i64),
+        ("NHI", fmt.frac.as_ref().map_or(0, |f| f.n_hi) as i64),
+        ("CENTER", fmt.spec.center as i64),
         ("NKV", cfg.n_kv_heads as i64),
         ("NSINK", cfg.sink as i64),
         ("RING", cfg.ring_cap(row_mode) as i64),

@@ -187,13 +187,16 @@ impl GpuKvCache {
     /// format, continue it on the CPU. `cpu` must be the config this cache mirrors.
     pub fn to_paged_cache(&self, slot: usize, cpu: &CacheConfig) -> Result<PagedCache> {
         self.check_mirrors(cpu)?;
-        Ok(PagedCache::from_contents(cpu.clone(), self.download(slot)?)?)
+        let cache = PagedCache::from_contents(cpu.clone(), self.download(slot)?)?;
+        self.check_states(&cache)?;
+        Ok(cache)
     }
 
     /// A new slot holding what `cache` holds (e.g. one loaded from a cache file): pages
     /// uploaded to freshly allocated pages, the window into its ring slots, the sinks.
     pub fn upload(&mut self, cache: &PagedCache) -> Result<usize> {
         self.check_mirrors(cache.config())?;
+        self.check_states(cache)?;
         if cache.row_mode() != self.row_mode {
             return Err(CudaError::UnsupportedFormat {
                 format: format!("{}", cache.config().k),
@@ -254,6 +257,25 @@ impl GpuKvCache {
             }
         }
         Ok(slot)
+    }
+
+    /// Whether a calibrated format's instances in `cpu` hold this cache's states (their codes
+    /// mean what this cache's kernels read).
+    fn check_states(&self, cpu: &PagedCache) -> Result<()> {
+        let hk = self.cfg.n_kv_heads;
+        for (strm, values) in [(&self.k, false), (&self.v, true)] {
+            for (i, want) in strm.states.iter().enumerate() {
+                let layer = cpu.layer(i / hk)?;
+                let store = if values { &layer.values[i % hk] } else { &layer.keys[i % hk] };
+                if store.format().export_state() != *want {
+                    return Err(CudaError::UnsupportedFormat {
+                        format: strm.fmt.spec.to_string(),
+                        why: "the CPU cache's calibrated state differs from this device cache's",
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Whether `cpu` describes this cache (formats, shape, windows, seed).

@@ -88,6 +88,14 @@ pub enum RowScale {
 /// Octaves per log-scale step's inverse (1/16 octave steps).
 const LOG_STEPS: f32 = 16.0;
 
+/// The log scale's 254 code edges, ascending: code c + 1 (c ≥ 1) holds the ratios s/base
+/// from edge c − 1 = 2^((c − 127.5)/16) up (f64 exp2, rounded once to f32). The GPU encoder
+/// takes this table from the host.
+pub fn log_u8_edges() -> &'static [f32; 254] {
+    static EDGES: std::sync::OnceLock<[f32; 254]> = std::sync::OnceLock::new();
+    EDGES.get_or_init(|| std::array::from_fn(|i| (((i + 1) as f64 - 127.5) / LOG_STEPS as f64).exp2() as f32))
+}
+
 impl RowScale {
     fn bytes(self) -> usize {
         match self {
@@ -105,11 +113,15 @@ impl RowScale {
         }
     }
 
+    /// The code of s: 1 + the number of edges [`log_u8_edges`] that s/base reaches (= round(16·log2(s/base)) + 128,
+    /// clamped to 1..=255, decided by comparisons against f32 edges instead of a libm log2,
+    /// so every platform and the GPU encoder give the same byte); 0 for s ≤ 0 or NaN.
     fn log_code(base: f32, s: f32) -> u8 {
         if s.is_nan() || s <= 0.0 || base.is_nan() || base <= 0.0 {
             return 0;
         }
-        ((s / base).log2() * LOG_STEPS + 128.0).round().clamp(1.0, 255.0) as u8
+        let r = s / base;
+        1 + log_u8_edges().partition_point(|&e| e <= r) as u8
     }
 
     #[inline]
@@ -465,5 +477,39 @@ impl Format for RowFormat {
 
     fn finish(&self, acc: &mut [f32], n_q: usize) {
         self.unrotate_rows(&mut acc[..n_q * self.layout.d]);
+    }
+}
+
+#[cfg(test)]
+mod log_scale_tests {
+    use super::*;
+    use crate::rng::SplitMix64;
+
+    /// The edge comparisons give round(16·log2(s/base)) + 128 clamped to 1..=255 (computed
+    /// here in f64) wherever s/base is not within 1e-9 relative of an edge; s ≤ 0 and NaN
+    /// give 0; the edges ascend strictly.
+    #[test]
+    fn log_code_is_the_rounded_log_step() {
+        let edges = log_u8_edges();
+        assert!(edges.windows(2).all(|w| w[0] < w[1]));
+        let mut rng = SplitMix64::new(7);
+        let base = 3.7f32;
+        let mut checked = 0;
+        for _ in 0..200_000 {
+            let s = base * (rng.next_gaussian() * 3.0).exp2() as f32;
+            let x = 16.0 * ((s / base) as f64).log2() + 128.0;
+            if (x - x.floor() - 0.5).abs() < 1e-7 {
+                continue;
+            }
+            let want = x.round().clamp(1.0, 255.0) as u8;
+            assert_eq!(RowScale::log_code(base, s), want, "s = {s}");
+            checked += 1;
+        }
+        assert!(checked > 199_000);
+        for s in [0.0, -1.0, f32::NAN, -0.0] {
+            assert_eq!(RowScale::log_code(base, s), 0);
+        }
+        assert_eq!(RowScale::log_code(base, f32::INFINITY), 255);
+        assert_eq!(RowScale::log_code(base, f32::MIN_POSITIVE), 1);
     }
 }

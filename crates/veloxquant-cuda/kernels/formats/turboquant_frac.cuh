@@ -1,0 +1,165 @@
+// turboquant_frac (turboquant_frac.rs): per row the codes of y = R·(x − μ)/‖R·(x − μ)‖ in
+// storage order — the NHI wide channels at BITS (= b + 1) bits, then the others at BITS2 (= b),
+// one LSB-first stream of whole bytes — then per token one log-scale byte (rows.rs LogU8:
+// code c → base·2^((c − 128)/16), 0 → 0). Per head (the transform, TW = 3D + 4 floats): the
+// rotation's signs, μ (f16 values as f32; zeros without CENTER), each rotated channel's
+// storage slot (as f32), the scale base. Thresholds: the wide codebook's, the narrow one's,
+// then the log scale's 254 edges (rows.rs log_u8_edges); centroids: wide, then narrow.
+#if FMT_ROW && KIND == 9
+#define TW (3 * D + 4)
+#define ROW_PRE 1
+#define ROW_POST 1
+// Bit position of storage slot s in a row.
+__device__ __forceinline__ int frac_bit(int s) { return s < NHI ? s * BITS : NHI * BITS + (s - NHI) * BITS2; }
+
+// x − μ before the rotation (turboquant_frac.rs rotated).
+__device__ __forceinline__ void row_pre_fmt(float* v, const float* __restrict__ sg, int lane) {
+#if CENTER
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = v[k] - sg[D + lane + 32 * k];
+#endif
+}
+// + μ after the inverse rotation (kv_dense).
+__device__ __forceinline__ void row_post_fmt(float* v, const float* __restrict__ sg, int lane) {
+#if CENTER
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = v[k] + sg[D + lane + 32 * k];
+#endif
+}
+
+// rows.rs log_code: 1 + the edges r = s/base reaches (0 for s ≤ 0 or NaN). The estimate from
+// log2f is at most a step off near an edge; the comparisons against the host's edges decide.
+__device__ __forceinline__ u32 log_u8_code(float s, float base, const float* __restrict__ edges) {
+    if (!(s > 0.0f)) return 0u;
+    const float r = s / base;
+    int c = (int)fminf(fmaxf(rintf(log2f(r) * 16.0f + 128.0f), 1.0f), 255.0f);
+    while (c < 255 && r >= edges[c - 1]) c++;
+    while (c > 1 && r < edges[c - 2]) c--;
+    return (u32)c;
+}
+
+__device__ __forceinline__ float log_u8_value(u32 c, float base) {
+    return c == 0u ? 0.0f : base * exp2f(((float)c - 128.0f) * (1.0f / 16.0f));
+}
+
+// turboquant_frac.rs encode_one on the rotated row (operation for operation): y = v·(1/‖v‖),
+// each channel's code from its codebook, written at its storage slot; the scale ‖v‖ (or
+// ‖v‖/⟨y, ŷ⟩, EDEN) as its log-scale byte. The codes meet in shared memory (one byte per
+// slot), then lane p assembles row byte p.
+__device__ __forceinline__ void encode_row_fmt(float* v, u8* page, int t, const float* __restrict__ sg,
+                                               float rot_scale, const float* __restrict__ thresholds,
+                                               const float* __restrict__ centroids, int lane) {
+    __shared__ u8 slot_codes[32][D];  // per warp of the block (≤ 32 warps)
+    u8* const codes = slot_codes[threadIdx.x >> 5];
+    float thr_hi[NTHR], thr_lo[NTHR2];
+#pragma unroll
+    for (int j = 0; j < NTHR; j++) thr_hi[j] = thresholds[j];
+#pragma unroll
+    for (int j = 0; j < NTHR2; j++) thr_lo[j] = thresholds[NTHR + j];
+    const float norm = norm_warp(v);
+    const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
+    float ip = 0.0f;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const float y = v[k] * inv;
+        const int s = (int)sg[2 * D + lane + 32 * k];
+        const bool wide = s < NHI;
+        const u32 c = wide ? lloyd_code<NTHR>(y, thr_hi) : lloyd_code<NTHR2>(y, thr_lo);
+        ip = ip + y * centroids[wide ? c : (1u << BITS) + c];
+        codes[s] = (u8)c;
+    }
+    __syncwarp();
+    u8* const row = page + t * ROW_BYTES;
+    for (int p = lane; p < ROW_BYTES; p += 32) {
+        u32 byte = 0;
+#pragma unroll
+        for (int b = 0; b < 8; b++) {
+            const int q = 8 * p + b;
+            const int s = q < NHI * BITS ? q / BITS : NHI + (q - NHI * BITS) / BITS2;
+            const int o = q < NHI * BITS ? q % BITS : (q - NHI * BITS) % BITS2;
+            byte |= (((u32)codes[s] >> o) & 1u) << b;
+        }
+        row[p] = (u8)byte;
+    }
+    float scale = norm;
+#if EDEN
+    ip = warp_sum_canonical(ip);
+    if (ip > 0.0f) scale = norm / ip;
+#endif
+    if (lane == 0) {
+        page[T * ROW_BYTES + t] = (u8)log_u8_code(scale, sg[3 * D], thresholds + NTHR + NTHR2);
+        if (t == 0) {
+            for (int i = T * ROW_BYTES + T; i < PAGE_BYTES; i++) page[i] = 0;
+        }
+    }
+    __syncwarp();  // the slot codes are free for the warp's next row
+}
+
+// Row t back in the rotated domain, channel order (lane l: channels l, l + 32, …), times its
+// scale; μ is added by row_post_fmt after the inverse rotation.
+__device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const float* __restrict__ sg, float rot_scale,
+                                               const float* __restrict__ cen, int lane, float* v) {
+    const u8* row = page + t * ROW_BYTES;
+    const float sc = log_u8_value(page[T * ROW_BYTES + t], sg[3 * D]);
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const int s = (int)sg[2 * D + lane + 32 * k];
+        const bool wide = s < NHI;
+        const int bit = frac_bit(s);
+        // Two bytes hold any code (≤ 4 bits at an offset ≤ 7); the byte after a row's last is
+        // still in the page (the next row or the scales).
+        const u32 w = (u32)row[bit >> 3] | ((u32)row[(bit >> 3) + 1] << 8);
+        const u32 c = (w >> (bit & 7)) & ((1u << (wide ? BITS : BITS2)) - 1u);
+        v[k] = cen[wide ? c : (1u << BITS) + c] * sc;
+    }
+}
+#endif
+
+#if FMT_DECODE && (KK == 9 || VK == 9)
+// Codes [first, first + N) of a split row (NH wide codes of HB bits, then LB-bit ones) as N/2
+// f16x2 from the wide table thi or the narrow one tlo. Byte loads: split rows need not be
+// whole words (d = 64 at 3.25 bits: 26 bytes).
+template <int HB, int LB, int NH, int N>
+__device__ __forceinline__ void split_to_h2(const u8* row, int first, const u16* thi, const u16* tlo, u32* out) {
+#pragma unroll
+    for (int c = 0; c < N; c += 2) {
+        u32 h[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int s = first + c + e;
+            const bool wide = s < NH;
+            const int bit = wide ? s * HB : NH * HB + (s - NH) * LB;
+            const u32 w = (u32)row[bit >> 3] | ((u32)row[(bit >> 3) + 1] << 8);
+            const u32 code = (w >> (bit & 7)) & ((1u << (wide ? HB : LB)) - 1u);
+            h[e] = wide ? thi[code] : tlo[code];
+        }
+        out[c / 2] = h[0] | (h[1] << 16);
+    }
+}
+// The scale byte c of token i as 2^((c − 128)/16) (0 for c = 0): the base is applied to the
+// query (keys: prep_query) or to the merged accumulator (values: combine).
+__device__ __forceinline__ float log_u8_unit(const void* scales, int i) {
+    const u32 c = ((const u8*)scales)[i];
+    return c == 0u ? 0.0f : exp2f(((float)c - 128.0f) * (1.0f / 16.0f));
+}
+#endif
+#if FMT_DECODE && KK == 9
+#define K_ROW(kp, row, t, tab, out) split_to_h2<KB, KLB, KNHI, QD>((kp) + (row) * K_ROW_BYTES, (t) * QD, ktab, k2tab, out)
+#define KSCALE_FMT 1
+__device__ __forceinline__ float kscale(const u16* kn, int i) { return log_u8_unit(kn, i); }
+#endif
+#if FMT_DECODE && VK == 9
+#define V_ROW(vp, row, g, tab, out) split_to_h2<VB, VLB, VNHI, VC>((vp) + (row) * V_ROW_BYTES, (g) * VC, vtab, v2tab, out)
+#define VSCALE_FMT 1
+__device__ __forceinline__ float vscale(const u16* vn, int i) { return log_u8_unit(vn, i); }
+#endif
+
+#if FMT_QUERY && KFRAC
+#define KTW (3 * D + 4)
+#define QUERY_FMT 1
+// The rotated query's channel tid stored at its slot, times the keys' scale base.
+__device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, size_t at, size_t second,
+                                          const float* __restrict__ kt, float krot_scale, float* s, int tid) {
+    qprep[at - tid + (int)kt[2 * D + tid]] = x * kt[3 * D];
+}
+#endif
