@@ -5,13 +5,15 @@
 // combine: merge the split partials (16 per L2 round trip, no block barrier), one
 // inverse value rotation on the merged accumulator,
 // then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, KPROD, KRVQ,
-// KRABITQ, KFRAC, KCENTER, VROT, VFRAC, VCENTER, PDL (combine launched
+// KRABITQ, KFRAC, KCENTER, KVQ/KVQB, VROT, VFRAC, VCENTER, VVQ/VVQB, PDL (combine launched
 // as a programmatic dependent of decode_pages: it scores the tail while decode_pages runs).
 #define NEG_INF (-__int_as_float(0x7f800000))
 
 // Each format's query preparation (FMT_QUERY): KTW, the floats per KV head of its key transform
-// (default D, rotation signs); query_fmt (QUERY_FMT), which stores the query prepared after
-// the scale and the rotation, or prep_query_fmt (PREP_QUERY_FMT), a preparation of its own.
+// (default D, rotation signs); query_pre_fmt (QUERY_PRE_FMT), a step before the rotation;
+// query_fmt (QUERY_FMT), which stores the query prepared after the scale and the rotation, or
+// prep_query_fmt (PREP_QUERY_FMT), a preparation of its own; and the value format's
+// value_post_fmt (VALUE_POST_FMT), combine's step on the merged accumulator (for the rotation).
 // @formats FMT_QUERY
 #ifndef KTW
 #define KTW D
@@ -21,6 +23,12 @@
 #endif
 #ifndef PREP_QUERY_FMT
 #define PREP_QUERY_FMT 0
+#endif
+#ifndef QUERY_PRE_FMT
+#define QUERY_PRE_FMT 0
+#endif
+#ifndef VALUE_POST_FMT
+#define VALUE_POST_FMT 0
 #endif
 
 #if (KSKETCH || KPROD) && D <= 128
@@ -46,6 +54,9 @@ extern "C" __global__ void PREP_BOUNDS prep_query(const float* __restrict__ q, f
     return;
 #endif
     float x = q[at] * (LOG2E / sqrtf((float)D));
+#if QUERY_PRE_FMT
+    x = query_pre_fmt(x, kt, tid);
+#endif
 #if KROT
     x *= kt[tid];
     x = fwht_block(x, s, tid) * krot_scale;
@@ -197,7 +208,9 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
         if (M != NEG_INF) M += aux * (LOG2E / sqrtf((float)D));
     }
 #endif
-#if VFRAC
+#if VALUE_POST_FMT
+    A = value_post_fmt(A, vsigns, vrot_scale, s, hkv, tid);
+#elif VFRAC
     // turboquant_frac values: the accumulator is in storage order and unit scale — times the
     // base, each channel from its slot, the inverse rotation, then μ by the codes' weight.
     {

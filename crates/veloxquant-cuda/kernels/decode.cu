@@ -8,7 +8,8 @@
 // merged by combine() in attn.cu. STREAMK (FAST only, see below): a persistent grid whose
 // warps each stream an equal run of all rows' pages and write one partial per row they touch.
 // Defines: D, T (= 32), G (<= 8), KK/VK (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 8 kivi with KG/VG
-// its group size: keys grouped per channel over tokens, values per token over channels; KK 5 two
+// its group size: keys grouped per channel over tokens, values per token over channels; 9
+// turboquant_frac; 10 vecinfer with KG/VG its sub-vector size; KK 5 two
 // segments per key row: turboquant_prod's codes then sign bits, turboquant_rvq's stage-1 then
 // stage-2 codes, K_MSE_BYTES the first's bytes, K2B the second's bits, K2SAME when the second
 // segment has the first's bits and table), KB/VB (code bits), KRATIO (rabitq: the key scale
@@ -664,7 +665,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     const Tab16 v2tab_p,
     float* __restrict__ part_acc, float* __restrict__ part_ml,
     const float* __restrict__ q, const float* __restrict__ ksigns, float krot_scale, int batch,
-    int* __restrict__ part_rows) {
+    int* __restrict__ part_rows, const float* __restrict__ vsigns) {
     __shared__ u16 ktab[16], vtab[16];
 #if KK == 5 || KK == 9
     __shared__ u16 k2tab[16];  // the second segment's table (turboquant_frac: the narrow codes')
@@ -693,6 +694,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     u8* const post = tabp;        // after the loop: macc
 #else
     __shared__ __align__(16) u32 big[NWARPS * 8 * D];
+#ifdef DECODE_SETUP_FMT
+    extern __shared__ __align__(16) u8 dsm[];  // the format's staged state (decode_setup_fmt)
+#endif
 #endif
 #if STREAMK
     (void)post;
@@ -880,6 +884,9 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         v2tab[tid] = v2x;
 #endif
     }
+#if !FAST && defined(DECODE_SETUP_FMT)
+    decode_setup_fmt(dsm, ksigns, vsigns, h, tid, NWARPS * 32);  // a format's per-block state
+#endif
     __syncthreads();
 #if FAST
     {

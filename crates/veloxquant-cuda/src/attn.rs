@@ -50,6 +50,18 @@ fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
         && (kf.bits != 4 || vf.bits != 4 || kf.table_f16 == vf.table_f16)
 }
 
+/// vecinfer's codebooks staged in the generic path's dynamic shared memory (decode.cu
+/// `VQSM`: f16, 2^b·d halves per vecinfer stream), or 0 where they would pass 128 KiB (d = 256,
+/// 8-bit keys and values: read from the transforms instead).
+fn vq_shared_bytes(kf: &GpuFormat, vf: &GpuFormat) -> usize {
+    let bytes: usize = [kf, vf].iter().filter(|f| f.kind == KernelKind::Vq).map(|f| (2usize << f.bits) * f.d).sum();
+    if bytes <= 128 << 10 {
+        bytes
+    } else {
+        0
+    }
+}
+
 /// A 1-bit table {c, −c} (f16 bits differ in the sign only): the FAST path's sign-flip
 /// dequantization (decode.cu `K1SYM`) applies.
 fn symmetric_1bit(f: &GpuFormat) -> bool {
@@ -84,6 +96,8 @@ struct Pipe {
     /// Split-K blocks dealt by the step's pages (decode.cu BALANCE; batches ≤ SKMAXB): the
     /// split-K grid's, never the stream grid's.
     balance: bool,
+    /// vecinfer's codebooks staged in shared memory (decode.cu VQSM; generic path).
+    vq_stage: bool,
 }
 
 /// Whether the device runs the Hopper-only parts: the FAST path's bulk copies and mbarrier
@@ -98,10 +112,19 @@ impl Pipe {
     fn new(kf: &GpuFormat, vf: &GpuFormat, cc: (i32, i32), generic: bool, split_k: bool, t: &Tuning) -> Self {
         let fast = fast_path(kf, vf) && hopper(cc) && !generic;
         let stream = fast && t.decode_stream && !split_k;
+        let vq_stage = !fast && vq_shared_bytes(kf, vf) > 0;
         Self {
             fast,
             stages: t.decode_stages,
-            warps: if fast { t.decode_warps } else { NWARPS },
+            // Staged vecinfer codebooks hold a block per SM: 8 warps to hide latency (the
+            // static merge buffer, 32 KiB at d = 128, allows no more).
+            warps: if fast {
+                t.decode_warps
+            } else if vq_stage && kf.d <= 128 {
+                8
+            } else {
+                NWARPS
+            },
             minb: t.decode_minb,
             // The fused prep rotates by Hadamard; a sketch's projection, a second query and
             // rabitq's quantized query stay in prep_query (then launched as decode_pages'
@@ -109,6 +132,7 @@ impl Pipe {
             fuse_q: fast && t.decode_fuse_q && kf.plain_query_prep(),
             stream,
             balance: t.decode_balance,
+            vq_stage,
         }
     }
     /// Whether the kernel deals its split-K blocks by the step's pages (BALANCE).
@@ -125,10 +149,11 @@ impl Pipe {
     /// space needed after the loop (the warps' accumulators).
     /// FAST: the table at the first 64-KiB boundary of the shared window past the static part,
     /// as many rings below it as fit (1 KiB reserved + alignment assumed before the dynamic
-    /// part), the others above; `post` must fit in the table's 64 KiB. Else none.
+    /// part), the others above; `post` must fit in the table's 64 KiB. Else vecinfer's staged
+    /// codebooks, or none.
     fn smem(&self, kf: &GpuFormat, vf: &GpuFormat, static_bytes: usize, post: usize) -> Option<usize> {
         if !self.fast {
-            return Some(0);
+            return Some(if self.vq_stage { vq_shared_bytes(kf, vf) } else { 0 });
         }
         let ring = self.ring(kf, vf);
         let pad_max = (65536 - static_bytes % 65536) % 65536;
@@ -182,6 +207,9 @@ fn decode_defines(
             defs.push((format!("{p}LB"), f.bits2 as i64));
         }
     }
+    if pipe.vq_stage {
+        defs.push(("VQSM".into(), 1));
+    }
     defs.push(("KG".into(), kf.group.max(1) as i64));
     defs.push(("VG".into(), vf.group.max(1) as i64));
     if !pipe.fast && fast_path(kf, vf) {
@@ -225,7 +253,13 @@ pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) 
     // Split-K as well (batches past the stream grid's bound, fewer waves than
     // STREAM_MIN_WAVES, `DecodeGrid::SplitK`), dealt by pages and (batches past SKMAXB) not.
     let split = Pipe::new(kf, vf, cc, false, true, &t);
-    for p in [split, Pipe { balance: false, ..split }] {
+    // And vecinfer's unstaged fallback (devices with less shared memory).
+    let mut pipes = vec![split, Pipe { balance: false, ..split }];
+    if split.vq_stage {
+        let unstaged = Pipe { vq_stage: false, warps: NWARPS, ..split };
+        pipes.extend([unstaged, Pipe { balance: false, ..unstaged }]);
+    }
+    for p in pipes {
         let defs = decode_defines(kf, vf, g, &p, &var, pdl);
         if !m.iter().any(|(_, d)| *d == defs) {
             m.push((Family::Decode, defs));
@@ -235,7 +269,7 @@ pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) 
 }
 
 fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(String, i64)> {
-    [
+    let mut defs: Vec<(String, i64)> = [
         ("D", kf.d as i64),
         ("G", g as i64),
         ("KROT", kf.rotation.is_some() as i64),
@@ -252,7 +286,15 @@ fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(Str
     ]
     .iter()
     .map(|(k, v)| (k.to_string(), *v))
-    .collect()
+    .collect();
+    // vecinfer: its code bits give the transform's size (λ and the codebooks per head).
+    for (p, f) in [('K', kf), ('V', vf)] {
+        if f.kind == KernelKind::Vq {
+            defs.push((format!("{p}VQ"), 1));
+            defs.push((format!("{p}VQB"), f.bits as i64));
+        }
+    }
+    defs
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -411,6 +453,11 @@ fn pick_decode(
     if first.fast {
         candidates.extend([8, 4].iter().filter(|&&w| w < first.warps).map(|&w| Pipe { warps: w, ..first }));
         candidates.push(Pipe { fast: false, stream: false, fuse_q: false, warps: NWARPS, ..first });
+    }
+    if first.vq_stage {
+        // Devices with less shared memory per block (sm_86/89: 99 KiB): the codebooks from
+        // global memory.
+        candidates.push(Pipe { vq_stage: false, warps: NWARPS, ..first });
     }
     for pipe in candidates {
         // The warps' accumulators after the loop (split-K: in dynamic shared memory).
@@ -723,7 +770,8 @@ impl PlanCore {
         let (tab, rows_d, coded_d) = (dptr(&table), self.rows.device_ptr(&s).0, dptr(&coded));
         let (pacc, pml) = (self.part_acc.device_ptr_mut(&s).0, self.part_ml.device_ptr_mut(&s).0);
         let (qd, ksg, prows) = (q.device_ptr(&s).0, ksigns.device_ptr(&s).0, self.part_rows.device_ptr_mut(&s).0);
-        let mut dparams: [*mut c_void; 21] = [
+        let vsg = vsigns.device_ptr(&s).0;
+        let mut dparams: [*mut c_void; 22] = [
             arg(&qprep),
             arg(&kpool),
             arg(&vpool),
@@ -745,6 +793,7 @@ impl PlanCore {
             arg(&cache.k.rot_scale),
             arg(&batch),
             arg(&prows),
+            arg(&vsg),
         ];
         // SAFETY: dparams point at live values in decode_pages' parameter order and types
         // (kernels/decode.cu); the rows name active slots (or −1) whose table rows hold valid
@@ -907,8 +956,16 @@ mod tests {
                 let kf = GpuFormat::new(&FormatSpec::parse(k).unwrap(), d, 32, 1).unwrap();
                 let vf = GpuFormat::new(&FormatSpec::parse(v).unwrap(), d, 32, 2).unwrap();
                 for warps in [4, 8, 12, 16] {
-                    let pipe =
-                        Pipe { fast: true, stages: 2, warps, minb: 0, fuse_q: true, stream: false, balance: true };
+                    let pipe = Pipe {
+                        fast: true,
+                        stages: 2,
+                        warps,
+                        minb: 0,
+                        fuse_q: true,
+                        stream: false,
+                        balance: true,
+                        vq_stage: false,
+                    };
                     let ring = pipe.ring(&kf, &vf);
                     let post = warps * 8 * d * 4;
                     for static_bytes in [2048usize, 4096, 4480, 8064, 16000] {

@@ -104,18 +104,53 @@ impl Case {
     }
 }
 const FORMATS: [&str; 6] = ["fp16", "q8_0", "q4_0", "turboquant_mse:4", "turboquant_mse:3", "turboquant_mse:2"];
-/// Decode rows beyond FORMATS: `K/V` pairs for key-only formats.
-const KV_PAIRS: [&str; 6] = [
+/// Decode rows beyond FORMATS: `K/V` pairs for key-only formats; the calibrated formats
+/// (random calibration vectors: their speed, not their quality).
+const KV_PAIRS: [&str; 8] = [
     "qjl/turboquant_mse:2",
     "turboquant_prod:3/turboquant_mse:2",
     "rabitq/turboquant_mse:2",
     "turboquant_rvq:2:2/turboquant_mse:2",
     "kivi:2",
     "kivi:4",
+    "turboquant_frac:3.5:center:eden/turboquant_frac:2.5:center:eden",
+    "vecinfer:8",
 ];
 /// Encode rows beyond FORMATS.
-const ENCODE_EXTRA: [&str; 7] =
-    ["turboquant_mse:4:eden", "qjl", "qjl:orth", "turboquant_prod:3", "rabitq", "turboquant_rvq:2:2", "kivi:2"];
+const ENCODE_EXTRA: [&str; 9] = [
+    "turboquant_mse:4:eden",
+    "qjl",
+    "qjl:orth",
+    "turboquant_prod:3",
+    "rabitq",
+    "turboquant_rvq:2:2",
+    "kivi:2",
+    "turboquant_frac:3.5:center:eden",
+    "vecinfer:8",
+];
+
+/// Random calibration vectors for both streams (each format instance calibrates on them).
+fn random_calibration(seed: u64) -> Arc<veloxquant::Calibration> {
+    use veloxquant::format::Stream;
+    let mut rng = veloxquant::rng::SplitMix64::new(seed);
+    let mut cal = veloxquant::Calibration::new();
+    cal.insert_for_all(Stream::Keys, rng.gaussian_vec(256 * D));
+    cal.insert_for_all(Stream::Values, rng.gaussian_vec(256 * D));
+    Arc::new(cal)
+}
+
+/// The benchmark's format for `spec` (one head, seed `seed`): calibrated ones with their
+/// state from random calibration vectors.
+fn bench_format(spec: &FormatSpec, t: usize, seed: u64) -> Result<GpuFormat> {
+    use veloxquant::format::{FormatCtx, Stream};
+    if !spec.desc().needs_calibration {
+        return GpuFormat::new(spec, D, t, seed);
+    }
+    let mut ctx = FormatCtx::new(D, t, Stream::Keys, seed);
+    ctx.calibration = random_calibration(seed).get(0, 0, Stream::Keys);
+    let state = spec.build(&ctx)?.export_state();
+    GpuFormat::with_state(spec, D, t, seed, Stream::Keys, Some(&state))
+}
 const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
@@ -334,7 +369,7 @@ fn encode_rows(dev: &Arc<GpuDevice>, read_tbps: f64, copy_tbps: f64) -> Result<V
     let mut rows = Vec::new();
     for f in FORMATS.iter().chain(ENCODE_EXTRA.iter()) {
         let spec = FormatSpec::parse(f)?;
-        let gf = GpuFormat::new(&spec, D, t, 11)?;
+        let gf = bench_format(&spec, t, 11)?;
         let enc = GpuEncoder::new(dev, &gf, InputKind::F16)?;
         let mut pool = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
         let (signs, sc) = gf.transform();
@@ -383,7 +418,7 @@ fn encode_only(f: &str, reps: usize) -> Result<()> {
     fill_normal_f16(&dev, &mut x, n_vec * D, 3)?;
     let pid = s.clone_htod(&(0..jobs as i32).collect::<Vec<_>>()).expect("htod");
     let hid = s.clone_htod(&vec![0i32; jobs]).expect("htod");
-    let gf = GpuFormat::new(&FormatSpec::parse(f)?, D, t, 11)?;
+    let gf = bench_format(&FormatSpec::parse(f)?, t, 11)?;
     let enc = GpuEncoder::new(&dev, &gf, InputKind::F16)?;
     let mut pool = s.alloc_zeros::<u8>(jobs * gf.page_bytes).expect("alloc");
     let (signs, sc) = gf.transform();
@@ -416,6 +451,9 @@ fn decode_rows(
             cpu.encode_rows = true;
             cpu.sink = case.sink;
             cpu.recent = case.recent;
+            if kspec.desc().needs_calibration || vspec.desc().needs_calibration {
+                cpu.calibration = Some(random_calibration(7));
+            }
             let cfg = GpuCacheConfig::from_cpu(&cpu, b, sl, total);
             let kf = GpuFormat::for_stream(&kspec, D, 32, 1, veloxquant::format::Stream::Keys)?;
             let vf = GpuFormat::for_stream(&vspec, D, 32, 1, veloxquant::format::Stream::Values)?;

@@ -39,7 +39,7 @@ const QUERY: &str = include_str!("../kernels/query.cuh");
 /// `// @formats SECTION` line, under `#define SECTION 1`; each file's sections select themselves
 /// by the format's defines (KIND, KK, VK). Adding a format to the GPU: one file here, one
 /// entry in format.rs.
-const FORMATS: [&str; 10] = [
+const FORMATS: [&str; 11] = [
     include_str!("../kernels/formats/fp16.cuh"),
     include_str!("../kernels/formats/q8_0.cuh"),
     include_str!("../kernels/formats/q4_0.cuh"),
@@ -50,6 +50,7 @@ const FORMATS: [&str; 10] = [
     include_str!("../kernels/formats/rabitq.cuh"),
     include_str!("../kernels/formats/kivi.cuh"),
     include_str!("../kernels/formats/turboquant_frac.cuh"),
+    include_str!("../kernels/formats/vecinfer.cuh"),
 ];
 
 /// `part` with the format files spliced in at its `// @formats SECTION` lines.

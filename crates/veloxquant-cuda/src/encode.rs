@@ -4,7 +4,8 @@
 //! one warp per page, one lane per row, all in registers; two lanes per row for the codes);
 //! fp16 and other page sizes use one warp per row (`encode_rows`), qjl and turboquant_prod one
 //! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all), kivi one
-//! warp per page (the same kernel, launched with a warp per page).
+//! warp per page (the same kernel, launched with a warp per page), vecinfer a warp per row
+//! (the nearest centroids by the CPU's f64 distances).
 
 use std::sync::Arc;
 
@@ -71,7 +72,7 @@ pub struct GpuEncoder {
 
 impl GpuEncoder {
     pub fn new(dev: &Arc<GpuDevice>, fmt: &GpuFormat, input: InputKind) -> Result<Self> {
-        if fmt.frac.as_ref().is_some_and(|f| !f.calibrated) {
+        if !fmt.calibrated() {
             return Err(CudaError::Core(veloxquant::VqError::MissingCalibration {
                 format: fmt.spec.to_string(),
                 why: "the GPU encoder needs the calibrated state (GpuFormat::with_state)".into(),

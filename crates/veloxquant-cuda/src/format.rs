@@ -43,6 +43,10 @@ pub enum KernelKind {
     /// bytes), then per token one log-scale byte; the per-head channel map, μ and the scale
     /// base come from the CPU format's calibrated state (KIND = KK = VK = 9).
     Frac = 9,
+    /// vecinfer: per row the b-bit indices (b ∈ {4, 8}) of the nearest centroid of each g-dim
+    /// sub-vector of z = R·(x/λ), no per-token sides; the per-head smoothing λ and codebooks
+    /// come from the CPU format's calibrated state (KIND = KK = VK = 10).
+    Vq = 10,
 }
 
 impl KernelKind {
@@ -103,6 +107,43 @@ pub struct GpuFormat {
     pub bins: Option<Vec<u32>>,
     /// turboquant_frac: the calibrated per-head state (`None` for every other format).
     pub frac: Option<FracState>,
+    /// vecinfer: the calibrated per-head state (`None` for every other format).
+    pub vq: Option<VqState>,
+}
+
+/// vecinfer's per-head state as the kernels take it: the smoothing λ (d) and the codebooks
+/// ((d/g) × 2^b × g, sub-space major), from the CPU format's `export_state`.
+#[derive(Clone, Debug)]
+pub struct VqState {
+    /// False for [`GpuFormat::for_stream`]'s placeholder.
+    pub calibrated: bool,
+    pub lambda: Vec<f32>,
+    pub codebooks: Vec<f32>,
+}
+
+impl VqState {
+    /// `state`: λ then the codebooks (vecinfer.rs `export_state`), checked as the CPU's
+    /// restore checks it (the state may come from a file).
+    fn from_export(spec: &FormatSpec, d: usize, state: &[f32]) -> Result<Self> {
+        let bad = |why: String| CudaError::Core(VqError::InvalidConfig(format!("{spec}: saved state {why}")));
+        let want = d + d * (1usize << spec.bits);
+        if state.len() != want {
+            return Err(bad(format!("has {} floats, expected {want} (λ and codebooks)", state.len())));
+        }
+        if state.iter().any(|v| !v.is_finite()) {
+            return Err(bad("is not finite".into()));
+        }
+        let (lambda, codebooks) = state.split_at(d);
+        if lambda.iter().any(|&l| l <= 0.0) {
+            return Err(bad("has smoothing factors ≤ 0".into()));
+        }
+        Ok(Self { calibrated: true, lambda: lambda.to_vec(), codebooks: codebooks.to_vec() })
+    }
+
+    /// A placeholder (λ = 1, zero codebooks): for layouts and kernel configurations only.
+    fn layout_only(spec: &FormatSpec, d: usize) -> Self {
+        Self { calibrated: false, lambda: vec![1.0; d], codebooks: vec![0.0; d << spec.bits] }
+    }
 }
 
 /// turboquant_frac's per-head state as the kernels take it: the storage slot of each rotated
@@ -227,6 +268,7 @@ impl GpuFormat {
         let unsupported = |why| CudaError::UnsupportedFormat { format: spec.to_string(), why };
         // turboquant_frac: (state, wide codebook, narrow codebook).
         let mut frac: Option<(FracState, ScaledCodebook, ScaledCodebook)> = None;
+        let mut vq: Option<VqState> = None;
         if !matches!(d, 64 | 128 | 256) {
             return Err(unsupported("head size must be 64, 128 or 256 on the GPU"));
         }
@@ -300,6 +342,18 @@ impl GpuFormat {
                 frac = Some((fs, hi, lo));
                 (KernelKind::Frac, row_kind, true)
             }
+            "vecinfer" => {
+                // Sub-vectors of g ≤ d/8 dims: whole ones in each decode thread's dims.
+                let g = spec.group as usize;
+                if !d.is_multiple_of(g) || g > d / 8 {
+                    return Err(unsupported("vecinfer on the GPU needs g dividing d, g ≤ d/8"));
+                }
+                vq = Some(match state {
+                    Some(st) => VqState::from_export(spec, d, st)?,
+                    None => VqState::layout_only(spec, d),
+                });
+                (KernelKind::Vq, RowKind::Codes { bits: spec.bits, table: [0.0; 16] }, true)
+            }
             _ => return Err(unsupported("no CUDA kernel for this format yet")),
         };
         let mut layout = RowLayout::new(row_kind, d, t);
@@ -327,6 +381,11 @@ impl GpuFormat {
                 (0, layout.row_bytes, (t * layout.row_bytes + 4 * t * d / spec.group as usize).div_ceil(4) * 4)
             }
             KernelKind::Frac => (layout.kind.lo_offset(), layout.row_bytes, layout.page_bytes()),
+            // vecinfer: d/g codes per row (vecinfer.rs), nothing per token.
+            KernelKind::Vq => {
+                let rb = pack::packed_bytes(d / spec.group as usize, spec.bits);
+                (0, rb, t * rb)
+            }
             _ => (0, layout.row_bytes, layout.page_bytes()),
         };
         let hadamard = |seed| match Rotation::new(d, seed)? {
@@ -394,8 +453,11 @@ impl GpuFormat {
             RowKind::Codes { table, .. } if kind == KernelKind::Kivi => f16_table(table),
             _ => table_f16,
         };
-        let (group, per_channel) =
-            if kind == KernelKind::Kivi { (spec.group as usize, stream == Stream::Keys) } else { (0, false) };
+        let (group, per_channel) = match kind {
+            KernelKind::Kivi => (spec.group as usize, stream == Stream::Keys),
+            KernelKind::Vq => (spec.group as usize, false),
+            _ => (0, false),
+        };
         Ok(Self {
             spec: spec.clone(),
             kind,
@@ -418,6 +480,7 @@ impl GpuFormat {
             group,
             per_channel,
             frac: frac.map(|(fs, ..)| fs),
+            vq,
         })
     }
 
@@ -426,7 +489,12 @@ impl GpuFormat {
     /// table ([`bin_table`]).
     pub fn page_codec(&self) -> bool {
         match self.kind {
-            KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod | KernelKind::Kivi | KernelKind::Frac => false,
+            KernelKind::F16
+            | KernelKind::Sketch
+            | KernelKind::Prod
+            | KernelKind::Kivi
+            | KernelKind::Frac
+            | KernelKind::Vq => false,
             KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Rabitq | KernelKind::Rvq => true,
             KernelKind::Codes => self.bins.is_some(),
         }
@@ -476,8 +544,9 @@ impl GpuFormat {
         } else {
             0
         };
-        // turboquant_frac: the slots, μ and the base beside the signs (transform_words).
-        let fr = if self.frac.is_some() { (self.transform_words() - self.d) * 4 } else { 0 };
+        // turboquant_frac: the slots, μ and the base beside the signs; vecinfer: λ and the
+        // codebooks (transform_words).
+        let fr = if self.frac.is_some() || self.vq.is_some() { (self.transform_words() - self.d) * 4 } else { 0 };
         rot + rot2 + sk + cb + fr
     }
 
@@ -491,8 +560,11 @@ impl GpuFormat {
     /// turboquant_prod: the signs, then Sᵀ, with the rotation's scale (the sketch's is a
     /// constant of d the kernels compute). turboquant_rvq: both rotations' signs.
     /// turboquant_frac: the signs, μ, each rotated channel's storage slot (as f32), then the
-    /// scale base and three zeros (16-byte rows).
+    /// scale base and three zeros (16-byte rows). vecinfer: the signs, λ, the codebooks.
     pub fn transform(&self) -> (Vec<f32>, f32) {
+        if let (Some((r, sc)), Some(vq)) = (&self.rotation, &self.vq) {
+            return ([&r[..], &vq.lambda[..], &vq.codebooks[..]].concat(), *sc);
+        }
         if let (Some((r, sc)), Some(fs)) = (&self.rotation, &self.frac) {
             let slots = fs.slot_of.iter().map(|&s| s as f32);
             let tail = [fs.base, 0.0, 0.0, 0.0];
@@ -509,7 +581,8 @@ impl GpuFormat {
     }
 
     /// Floats per head of [`Self::transform`]: d, d·d for qjl's sketch, d + d·d for
-    /// turboquant_prod, 2d for turboquant_rvq, 3d + 4 for turboquant_frac (kernels: `TW`).
+    /// turboquant_prod, 2d for turboquant_rvq, 3d + 4 for turboquant_frac, (2 + 2^b)·d for
+    /// vecinfer (kernels: `TW`).
     pub fn transform_words(&self) -> usize {
         if self.rotation2.is_some() {
             return 2 * self.d;
@@ -517,11 +590,20 @@ impl GpuFormat {
         if self.frac.is_some() {
             return 3 * self.d + 4;
         }
+        if self.vq.is_some() {
+            return (2 + (1 << self.bits)) * self.d;
+        }
         match (&self.rotation, &self.sketch) {
             (Some(_), Some(_)) => self.d + self.d * self.d,
             (None, Some(_)) => self.d * self.d,
             _ => self.d,
         }
+    }
+
+    /// Whether this instance holds the data a calibrated format codes with (formats without
+    /// calibration always do; [`Self::for_stream`] gives calibrated formats a placeholder).
+    pub fn calibrated(&self) -> bool {
+        self.frac.as_ref().is_none_or(|f| f.calibrated) && self.vq.as_ref().is_none_or(|v| v.calibrated)
     }
 
     /// Whether decode needs the second prepared query (turboquant_prod, turboquant_rvq).

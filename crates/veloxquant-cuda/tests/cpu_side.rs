@@ -54,6 +54,71 @@ fn gpu_layouts_match_cpu_page_sizes() {
     assert!(GpuFormat::new(&FormatSpec::parse("fp16").unwrap(), 96, 32, 1).is_err());
 }
 
+/// vecinfer on the GPU: the CPU's page size and state size, its state in the transform (signs,
+/// λ, codebooks), and a page read the kernels' way (code s at bit s·b, centroid (s, c) at
+/// transform word 2d + (s·2^b + c)·g + j, then Rᵀ and λ) equal to the CPU's decode_page.
+/// Saved states of the wrong length, not finite or with λ ≤ 0 are refused, typed.
+#[test]
+fn vecinfer_state_and_layout_match_the_cpu() {
+    use veloxquant::rng::SplitMix64;
+    use veloxquant::rotate::Rotation;
+    for name in ["vecinfer:8", "vecinfer:4:g2", "vecinfer:8:g8", "vecinfer:4"] {
+        let spec = FormatSpec::parse(name).unwrap();
+        for d in [64usize, 128, 256] {
+            let seed = 40 + d as u64;
+            let mut rng = SplitMix64::new(seed);
+            let mut ctx = FormatCtx::new(d, 32, Stream::Keys, seed);
+            ctx.calibration = Some(
+                (0..300 * d).map(|i| rng.next_gaussian() as f32 * (1 + i % 3) as f32).collect::<Vec<f32>>().into(),
+            );
+            let cpu = spec.build(&ctx).unwrap();
+            let state = cpu.export_state();
+            let g = GpuFormat::with_state(&spec, d, 32, seed, Stream::Keys, Some(&state)).unwrap();
+            assert!(g.calibrated() && !GpuFormat::new(&spec, d, 32, seed).unwrap().calibrated());
+            assert_eq!(g.page_bytes, cpu.page_bytes(), "{name} d={d}");
+            assert_eq!(g.state_bytes(), cpu.state_bytes(), "{name} d={d}");
+            let (tr, scale) = g.transform();
+            assert_eq!(tr.len(), g.transform_words());
+            let x: Vec<f32> = (0..32 * d).map(|_| rng.next_gaussian() as f32).collect();
+            let mut page = vec![0u8; cpu.page_bytes()];
+            cpu.encode_page(&x, &mut page).unwrap();
+            let mut want = vec![0f32; 32 * d];
+            cpu.decode_page(&page, &mut want);
+            let (gs, k, b) = (spec.group as usize, 1usize << spec.bits, spec.bits as usize);
+            let Rotation::Hadamard { signs, .. } = Rotation::new(d, seed).unwrap() else { panic!("d = {d}") };
+            assert_eq!(&tr[..d], &signs[..], "{name} d={d}: signs first");
+            for (t, w) in want.chunks_exact(d).enumerate() {
+                let row = &page[t * g.row_bytes..(t + 1) * g.row_bytes];
+                let mut z: Vec<f32> = (0..d)
+                    .map(|dim| {
+                        let (s, j) = (dim / gs, dim % gs);
+                        let c = ((row[s * b / 8] >> ((s * b) % 8)) as usize) & (k - 1);
+                        tr[2 * d + (s * k + c) * gs + j]
+                    })
+                    .collect();
+                veloxquant::rotate::fwht(&mut z);
+                for (i, v) in z.iter_mut().enumerate() {
+                    *v *= tr[i] * scale * tr[d + i];
+                }
+                for (a, e) in z.iter().zip(w) {
+                    assert!((a - e).abs() <= 1e-5 * (1.0 + e.abs()), "{name} d={d} token {t}: {a} vs {e}");
+                }
+            }
+            // Saved states the CPU's restore refuses, refused here too (typed, no panic).
+            let mut bads = vec![state[..state.len() - 1].to_vec()];
+            for (i, v) in [(0, 0.0f32), (1, f32::NAN), (d + 3, f32::INFINITY), (2, -1.0)] {
+                let mut st = state.clone();
+                st[i] = v;
+                bads.push(st);
+            }
+            for st in bads {
+                let err = GpuFormat::with_state(&spec, d, 32, seed, Stream::Keys, Some(&st)).unwrap_err();
+                assert!(matches!(err, veloxquant_cuda::CudaError::Core(_)), "{name} d={d}: {err}");
+            }
+        }
+    }
+}
+
 #[test]
 fn missing_cuda_is_an_error_not_a_panic() {
     // Either outcome is fine; what matters is that neither call panics.
@@ -229,6 +294,10 @@ fn every_kernel_configuration_compiles() {
         "turboquant_frac:2.5:center",
         "turboquant_frac:3",
         "turboquant_frac:2.25:eden",
+        // 26-28: vecinfer (placeholder state, as turboquant_frac).
+        "vecinfer:8",
+        "vecinfer:4:g2",
+        "vecinfer:8:g8",
     ];
     // Every distinct module first, then compiled on all cores (one at a time took ~30 min).
     // (module key, family, defines, target)
@@ -277,6 +346,9 @@ fn every_kernel_configuration_compiles() {
             // turboquant_frac: keys 3.5 / values 2.5 (the README's method), whole and byte-row
             // widths with themselves, beside turboquant_mse:3 either way (~1.4 s a module).
             pairs.extend([(22, 23), (24, 24), (25, 25), (22, 7), (7, 23)]);
+            // vecinfer: 2 and 1 bits/value with themselves, 4-bit codes of pairs beside
+            // turboquant_mse:3 either way.
+            pairs.extend([(26, 26), (28, 28), (27, 7), (7, 27)]);
             // d = 256 takes the generic path for every pair: the same pairs and one per key kind.
             let mixed: &[(usize, usize)] = if d == 256 { &[(11, 6), (13, 7), (16, 1), (18, 6)] } else { &[] };
             pairs.extend(mixed);
@@ -315,7 +387,11 @@ fn every_kernel_configuration_compiles() {
                 ][..]
             });
             for (ki, vi) in pairs {
-                for g in [1, 2, 3, 4, 8] {
+                // The calibrated formats take the generic path alone, whose G-dependent code
+                // is the query operand's (QPACK: G = 1, G ∈ {2, 4}, else): one G of each (each
+                // of their modules compiles in ~1.4 s).
+                let gs: &[usize] = if ki >= 22 || vi >= 22 { &[1, 4, 8] } else { &[1, 2, 3, 4, 8] };
+                for &g in gs {
                     for (fam, defs) in veloxquant_cuda::attn::decode_modules(&fmts[ki], &fmts[vi], g, cc) {
                         compile(fam, defs);
                     }
@@ -441,6 +517,7 @@ fn format_kernel_files_match_the_host() {
         "rabitq",
         "kivi:2:g16",
         "turboquant_frac:2.5:center",
+        "vecinfer:8:g8",
     ] {
         for (d, t) in [(64, 32), (256, 32), (64, 16)] {
             let f = GpuFormat::new(&FormatSpec::parse(spec).unwrap(), d, t, 5).unwrap();
@@ -457,7 +534,7 @@ fn format_kernel_files_match_the_host() {
             assert_eq!(has("encode_pages_tpr2"), tpr && f.kind == KernelKind::Codes, "{spec} d={d} T={t}: {got:?}");
         }
     }
-    assert_eq!(kinds.len(), 10, "one spec per kernel kind");
+    assert_eq!(kinds.len(), 11, "one spec per kernel kind");
     // rabitq's prefill query kernel, in its prefill modules alone (prefill.rs asks for it there).
     for spec in ["rabitq", "q8_0", "turboquant_mse:4"] {
         let spec = FormatSpec::parse(spec).unwrap();

@@ -358,6 +358,60 @@ fn frac_encode_bit_identical_to_cpu() {
     assert_eq!(checked, 18);
 }
 
+/// vecinfer (calibrated: λ and k-means codebooks from the CPU format's state) encodes
+/// bit-identically to the CPU: the nearest centroid by the CPU's f64 distances (first index on
+/// ties), 4- and 8-bit indices of 2-, 4- and 8-dim sub-vectors, f32 and f16 input, d ∈ {64,
+/// 128, 256}; rows far outside the calibration (zeros, tiny, huge, ties) included.
+#[test]
+fn vecinfer_encode_bit_identical_to_cpu() {
+    let Some(dev) = device() else { return };
+    let t = 32;
+    let mut checked = 0;
+    for spec in ["vecinfer:8", "vecinfer:4:g2", "vecinfer:8:g8", "vecinfer:4", "vecinfer:8:g2"]
+        .map(|s| FormatSpec::parse(s).unwrap())
+    {
+        for d in [64usize, 128, 256] {
+            let seed = 0x7e0 + d as u64;
+            let mut rng = SplitMix64::new(seed);
+            let mut ctx = FormatCtx::new(d, t, Stream::Values, seed);
+            // Channels of unequal scales (λ ≠ 1).
+            ctx.calibration = Some(
+                (0..300 * d).map(|i| rng.next_gaussian() as f32 * (1 + i % 7) as f32).collect::<Vec<f32>>().into(),
+            );
+            let cpu = spec.build(&ctx).unwrap();
+            let state = cpu.export_state();
+            let gf = GpuFormat::with_state(&spec, d, t, seed, Stream::Values, Some(&state)).unwrap();
+            assert_eq!(gf.page_bytes, cpu.page_bytes(), "{spec} d={d}");
+            let n_pages = 8;
+            let x = awkward_rows(&mut rng, n_pages * t, d);
+            let pb = cpu.page_bytes();
+            let mut want = vec![0u8; n_pages * pb];
+            let mut check = |x: &[f32], got: &[u8], what: &str| {
+                for p in 0..n_pages {
+                    cpu.encode_page(&x[p * t * d..(p + 1) * t * d], &mut want[p * pb..(p + 1) * pb]).unwrap();
+                }
+                let bad = (0..n_pages).find(|&p| got[p * pb..(p + 1) * pb] != want[p * pb..(p + 1) * pb]);
+                assert!(bad.is_none(), "{spec} d={d} {what}: page {bad:?} differs");
+            };
+            let got = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap().encode_pages_f32(&x).unwrap();
+            check(&x, &got, "f32");
+            let x16: Vec<u16> = x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            let xr: Vec<f32> = x16.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+            let got = GpuEncoder::new(&dev, &gf, InputKind::F16).unwrap().encode_pages_f16(&x16).unwrap();
+            check(&xr, &got, "f16");
+            checked += 1;
+        }
+    }
+    // The placeholder state (no calibration) codes nothing: refused, typed.
+    let ph = GpuFormat::new(&FormatSpec::parse("vecinfer:8").unwrap(), 128, t, 1).unwrap();
+    assert!(matches!(
+        GpuEncoder::new(&dev, &ph, InputKind::F32),
+        Err(veloxquant_cuda::CudaError::Core(veloxquant::VqError::MissingCalibration { .. }))
+    ));
+    eprintln!("vecinfer encode: {checked} (format, d) cases × 8 pages bit-identical (f32 and f16 input)");
+    assert_eq!(checked, 15);
+}
+
 struct Case {
     k: &'static str,
     v: &'static str,
@@ -649,6 +703,31 @@ fn decode_frac_matches_cpu_reference() {
     }
     .run(&dev);
     eprintln!("turboquant_frac decode: {n} cases, worst rel err {worst:.2e}");
+}
+
+/// vecinfer (calibrated) as keys and values, beside itself and other formats: the cache's
+/// pages bit-identical to the CPU's (row appends), decode within 2e-3 of the CPU reference —
+/// keys scored against R·(q ⊙ λ), values accumulated in the z domain and mapped back by Rᵀ
+/// and λ in combine; 8- and 4-bit indices, sub-vectors of 2, 4 and 8 dims, d ∈ {64, 128, 256}.
+#[test]
+fn decode_vecinfer_matches_cpu_reference() {
+    let Some(dev) = device() else { return };
+    let (n, worst) = Sweep {
+        pairs: &[
+            ("vecinfer:8", "vecinfer:8"),
+            ("vecinfer:4:g2", "turboquant_mse:3"),
+            ("turboquant_mse:4", "vecinfer:8:g8"),
+            ("vecinfer:8:g8", "fp16"),
+        ],
+        ds: &[64, 128, 256],
+        gqas: &[1, 4],
+        windows: &[(8, 4, false), (32, 0, true)],
+        lens: |gqa| if gqa % 2 == 0 { &[17, 97, 300] } else { &[33, 64, 1] },
+        skip: |_, _| false,
+        verbose: true,
+    }
+    .run(&dev);
+    eprintln!("vecinfer decode: {n} cases, worst rel err {worst:.2e}");
 }
 
 /// The block formats (q4_0's 18-byte and q8_0's 34-byte blocks) as keys and values beside each
@@ -960,6 +1039,8 @@ fn sanitizer_cases_match_cpu() {
         ("kivi:2", "kivi:4", 128, 4, true, false),
         ("turboquant_prod:3", "turboquant_mse:3", 64, 3, false, false),
         ("rabitq", "turboquant_mse:2", 128, 2, false, false),
+        ("turboquant_frac:3.5:center:eden", "turboquant_frac:2.5:center", 64, 2, false, false),
+        ("vecinfer:8", "vecinfer:4:g2", 128, 4, false, false),
     ] {
         let c = Case { k, v, d, gqa, recent: 8, sink: 4, page_mode, lens: &[300, 33, 1] };
         let opts = attn::DecodeOptions { generic, ..Default::default() };

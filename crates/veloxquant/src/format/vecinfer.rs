@@ -27,7 +27,7 @@
 use std::sync::Arc;
 
 use super::sketch::code_bytes;
-use super::{check_finite, check_len, Format, FormatCtx, FormatDesc, FormatSpec, QueryState};
+use super::{check_finite, check_len, check_row_input, Format, FormatCtx, FormatDesc, FormatSpec, QueryState};
 use crate::error::{Result, VqError};
 use crate::kmeans::{kmeans, nearest};
 use crate::pack;
@@ -175,6 +175,19 @@ impl VecInfer {
         &self.codebooks[o..o + self.g]
     }
 
+    /// Row `i` of `page`: the nearest centroid's index per sub-vector of z = R·(x/λ).
+    fn encode_one(&self, x: &[f32], page: &mut [u8], i: usize) {
+        let z = self.forward(x);
+        let codes: Vec<u8> = (0..self.d / self.g)
+            .map(|s| {
+                let cb = &self.codebooks[s * self.k * self.g..(s + 1) * self.k * self.g];
+                nearest(cb, self.g, &z[s * self.g..(s + 1) * self.g]).0 as u8
+            })
+            .collect();
+        let rb = self.row_bytes;
+        pack::pack(&codes, self.spec.bits, &mut page[i * rb..(i + 1) * rb]).expect("row sized by the layout");
+    }
+
     #[inline]
     fn code(&self, page: &[u8], t: usize, s: usize) -> usize {
         pack::get(&page[t * self.row_bytes..], s, self.spec.bits) as usize
@@ -206,18 +219,26 @@ impl Format for VecInfer {
         check_len("encode_page input", d * t, x.len())?;
         check_len("encode_page output", self.page_bytes(), page.len())?;
         check_finite("encode_page input", x, d)?;
-        let n_sub = d / self.g;
-        let mut codes = vec![0u8; n_sub];
         for (i, row) in x.chunks_exact(d).enumerate() {
-            let z = self.forward(row);
-            for (s, c) in codes.iter_mut().enumerate() {
-                let cb = &self.codebooks[s * self.k * self.g..(s + 1) * self.k * self.g];
-                *c = nearest(cb, self.g, &z[s * self.g..(s + 1) * self.g]).0 as u8;
-            }
-            let rb = self.row_bytes;
-            pack::pack(&codes, self.spec.bits, &mut page[i * rb..(i + 1) * rb]).expect("row sized by the layout");
+            self.encode_one(row, page, i);
         }
         Ok(())
+    }
+
+    /// Tokens are coded independently: the cache fills pages a token at a time (row mode).
+    fn row_granular(&self) -> bool {
+        true
+    }
+
+    fn encode_row(&self, x: &[f32], page: &mut [u8], row: usize) -> Result<()> {
+        check_row_input(self, x, page, row)?;
+        self.encode_one(x, page, row);
+        Ok(())
+    }
+
+    fn clear_rows_from(&self, page: &mut [u8], from: usize) {
+        let at = (from * self.row_bytes).min(page.len());
+        page[at..].fill(0);
     }
 
     fn decode_page(&self, page: &[u8], out: &mut [f32]) {

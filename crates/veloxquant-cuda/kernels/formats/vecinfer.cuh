@@ -1,0 +1,198 @@
+// vecinfer (vecinfer.rs): per row the BITS-bit index (BITS ∈ {4, 8}, LSB first) of the nearest
+// of the 2^BITS centroids of each GRP-dim sub-vector of z = R·(x/λ); nothing per token. Per
+// head (the transform, TW = (2 + 2^BITS)·D floats): the rotation's signs, λ, the codebooks
+// ((D/GRP) × 2^BITS × GRP, sub-space major). Decode dequantizes a sub-vector to its
+// centroid's values (f16 for the mma) and accumulates values in the z domain; combine applies
+// Rᵀ and λ once per head.
+#if FMT_ROW && KIND == 10
+#define VQ_K (1 << BITS)
+#define VQ_NS (D / GRP)
+#define TW ((2 + VQ_K) * D)
+#define ROW_PRE 1
+#define ROW_POST 1
+// x/λ before the rotation (vecinfer.rs forward).
+__device__ __forceinline__ void row_pre_fmt(float* v, const float* __restrict__ sg, int lane) {
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = v[k] / sg[D + lane + 32 * k];
+}
+// × λ after the inverse rotation (kv_dense; vecinfer.rs backward).
+__device__ __forceinline__ void row_post_fmt(float* v, const float* __restrict__ sg, int lane) {
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = v[k] * sg[D + lane + 32 * k];
+}
+
+// Sub-vector s's code in a row.
+__device__ __forceinline__ u32 vq_code(const u8* row, int s) {
+    return BITS == 8 ? (u32)row[s] : ((u32)row[s >> 1] >> ((s & 1) * 4)) & 15u;
+}
+
+// kmeans.rs nearest for every sub-vector of the rotated row, operation for operation: the
+// squared distance Σ_j ((c_j − z_j) as f64)² summed in order in f64, the first centroid of the
+// least distance (none below +inf: code 0). Lanes take centroids c ≡ lane (mod 32) in order;
+// the warp's minimum breaks ties to the lower index. The codes meet in shared memory, then
+// lane w assembles row word w.
+__device__ __forceinline__ void encode_row_fmt(float* v, u8* page, int t, const float* __restrict__ sg,
+                                               float rot_scale, const float* __restrict__ thresholds,
+                                               const float* __restrict__ centroids, int lane) {
+    __shared__ float vq_z[32][D];       // per warp of the block (≤ 32 warps)
+    __shared__ u8 vq_codes[32][VQ_NS];
+    float* const z = vq_z[threadIdx.x >> 5];
+    u8* const codes = vq_codes[threadIdx.x >> 5];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) z[lane + 32 * k] = v[k];
+    __syncwarp();
+    const float* const cb = sg + 2 * D;
+    for (int s = 0; s < VQ_NS; s++) {
+        float zs[GRP];
+#pragma unroll
+        for (int j = 0; j < GRP; j++) zs[j] = z[s * GRP + j];
+        double best = __longlong_as_double(0x7ff0000000000000LL);  // +inf
+        int bi = VQ_K;
+        for (int c = lane; c < VQ_K; c += 32) {
+            const float* const cen = cb + ((size_t)s * VQ_K + c) * GRP;
+            double e = 0.0;
+#pragma unroll
+            for (int j = 0; j < GRP; j++) {
+                const double dd = (double)(cen[j] - zs[j]);
+                e = e + dd * dd;
+            }
+            if (e < best) {
+                best = e;
+                bi = c;
+            }
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+            const double ob = __shfl_xor_sync(FULL_MASK, best, off);
+            const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+            if (ob < best || (ob == best && oi < bi)) {
+                best = ob;
+                bi = oi;
+            }
+        }
+        if (lane == 0) codes[s] = (u8)(bi == VQ_K ? 0 : bi);
+    }
+    __syncwarp();
+    u32* const row = (u32*)(page + t * ROW_BYTES);
+    constexpr int PER_WORD = 32 / BITS;
+    for (int w = lane; w < ROW_BYTES / 4; w += 32) {
+        u32 word = 0;
+#pragma unroll
+        for (int i = 0; i < PER_WORD; i++) {
+            const int s = w * PER_WORD + i;
+            if (s < VQ_NS) word |= (u32)codes[s] << (i * BITS);
+        }
+        row[w] = word;
+    }
+    __syncwarp();  // z and the codes are free for the warp's next row
+}
+
+// Row t's centroids (the z domain; lane l: dims l, l + 32, …).
+__device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const float* __restrict__ sg, float rot_scale,
+                                               const float* __restrict__ cen, int lane, float* v) {
+    const u8* const row = page + t * ROW_BYTES;
+#pragma unroll
+    for (int k = 0; k < EPL; k++) {
+        const int dim = lane + 32 * k, s = dim / GRP;
+        v[k] = sg[2 * D + ((size_t)s * VQ_K + vq_code(row, s)) * GRP + dim % GRP];
+    }
+}
+#endif
+
+#if FMT_DECODE && (KK == 10 || VK == 10)
+#ifndef VQSM
+#define VQSM 0
+#endif
+#define VQ_TW(b) ((2 + (1 << (b))) * D)
+#if VQSM
+// VQSM: the block's codebooks staged once in dynamic shared memory as f16 (keys' then values',
+// 2^B·D halves each; the host sizes it, ≤ 128 KiB): a sub-vector's centroid is one 4-, 8- or
+// 16-byte load, already the mma's f16 pairs.
+#define KVQ_HALVES (KK == 10 ? (1 << KB) * D : 0)
+#define VVQ_HALVES (VK == 10 ? (1 << VB) * D : 0)
+#define DECODE_SETUP_FMT 1
+__device__ __forceinline__ void stage_codebook(u16* dst, const float* __restrict__ src, int n, int tid, int nthr) {
+    for (int i = 4 * tid; i < n; i += 4 * nthr) {
+        const float4 x = __ldg((const float4*)(src + i));  // 16-byte aligned: TW and 2D are multiples of 4
+        *(vec2u*)(dst + i) = vec2u{pack_h2(x.x, x.y), pack_h2(x.z, x.w)};
+    }
+}
+__device__ __forceinline__ void decode_setup_fmt(u8* smem, const float* __restrict__ ksigns,
+                                                 const float* __restrict__ vsigns, int h, int tid, int nthr) {
+#if KK == 10
+    stage_codebook((u16*)smem, ksigns + (size_t)h * VQ_TW(KB) + 2 * D, KVQ_HALVES, tid, nthr);
+#endif
+#if VK == 10
+    stage_codebook((u16*)smem + KVQ_HALVES, vsigns + (size_t)h * VQ_TW(VB) + 2 * D, VVQ_HALVES, tid, nthr);
+#endif
+}
+// Dims [first, first + N) of a row of B-bit indices of GS-dim sub-vectors (first and N whole
+// sub-vectors) as N/2 f16x2: their centroids' values from the staged codebook cb.
+template <int B, int GS, int N>
+__device__ __forceinline__ void vq_to_h2(const u8* row, int first, const u16* cb, u32* out) {
+#pragma unroll
+    for (int i = 0; i < N / GS; i++) {
+        const int s = first / GS + i;
+        const u32 c = B == 8 ? (u32)row[s] : ((u32)row[s >> 1] >> ((s & 1) * 4)) & 15u;
+        const u16* const cen = cb + ((size_t)s * (1 << B) + c) * GS;
+        if (GS == 2) {
+            out[i] = *(const u32*)cen;
+        } else if (GS == 4) {
+            const vec2u v = *(const vec2u*)cen;
+            out[2 * i] = v.x;
+            out[2 * i + 1] = v.y;
+        } else {
+            const vec4u v = *(const vec4u*)cen;
+            out[4 * i] = v.x; out[4 * i + 1] = v.y; out[4 * i + 2] = v.z; out[4 * i + 3] = v.w;
+        }
+    }
+}
+#define VQ_KCB ((const u16*)dsm)
+#define VQ_VCB ((const u16*)dsm + KVQ_HALVES)
+#else
+// Codebooks too large to stage (d = 256, 8-bit keys and values): read as f32 from the
+// transforms (through L1), converted per use.
+template <int B, int GS, int N>
+__device__ __forceinline__ void vq_to_h2(const u8* row, int first, const float* __restrict__ cb, u32* out) {
+#pragma unroll
+    for (int i = 0; i < N / GS; i++) {
+        const int s = first / GS + i;
+        const u32 c = B == 8 ? (u32)row[s] : ((u32)row[s >> 1] >> ((s & 1) * 4)) & 15u;
+        // 8-byte aligned: transform rows of (2 + 2^B)·D floats, sub-vectors of an even GS.
+        const float2* const cen = (const float2*)(cb + ((size_t)s * (1 << B) + c) * GS);
+#pragma unroll
+        for (int j = 0; j < GS / 2; j++) {
+            const float2 p = __ldg(cen + j);
+            out[(i * GS) / 2 + j] = pack_h2(p.x, p.y);
+        }
+    }
+}
+// The codebooks of the block's KV head h (decode_pages' transforms; the generic path only).
+#define VQ_KCB (ksigns + (size_t)h * VQ_TW(KB) + 2 * D)
+#define VQ_VCB (vsigns + (size_t)h * VQ_TW(VB) + 2 * D)
+#endif
+#endif
+#if FMT_DECODE && KK == 10
+#define K_ROW(kp, row, t, tab, out) vq_to_h2<KB, KG, QD>((kp) + (row) * K_ROW_BYTES, (t) * QD, VQ_KCB, out)
+#endif
+#if FMT_DECODE && VK == 10
+#define V_ROW(vp, row, g, tab, out) vq_to_h2<VB, VG, VC>((vp) + (row) * V_ROW_BYTES, (g) * VC, VQ_VCB, out)
+#endif
+
+#if FMT_QUERY && KVQ
+#define KTW ((2 + (1 << KVQB)) * D)
+#define QUERY_PRE_FMT 1
+// q ⊙ λ before the rotation (vecinfer.rs prepare_query: q' = R·(q ⊙ λ)).
+__device__ __forceinline__ float query_pre_fmt(float x, const float* __restrict__ kt, int tid) {
+    return x * kt[D + tid];
+}
+#endif
+#if FMT_QUERY && VVQ
+#define VALUE_POST_FMT 1
+// The merged accumulator is in the z domain: Rᵀ, then λ (vecinfer.rs finish).
+__device__ __forceinline__ float value_post_fmt(float a, const float* __restrict__ vsigns, float vrot_scale, float* s,
+                                                int hkv, int tid) {
+    const float* const vt = vsigns + (size_t)hkv * ((2 + (1 << VVQB)) * D);
+    return fwht_block(a, s, tid) * (vt[tid] * vrot_scale) * vt[D + tid];
+}
+#endif
