@@ -155,7 +155,8 @@ __device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
 // thread (first is a multiple of N) and is read with the widest aligned vector loads.
 // INTS (2- and 4-bit codes whose table is the integers 0, 1, …: kivi): the same f16 values
 // by the 1024-magic in registers, no table lookups.
-template <int BITS, int N, int ROWW, bool INTS = false>
+// MAXV: the widest vector load (words) the row's start allows beyond ROWW's own alignment.
+template <int BITS, int N, int ROWW, bool INTS = false, int MAXV = 4>
 __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16* tab, u32* out) {
     static_assert(!INTS || BITS == 2 || BITS == 4, "integer codes by the magic: 2 or 4 bits");
     const bool ALIGNED = (N * BITS) % 32 == 0;
@@ -163,13 +164,13 @@ __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16
     u32 sw[NW + 1];
     if (ALIGNED) {
         const u32* src = row + (first * BITS) / 32;
-        if (NW % 4 == 0 && ROWW % 4 == 0) {
+        if (NW % 4 == 0 && ROWW % 4 == 0 && MAXV >= 4) {
 #pragma unroll
             for (int i = 0; i < NW / 4; i++) {
                 vec4u v = ((const vec4u*)src)[i];
                 sw[4 * i] = v.x; sw[4 * i + 1] = v.y; sw[4 * i + 2] = v.z; sw[4 * i + 3] = v.w;
             }
-        } else if (NW % 2 == 0 && ROWW % 2 == 0) {
+        } else if (NW % 2 == 0 && ROWW % 2 == 0 && MAXV >= 2) {
 #pragma unroll
             for (int i = 0; i < NW / 2; i++) {
                 vec2u v = ((const vec2u*)src)[i];

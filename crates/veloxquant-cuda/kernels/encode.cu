@@ -8,7 +8,8 @@
 //   turboquant_rvq; codes when encode_pages_tpr2 is off).
 // - encode_pages_tpr2: two lanes per row (turboquant_mse codes; formats/turboquant_mse.cuh).
 // Defines: D, T, KIND (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 4 qjl signs, 5 turboquant_prod, 6 rabitq, 7
-// turboquant_rvq, 8 kivi: 4-8 encode_rows only), BITS, BITS2, GRP, PERCH, ROT, EDEN, IN_KIND
+// turboquant_rvq, 8 kivi, 9 turboquant_frac, 10 vecinfer: 4-5 and 8-10 encode_rows only;
+// vecinfer's RPW rows per warp by its own encode_rows_own), BITS, BITS2, GRP, PERCH, ROT, EDEN, IN_KIND
 // (0 f32, 1 f16, 2 bf16), ROW_BYTES, PAGE_BYTES; for the page kernels WARPS/MINB (tpr),
 // WARPS2/MINB2 (tpr2), PF (cp.async prefetch), LOCKSTEP, QK/QS (cell table).
 #if RPW > 1
@@ -33,6 +34,16 @@ extern "C" __global__ void ENCODE_ROWS_BOUNDS encode_rows(
         return;
     }
 #endif
+#if RPW > 1 && defined(ENCODE_ROWS_OWN)
+    // A format's own multi-row encoder (vecinfer): RPW rows of one page per warp.
+    {
+        const int r0 = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * RPW;
+        if (r0 >= n_rows) return;
+        const int job = r0 / T;
+        encode_rows_own(x, r0, pool + (size_t)page_idx[job] * PAGE_BYTES, r0 % T, signs + (size_t)head_idx[job] * TW,
+                        rot_scale, lane);
+    }
+#else
 #if RPW > 1
     // RPW rows of one page per warp (the launch has n_rows / RPW warps; RPW divides T), by the
     // format's encode_rows_fmt, with RPW·D floats of shared memory for each of the block's 8
@@ -63,6 +74,7 @@ extern "C" __global__ void ENCODE_ROWS_BOUNDS encode_rows(
     for (int k = 0; k < EPL; k++) v[k] = load_in(x, (size_t)row_id * D + lane + 32 * k);
     encode_row_warp(v, pool + (size_t)page_idx[job] * PAGE_BYTES, t, signs + (size_t)head_idx[job] * TW, rot_scale,
                     thresholds, centroids, lane);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------

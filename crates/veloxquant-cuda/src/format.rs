@@ -501,11 +501,17 @@ impl GpuFormat {
     }
 
     /// Rows of a page one warp of `encode_rows` encodes (`RPW`): 8 for the sketches (4 at
-    /// d = 256; their staged rows fill 32 KB of shared memory per block) where it divides the
-    /// page, else 1.
+    /// d = 256; their staged rows fill 32 KB of shared memory per block), 1024/d for vecinfer,
+    /// where it divides the page, else 1.
     pub fn encode_rows_per_warp(&self) -> usize {
-        let rows = if self.d > 128 { 4 } else { 8 };
-        if matches!(self.kind, KernelKind::Sketch | KernelKind::Prod) && self.t.is_multiple_of(rows) {
+        let rows = match self.kind {
+            KernelKind::Sketch | KernelKind::Prod if self.d > 128 => 4,
+            KernelKind::Sketch | KernelKind::Prod => 8,
+            // vecinfer: 1024/d rows, 32·d/1024 lanes each (formats/vecinfer.cuh encode_rows_own).
+            KernelKind::Vq => 1024 / self.d,
+            _ => 1,
+        };
+        if self.t.is_multiple_of(rows) {
             rows
         } else {
             1

@@ -143,13 +143,38 @@ __device__ __forceinline__ float log_u8_unit(const void* scales, int i) {
     return c == 0u ? 0.0f : exp2f(((float)c - 128.0f) * (1.0f / 16.0f));
 }
 #endif
-#if FMT_DECODE && KK == 9
+// Where each thread's window lies in one segment and the segments start at whole words (NHI
+// a multiple of the window, e.g. d = 128 at 3.5 or 2.5 bits), a window is plain codes of its
+// segment's width: read by word loads (codes_to_h2), not code by code.
+#if FMT_DECODE && (KK == 9 || VK == 9)
+template <int HB, int LB, int NH, int N, int RB>
+__device__ __forceinline__ void split_words_to_h2(const u8* row, int first, const u16* thi, const u16* tlo, u32* out) {
+    if (first < NH) {
+        codes_to_h2<HB, N, RB / 4>((const u32*)row, first, thi, out);
+    } else {
+        // The narrow segment starts NH·HB/8 bytes in: vector loads no wider than that allows.
+        constexpr int OFF = NH * HB / 8, MAXV = OFF % 16 == 0 ? 4 : (OFF % 8 == 0 ? 2 : 1);
+        codes_to_h2<LB, N, (RB - OFF) / 4, false, MAXV>((const u32*)(row + OFF), first - NH, tlo, out);
+    }
+}
+#endif
+#if FMT_DECODE && KK == 9 && KNHI % QD == 0 && (KNHI * KB) % 32 == 0 && K_ROW_BYTES % 4 == 0
+#define K_ROW(kp, row, t, tab, out) \
+    split_words_to_h2<KB, KLB, KNHI, QD, K_ROW_BYTES>((kp) + (row) * K_ROW_BYTES, (t) * QD, ktab, k2tab, out)
+#elif FMT_DECODE && KK == 9
 #define K_ROW(kp, row, t, tab, out) split_to_h2<KB, KLB, KNHI, QD>((kp) + (row) * K_ROW_BYTES, (t) * QD, ktab, k2tab, out)
+#endif
+#if FMT_DECODE && KK == 9
 #define KSCALE_FMT 1
 __device__ __forceinline__ float kscale(const u16* kn, int i) { return log_u8_unit(kn, i); }
 #endif
-#if FMT_DECODE && VK == 9
+#if FMT_DECODE && VK == 9 && VNHI % VC == 0 && (VNHI * VB) % 32 == 0 && V_ROW_BYTES % 4 == 0
+#define V_ROW(vp, row, g, tab, out) \
+    split_words_to_h2<VB, VLB, VNHI, VC, V_ROW_BYTES>((vp) + (row) * V_ROW_BYTES, (g) * VC, vtab, v2tab, out)
+#elif FMT_DECODE && VK == 9
 #define V_ROW(vp, row, g, tab, out) split_to_h2<VB, VLB, VNHI, VC>((vp) + (row) * V_ROW_BYTES, (g) * VC, vtab, v2tab, out)
+#endif
+#if FMT_DECODE && VK == 9
 #define VSCALE_FMT 1
 __device__ __forceinline__ float vscale(const u16* vn, int i) { return log_u8_unit(vn, i); }
 #endif

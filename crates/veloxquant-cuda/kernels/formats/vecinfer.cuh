@@ -87,6 +87,129 @@ __device__ __forceinline__ void encode_row_fmt(float* v, u8* page, int t, const 
     __syncwarp();  // z and the codes are free for the warp's next row
 }
 
+#if RPW > 1
+// encode_rows' multi-row path (ENCODE_ROWS_OWN): RPW = 1024/D rows of a page per warp, each
+// row by LPR = 32/RPW lanes, each lane a 1/LPR share of the centroids; the rows' z staged in
+// shared memory (stride D + 1: conflict-free). Per sub-vector the lanes rank the centroids by
+// r = ‖c‖² − 2⟨c, z⟩ in f32 (dist − ‖z‖²), keeping the least two; the CPU's distance
+// (kmeans.rs, f64 squares of f32 differences) and r + ‖z‖² differ by at most
+// E = (γ + 2.01u)(max‖c‖ + ‖z‖)² + 1e-36 (u = 2^-24, γ = (GRP + 2)u·1.01 for the FMA chains;
+// |fl(c − z) − (c − z)| ≤ u|c − z|), so a gap above 2E between the two least r picks the CPU's
+// centroid. Otherwise (near ties, huge or tiny values) the rows' lanes redo that sub-vector as
+// the CPU does: f64 distances, the first index of the least.
+#define ENCODE_ROWS_OWN 1
+#define VQ_LPR (32 / RPW)
+__device__ __forceinline__ void rotate_warp(float* v, const float* __restrict__ sg, float rot_scale, int lane);
+__device__ __forceinline__ void encode_rows_own(const void* __restrict__ x, int r0, u8* page, int t0,
+                                                const float* __restrict__ sg, float rot_scale, int lane) {
+    __shared__ float vq_zs[8][RPW][D + 1];  // per warp of encode_rows' 8
+    __shared__ u8 vq_rc[8][RPW][VQ_NS];
+    float (*const z)[D + 1] = vq_zs[threadIdx.x >> 5];
+    u8 (*const codes)[VQ_NS] = vq_rc[threadIdx.x >> 5];
+    for (int r = 0; r < RPW; r++) {
+        float v[EPL];
+#pragma unroll
+        for (int k = 0; k < EPL; k++) v[k] = load_in(x, (size_t)(r0 + r) * D + lane + 32 * k);
+        row_pre_fmt(v, sg, lane);
+        rotate_warp(v, sg, rot_scale, lane);
+#pragma unroll
+        for (int k = 0; k < EPL; k++) z[r][lane + 32 * k] = v[k];
+    }
+    __syncwarp();
+    const int r = lane / VQ_LPR, q = lane % VQ_LPR;
+    const float* const zr = z[r];
+    const float* const cb = sg + 2 * D;
+    const float INF = __int_as_float(0x7f800000);
+    for (int s = 0; s < VQ_NS; s++) {
+        float zj[GRP], zn2 = 0.0f;
+#pragma unroll
+        for (int j = 0; j < GRP; j++) {
+            zj[j] = zr[s * GRP + j];
+            zn2 = fmaf(zj[j], zj[j], zn2);
+        }
+        float b1 = INF, b2 = INF, cmax2 = 0.0f;
+        int i1 = VQ_K;
+        for (int c = q; c < VQ_K; c += VQ_LPR) {
+            const float* const cen = cb + ((size_t)s * VQ_K + c) * GRP;
+            float dot = 0.0f, n2 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < GRP; j++) {
+                const float cj = cen[j];
+                dot = fmaf(cj, zj[j], dot);
+                n2 = fmaf(cj, cj, n2);
+            }
+            const float rr = fmaf(-2.0f, dot, n2);
+            cmax2 = fmaxf(cmax2, n2);
+            if (rr < b1) {
+                b2 = b1;
+                b1 = rr;
+                i1 = c;
+            } else {
+                b2 = fminf(b2, rr);
+            }
+        }
+#pragma unroll
+        for (int off = 1; off < VQ_LPR; off <<= 1) {
+            const float o1 = __shfl_xor_sync(FULL_MASK, b1, off), o2 = __shfl_xor_sync(FULL_MASK, b2, off);
+            const int oi = __shfl_xor_sync(FULL_MASK, i1, off);
+            cmax2 = fmaxf(cmax2, __shfl_xor_sync(FULL_MASK, cmax2, off));
+            if (o1 < b1 || (o1 == b1 && oi < i1)) {
+                b2 = fminf(b1, o2);
+                b1 = o1;
+                i1 = oi;
+            } else {
+                b2 = fminf(b2, o1);
+            }
+        }
+        const float rad = sqrtf(cmax2) + sqrtf(zn2);
+        const float e = ((float)(GRP + 2) * 1.01f + 2.01f) * 5.9604645e-8f * rad * rad + 1e-36f;
+        const bool sure = b2 - b1 > 2.0f * e && e < 1e30f && i1 < VQ_K;
+        int code = i1;
+        if (__any_sync(FULL_MASK, !sure)) {
+            double best = __longlong_as_double(0x7ff0000000000000LL);
+            int bi = VQ_K;
+            for (int c = q; c < VQ_K; c += VQ_LPR) {
+                const float* const cen = cb + ((size_t)s * VQ_K + c) * GRP;
+                double ed = 0.0;
+#pragma unroll
+                for (int j = 0; j < GRP; j++) {
+                    const double dd = (double)(cen[j] - zj[j]);
+                    ed = ed + dd * dd;
+                }
+                if (ed < best) {
+                    best = ed;
+                    bi = c;
+                }
+            }
+#pragma unroll
+            for (int off = 1; off < VQ_LPR; off <<= 1) {
+                const double ob = __shfl_xor_sync(FULL_MASK, best, off);
+                const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+                if (ob < best || (ob == best && oi < bi)) {
+                    best = ob;
+                    bi = oi;
+                }
+            }
+            if (!sure) code = bi == VQ_K ? 0 : bi;
+        }
+        if (q == 0) codes[r][s] = (u8)code;
+    }
+    __syncwarp();
+    constexpr int PER_WORD = 32 / BITS, RW = ROW_BYTES / 4;
+    for (int i = lane; i < RPW * RW; i += 32) {
+        const int rr = i / RW, w = i % RW;
+        u32 word = 0;
+#pragma unroll
+        for (int k = 0; k < PER_WORD; k++) {
+            const int s = w * PER_WORD + k;
+            if (s < VQ_NS) word |= (u32)codes[rr][s] << (k * BITS);
+        }
+        ((u32*)(page + (t0 + rr) * ROW_BYTES))[w] = word;
+    }
+    __syncwarp();  // the staged rows and codes are free for the warp's next rows
+}
+#endif
+
 // Row t's centroids (the z domain; lane l: dims l, l + 32, …).
 __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const float* __restrict__ sg, float rot_scale,
                                                const float* __restrict__ cen, int lane, float* v) {
