@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use veloxquant::attn::decode_attention_ref;
-use veloxquant::format::{FormatCtx, FormatSpec, Stream, REGISTRY};
+use veloxquant::format::{Format, FormatCtx, FormatSpec, Stream, REGISTRY};
 use veloxquant::rng::SplitMix64;
 use veloxquant::{CacheConfig, PagedCache};
 use veloxquant_cuda::{attn, GpuCacheConfig, GpuDevice, GpuEncoder, GpuFormat, GpuKvCache, InputKind};
@@ -293,6 +293,24 @@ fn kivi_encode_bit_identical_on_grid_values() {
     assert!(checked >= 20, "{checked}");
 }
 
+/// The GPU's pages of `x` (f32, and f16 rounded) are the CPU format's, byte for byte.
+fn assert_encodes_like_cpu(dev: &Arc<GpuDevice>, cpu: &dyn Format, gf: &GpuFormat, x: &[f32], what: &str) {
+    let (pb, per) = (cpu.page_bytes(), cpu.page_tokens() * cpu.head_dim());
+    let check = |x: &[f32], got: &[u8], input: &str| {
+        let mut want = vec![0u8; pb];
+        for (p, xp) in x.chunks_exact(per).enumerate() {
+            cpu.encode_page(xp, &mut want).unwrap();
+            assert!(got[p * pb..(p + 1) * pb] == want[..], "{what} {input}: page {p} differs");
+        }
+    };
+    let got = GpuEncoder::new(dev, gf, InputKind::F32).unwrap().encode_pages_f32(x).unwrap();
+    check(x, &got, "f32");
+    let x16: Vec<u16> = x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+    let xr: Vec<f32> = x16.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+    let got = GpuEncoder::new(dev, gf, InputKind::F16).unwrap().encode_pages_f16(&x16).unwrap();
+    check(&xr, &got, "f16");
+}
+
 /// turboquant_frac (calibrated: channel map, μ and scale base from the CPU format's state)
 /// encodes bit-identically to the CPU: wide and narrow channels, whole widths, centered or
 /// not, plain and EDEN scales, rows that need byte reads (d = 64 at 2.25 bits: 18-byte rows),
@@ -336,21 +354,7 @@ fn frac_encode_bit_identical_to_cpu() {
                     *v += mean[i % d];
                 }
             }
-            let pb = cpu.page_bytes();
-            let mut want = vec![0u8; n_pages * pb];
-            let mut check = |x: &[f32], got: &[u8], what: &str| {
-                for p in 0..n_pages {
-                    cpu.encode_page(&x[p * t * d..(p + 1) * t * d], &mut want[p * pb..(p + 1) * pb]).unwrap();
-                }
-                let bad = (0..n_pages).find(|&p| got[p * pb..(p + 1) * pb] != want[p * pb..(p + 1) * pb]);
-                assert!(bad.is_none(), "{spec} d={d} {what}: page {bad:?} differs");
-            };
-            let got = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap().encode_pages_f32(&x).unwrap();
-            check(&x, &got, "f32");
-            let x16: Vec<u16> = x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-            let xr: Vec<f32> = x16.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
-            let got = GpuEncoder::new(&dev, &gf, InputKind::F16).unwrap().encode_pages_f16(&x16).unwrap();
-            check(&xr, &got, "f16");
+            assert_encodes_like_cpu(&dev, cpu.as_ref(), &gf, &x, &format!("{spec} d={d}"));
             checked += 1;
         }
     }
@@ -384,21 +388,7 @@ fn vecinfer_encode_bit_identical_to_cpu() {
             assert_eq!(gf.page_bytes, cpu.page_bytes(), "{spec} d={d}");
             let n_pages = 8;
             let x = awkward_rows(&mut rng, n_pages * t, d);
-            let pb = cpu.page_bytes();
-            let mut want = vec![0u8; n_pages * pb];
-            let mut check = |x: &[f32], got: &[u8], what: &str| {
-                for p in 0..n_pages {
-                    cpu.encode_page(&x[p * t * d..(p + 1) * t * d], &mut want[p * pb..(p + 1) * pb]).unwrap();
-                }
-                let bad = (0..n_pages).find(|&p| got[p * pb..(p + 1) * pb] != want[p * pb..(p + 1) * pb]);
-                assert!(bad.is_none(), "{spec} d={d} {what}: page {bad:?} differs");
-            };
-            let got = GpuEncoder::new(&dev, &gf, InputKind::F32).unwrap().encode_pages_f32(&x).unwrap();
-            check(&x, &got, "f32");
-            let x16: Vec<u16> = x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
-            let xr: Vec<f32> = x16.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
-            let got = GpuEncoder::new(&dev, &gf, InputKind::F16).unwrap().encode_pages_f16(&x16).unwrap();
-            check(&xr, &got, "f16");
+            assert_encodes_like_cpu(&dev, cpu.as_ref(), &gf, &x, &format!("{spec} d={d}"));
             checked += 1;
         }
     }
