@@ -150,6 +150,8 @@ fn example_caches() -> Vec<(PagedCache, Vec<f32>)> {
             let mut cal = Calibration::new();
             cal.insert_for_all(Stream::Values, rng.gaussian_vec(32 * 64));
             cfg.calibration = Some(cal.into());
+            // Written when vecinfer coded whole pages only: the file holds a page-mode cache.
+            cfg.encode_rows = false;
         }
         let mut cache = PagedCache::new(cfg).unwrap();
         cache.append(0, &rng.gaussian_vec(n * 32), &rng.gaussian_vec(n * 32), n).unwrap();

@@ -326,7 +326,7 @@ impl PagedCache {
         };
         check_fingerprint(&saved, &info, check)?;
         let want_crc = u32::from_str_radix(get("crc32")?, 16).map_err(|e| corrupt("crc32", e))?;
-        let cfg = saved.config()?;
+        let mut cfg = saved.config()?;
 
         // The tensor table must be exactly the plan, back to back in plan order (empty
         // tensors share an offset, so the order is the plan's, not the offsets'), with
@@ -422,7 +422,13 @@ impl PagedCache {
                 }
             }
         }
-        let row_mode = PagedCache::row_mode_of(&cfg, &formats);
+        let mut row_mode = PagedCache::row_mode_of(&cfg, &formats);
+        if row_mode && !saved.row_mode {
+            // Formats that code rows now (vecinfer since 2026-12-06), saved in page mode: the
+            // cache stays in page mode, as it was written.
+            cfg.encode_rows = false;
+            row_mode = false;
+        }
         if row_mode != saved.row_mode {
             return Err(VqError::FileCorrupt("saved row mode does not match the formats".into()));
         }
