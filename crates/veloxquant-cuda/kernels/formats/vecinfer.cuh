@@ -4,6 +4,14 @@
 // ((D/GRP) × 2^BITS × GRP, sub-space major). Decode dequantizes a sub-vector to its
 // centroid's values (f16 for the mma) and accumulates values in the z domain; combine applies
 // Rᵀ and λ once per head.
+#if (FMT_ROW && KIND == 10) || (FMT_DECODE && (KK == 10 || VK == 10))
+// Sub-vector s's B-bit index in a row (LSB first).
+template <int B>
+__device__ __forceinline__ u32 vq_index(const u8* row, int s) {
+    return B == 8 ? (u32)row[s] : ((u32)row[s >> 1] >> ((s & 1) * 4)) & 15u;
+}
+#endif
+
 #if FMT_ROW && KIND == 10
 #define VQ_K (1 << BITS)
 #define VQ_NS (D / GRP)
@@ -21,16 +29,58 @@ __device__ __forceinline__ void row_post_fmt(float* v, const float* __restrict__
     for (int k = 0; k < EPL; k++) v[k] = v[k] * sg[D + lane + 32 * k];
 }
 
-// Sub-vector s's code in a row.
-__device__ __forceinline__ u32 vq_code(const u8* row, int s) {
-    return BITS == 8 ? (u32)row[s] : ((u32)row[s >> 1] >> ((s & 1) * 4)) & 15u;
+// kmeans.rs nearest for sub-vector s (values zs), operation for operation: the squared
+// distance Σ_j ((c_j − z_j) as f64)² summed in order in f64, the first centroid of the least
+// distance (none below +inf: code 0). The row's LPR lanes (q: this lane's place among them,
+// the groups aligned to LPR) take centroids c ≡ q (mod LPR) in order; their minimum breaks ties
+// to the lower index. Every lane of the warp calls it (shuffles).
+template <int LPR>
+__device__ __forceinline__ u32 vq_nearest_f64(const float* __restrict__ cb, int s, const float* zs, int q) {
+    double best = __longlong_as_double(0x7ff0000000000000LL);  // +inf
+    int bi = VQ_K;
+    for (int c = q; c < VQ_K; c += LPR) {
+        const float* const cen = cb + ((size_t)s * VQ_K + c) * GRP;
+        double e = 0.0;
+#pragma unroll
+        for (int j = 0; j < GRP; j++) {
+            const double dd = (double)(cen[j] - zs[j]);
+            e = e + dd * dd;
+        }
+        if (e < best) {
+            best = e;
+            bi = c;
+        }
+    }
+#pragma unroll
+    for (int off = 1; off < LPR; off <<= 1) {
+        const double ob = __shfl_xor_sync(FULL_MASK, best, off);
+        const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
+        if (ob < best || (ob == best && oi < bi)) {
+            best = ob;
+            bi = oi;
+        }
+    }
+    return bi == VQ_K ? 0u : (u32)bi;
 }
 
-// kmeans.rs nearest for every sub-vector of the rotated row, operation for operation: the
-// squared distance Σ_j ((c_j − z_j) as f64)² summed in order in f64, the first centroid of the
-// least distance (none below +inf: code 0). Lanes take centroids c ≡ lane (mod 32) in order;
-// the warp's minimum breaks ties to the lower index. The codes meet in shared memory, then
-// lane w assembles row word w.
+// Rows [t0, t0 + n) of the page from their codes (codes[r * VQ_NS + s]), one word per lane
+// at a time.
+__device__ __forceinline__ void vq_pack_rows(const u8* codes, int n, u8* page, int t0, int lane) {
+    constexpr int PER_WORD = 32 / BITS, RW = ROW_BYTES / 4;
+    for (int i = lane; i < n * RW; i += 32) {
+        const int r = i / RW, w = i % RW;
+        u32 word = 0;
+#pragma unroll
+        for (int k = 0; k < PER_WORD; k++) {
+            const int s = w * PER_WORD + k;
+            if (s < VQ_NS) word |= (u32)codes[r * VQ_NS + s] << (k * BITS);
+        }
+        ((u32*)(page + (t0 + r) * ROW_BYTES))[w] = word;
+    }
+}
+
+// Every sub-vector of the rotated row by vq_nearest_f64 across the warp; the codes meet in
+// shared memory, then the lanes assemble the row's words.
 __device__ __forceinline__ void encode_row_fmt(float* v, u8* page, int t, const float* __restrict__ sg,
                                                float rot_scale, const float* __restrict__ thresholds,
                                                const float* __restrict__ centroids, int lane) {
@@ -46,44 +96,11 @@ __device__ __forceinline__ void encode_row_fmt(float* v, u8* page, int t, const 
         float zs[GRP];
 #pragma unroll
         for (int j = 0; j < GRP; j++) zs[j] = z[s * GRP + j];
-        double best = __longlong_as_double(0x7ff0000000000000LL);  // +inf
-        int bi = VQ_K;
-        for (int c = lane; c < VQ_K; c += 32) {
-            const float* const cen = cb + ((size_t)s * VQ_K + c) * GRP;
-            double e = 0.0;
-#pragma unroll
-            for (int j = 0; j < GRP; j++) {
-                const double dd = (double)(cen[j] - zs[j]);
-                e = e + dd * dd;
-            }
-            if (e < best) {
-                best = e;
-                bi = c;
-            }
-        }
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) {
-            const double ob = __shfl_xor_sync(FULL_MASK, best, off);
-            const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-            if (ob < best || (ob == best && oi < bi)) {
-                best = ob;
-                bi = oi;
-            }
-        }
-        if (lane == 0) codes[s] = (u8)(bi == VQ_K ? 0 : bi);
+        const u32 code = vq_nearest_f64<32>(cb, s, zs, lane);
+        if (lane == 0) codes[s] = (u8)code;
     }
     __syncwarp();
-    u32* const row = (u32*)(page + t * ROW_BYTES);
-    constexpr int PER_WORD = 32 / BITS;
-    for (int w = lane; w < ROW_BYTES / 4; w += 32) {
-        u32 word = 0;
-#pragma unroll
-        for (int i = 0; i < PER_WORD; i++) {
-            const int s = w * PER_WORD + i;
-            if (s < VQ_NS) word |= (u32)codes[s] << (i * BITS);
-        }
-        row[w] = word;
-    }
+    vq_pack_rows(codes, 1, page, t, lane);
     __syncwarp();  // z and the codes are free for the warp's next row
 }
 
@@ -166,46 +183,13 @@ __device__ __forceinline__ void encode_rows_own(const void* __restrict__ x, int 
         const bool sure = b2 - b1 > 2.0f * e && e < 1e30f && i1 < VQ_K;
         int code = i1;
         if (__any_sync(FULL_MASK, !sure)) {
-            double best = __longlong_as_double(0x7ff0000000000000LL);
-            int bi = VQ_K;
-            for (int c = q; c < VQ_K; c += VQ_LPR) {
-                const float* const cen = cb + ((size_t)s * VQ_K + c) * GRP;
-                double ed = 0.0;
-#pragma unroll
-                for (int j = 0; j < GRP; j++) {
-                    const double dd = (double)(cen[j] - zj[j]);
-                    ed = ed + dd * dd;
-                }
-                if (ed < best) {
-                    best = ed;
-                    bi = c;
-                }
-            }
-#pragma unroll
-            for (int off = 1; off < VQ_LPR; off <<= 1) {
-                const double ob = __shfl_xor_sync(FULL_MASK, best, off);
-                const int oi = __shfl_xor_sync(FULL_MASK, bi, off);
-                if (ob < best || (ob == best && oi < bi)) {
-                    best = ob;
-                    bi = oi;
-                }
-            }
-            if (!sure) code = bi == VQ_K ? 0 : bi;
+            const u32 exact = vq_nearest_f64<VQ_LPR>(cb, s, zj, q);
+            if (!sure) code = (int)exact;
         }
         if (q == 0) codes[r][s] = (u8)code;
     }
     __syncwarp();
-    constexpr int PER_WORD = 32 / BITS, RW = ROW_BYTES / 4;
-    for (int i = lane; i < RPW * RW; i += 32) {
-        const int rr = i / RW, w = i % RW;
-        u32 word = 0;
-#pragma unroll
-        for (int k = 0; k < PER_WORD; k++) {
-            const int s = w * PER_WORD + k;
-            if (s < VQ_NS) word |= (u32)codes[rr][s] << (k * BITS);
-        }
-        ((u32*)(page + (t0 + rr) * ROW_BYTES))[w] = word;
-    }
+    vq_pack_rows(&codes[0][0], RPW, page, t0, lane);
     __syncwarp();  // the staged rows and codes are free for the warp's next rows
 }
 #endif
@@ -217,7 +201,7 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
         const int dim = lane + 32 * k, s = dim / GRP;
-        v[k] = sg[2 * D + ((size_t)s * VQ_K + vq_code(row, s)) * GRP + dim % GRP];
+        v[k] = sg[2 * D + ((size_t)s * VQ_K + vq_index<BITS>(row, s)) * GRP + dim % GRP];
     }
 }
 #endif
@@ -256,7 +240,7 @@ __device__ __forceinline__ void vq_to_h2(const u8* row, int first, const u16* cb
 #pragma unroll
     for (int i = 0; i < N / GS; i++) {
         const int s = first / GS + i;
-        const u32 c = B == 8 ? (u32)row[s] : ((u32)row[s >> 1] >> ((s & 1) * 4)) & 15u;
+        const u32 c = vq_index<B>(row, s);
         const u16* const cen = cb + ((size_t)s * (1 << B) + c) * GS;
         if (GS == 2) {
             out[i] = *(const u32*)cen;
@@ -280,7 +264,7 @@ __device__ __forceinline__ void vq_to_h2(const u8* row, int first, const float* 
 #pragma unroll
     for (int i = 0; i < N / GS; i++) {
         const int s = first / GS + i;
-        const u32 c = B == 8 ? (u32)row[s] : ((u32)row[s >> 1] >> ((s & 1) * 4)) & 15u;
+        const u32 c = vq_index<B>(row, s);
         // 8-byte aligned: transform rows of (2 + 2^B)·D floats, sub-vectors of an even GS.
         const float2* const cen = (const float2*)(cb + ((size_t)s * (1 << B) + c) * GS);
 #pragma unroll
