@@ -281,6 +281,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 #endif
         }
         __syncwarp();  // the stage now receives the encoded page
+#if PF
+        const float* sgh = (const float*)(st + STAGE);
+#else
+        const float* sgh = signs + (size_t)head_idx[job] * TW;
+#endif
+#ifdef PAGE_PRE
+        page_pre_fmt(v, sgh);  // a format's step before the rotation (turboquant_frac: − μ)
+#endif
 #if ROT
         {
 #if PF
@@ -304,11 +312,6 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
         u32 W[ROW_W];
 #pragma unroll
         for (int w = 0; w < ROW_W; w++) W[w] = 0;
-#if PF
-        const float* sgh = (const float*)(st + STAGE);
-#else
-        const float* sgh = signs + (size_t)head_idx[job] * TW;
-#endif
         const bool slow = page_row(pc, v, W, st, sgh, rot_scale, tab_mul, lane);
         // This row into the page image, then the page out with coalesced stores.
         {

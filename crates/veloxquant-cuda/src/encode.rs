@@ -1,6 +1,6 @@
 //! Fused encode on the GPU: norm → rotation → quantize → pack → side info, bit-identical to
 //! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0, rabitq,
-//! turboquant_rvq and turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
+//! turboquant_rvq, turboquant_frac (rows of whole words) and turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
 //! one warp per page, one lane per row, all in registers; two lanes per row for the codes);
 //! fp16 and other page sizes use one warp per row (`encode_rows`), qjl and turboquant_prod one
 //! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all), kivi one
@@ -98,7 +98,11 @@ impl GpuEncoder {
             let f = dev.function(Family::Encode, &defines, name)?;
             let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
             let stage = rows * (fmt.d * in_bytes + 16);
-            let table_bytes = if fmt.kind == KernelKind::Codes { (2 * BIN_QK as usize + 3) * 128 } else { 0 };
+            let table_bytes = match fmt.kind {
+                KernelKind::Codes => (2 * BIN_QK as usize + 3) * 128,
+                KernelKind::Frac => 2 * (2 * BIN_QK as usize + 3) * 128,
+                _ => 0,
+            };
             let stages = if pf != 0 { 2 } else { 1 };
             // With the prefetch, each stage also holds the page's rotation signs (turboquant_rvq:
             // both rotations').
@@ -194,7 +198,8 @@ impl GpuEncoder {
                 .arg(&tab_mul);
             // SAFETY: argument list matches encode_pages_tpr in kernels/encode.cu and
             // encode_pages_tpr2 in kernels/formats/turboquant_mse.cuh; buffers are sized by the
-            // callers as for encode_rows; the table has 2·QK+3 bins of 4 words.
+            // callers as for encode_rows; the table has 2·QK+3 bins of 4 words (turboquant_frac:
+            // two such tables, GpuFormat::bins).
             unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
             return Ok(());
         }

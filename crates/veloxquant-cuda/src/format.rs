@@ -448,7 +448,14 @@ impl GpuFormat {
             KernelKind::Rvq | KernelKind::Frac => f16_table(&centroids[1 << bits..]),
             _ => [0; 16],
         };
-        let bins = if kind == KernelKind::Codes { bin_table(&thresholds, &centroids) } else { None };
+        let bins = match kind {
+            KernelKind::Codes => bin_table(&thresholds, &centroids),
+            // turboquant_frac: the wide codebook's table, then the narrow one's.
+            KernelKind::Frac => frac.as_ref().and_then(|(_, hi, lo)| {
+                Some([bin_table(&hi.thresholds, &hi.centroids)?, bin_table(&lo.thresholds, &lo.centroids)?].concat())
+            }),
+            _ => None,
+        };
         let table_f16 = match &layout.kind {
             RowKind::Codes { table, .. } if kind == KernelKind::Kivi => f16_table(table),
             _ => table_f16,
@@ -489,14 +496,11 @@ impl GpuFormat {
     /// table ([`bin_table`]).
     pub fn page_codec(&self) -> bool {
         match self.kind {
-            KernelKind::F16
-            | KernelKind::Sketch
-            | KernelKind::Prod
-            | KernelKind::Kivi
-            | KernelKind::Frac
-            | KernelKind::Vq => false,
+            KernelKind::F16 | KernelKind::Sketch | KernelKind::Prod | KernelKind::Kivi | KernelKind::Vq => false,
             KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Rabitq | KernelKind::Rvq => true,
             KernelKind::Codes => self.bins.is_some(),
+            // Rows of whole words (the page kernel stores a row as words).
+            KernelKind::Frac => self.bins.is_some() && self.row_bytes % 4 == 0 && self.page_bytes % 4 == 0,
         }
     }
 

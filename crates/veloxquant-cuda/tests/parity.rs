@@ -397,11 +397,20 @@ fn frac_encode_bit_identical_to_cpu() {
                 }
             }
             assert_encodes_like_cpu(dev, cpu.as_ref(), &gf, &x, &format!("{spec} d={d}"));
+            // Rows of whole words at d ≤ 128 take the thread-per-row kernel (its slow rows,
+            // zeros here, the warp-per-row code), the others a warp per row.
+            let kernel = GpuEncoder::new(dev, &gf, InputKind::F32).unwrap().kernel();
+            let want = if d <= 128 && gf.row_bytes % 4 == 0 { "thread/row" } else { "warp/row" };
+            assert_eq!(kernel, want, "{spec} d={d}");
+            kernel
         }
-    })
-    .len();
-    eprintln!("turboquant_frac encode: {checked} (format, d) cases × 8 pages bit-identical (f32 and f16 input)");
-    assert_eq!(checked, 18);
+    });
+    let tpr = checked.iter().filter(|&&k| k == "thread/row").count();
+    eprintln!(
+        "turboquant_frac encode: {} (format, d) cases × 8 pages bit-identical (f32 and f16 input), {tpr} by the thread-per-row kernel",
+        checked.len()
+    );
+    assert_eq!((checked.len(), tpr), (18, 10));
 }
 
 /// vecinfer (calibrated: λ and k-means codebooks from the CPU format's state) encodes

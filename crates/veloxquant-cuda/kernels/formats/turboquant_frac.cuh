@@ -9,6 +9,8 @@
 #define TW (3 * D + 4)
 #define ROW_PRE 1
 #define ROW_POST 1
+#define PAGE_CODEC 1  // encode_pages_tpr (FMT_PAGE below; the host runs it on rows of whole words)
+#define PAGE_STATE 1
 // Bit position of storage slot s in a row.
 __device__ __forceinline__ int frac_bit(int s) { return s < NHI ? s * BITS : NHI * BITS + (s - NHI) * BITS2; }
 
@@ -111,6 +113,123 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
         const u32 w = (u32)row[bit >> 3] | ((u32)row[(bit >> 3) + 1] << 8);
         const u32 c = (w >> (bit & 7)) & ((1u << (wide ? BITS : BITS2)) - 1u);
         v[k] = cen[wide ? c : (1u << BITS) + c] * sc;
+    }
+}
+#endif
+
+#if FMT_PAGE && KIND == 9
+// One lane per row (encode_pages_tpr): the same operations as encode_row_fmt. The cell of y
+// comes from the wide or the narrow codebook's bin table (format.rs bin_table; the two tables
+// one after the other, each replicated per lane group as turboquant_mse.cuh's), the codes
+// meet in the stage (free once the rows are in registers; a byte per storage slot, rows
+// padded to D + 4 bytes: conflict-free) and are packed in slot order into W.
+#define NB (2 * QK + 3)
+#define EW (EDEN ? 4 : 2)
+#define COPIES (32 / EW)
+#define TAB_BYTES (2 * NB * 128)
+#define CODES_OFF ((PAGE_BYTES + 15) / 16 * 16)
+#if CODES_OFF + 32 * (D + 4) > STAGE
+#error "the slot codes must fit in the stage after the page image"
+#endif
+struct PageCodec {
+    u32 thi, tlo;                  // the tables' bases for this lane's copy (+ tab_bias)
+    const float* __restrict__ edges;  // the log scale's 254 edges
+};
+__device__ __forceinline__ PageCodec page_codec(u8* dsm, const u32* __restrict__ table,
+                                               const float* __restrict__ thresholds,
+                                               const float* __restrict__ centroids, u32 tab_bias, int lane) {
+    u32* tab = (u32*)dsm;
+    for (int i = threadIdx.x; i < 2 * NB * COPIES; i += WARPS * 32) {
+        const int b = i / COPIES;
+#pragma unroll
+        for (int w = 0; w < EW; w++) tab[i * EW + w] = table[b * 4 + w];
+    }
+    __syncthreads();
+    const u32 base = smem_addr(tab) + (u32)((lane % COPIES) * EW * 4) + tab_bias;
+    return PageCodec{base, base + NB * 128, thresholds + NTHR + NTHR2};
+}
+#define PAGE_PRE 1
+// x − μ before the rotation (row_pre_fmt); sgh: the head's transform.
+__device__ __forceinline__ void page_pre_fmt(float* v, const float* sgh) {
+#if CENTER
+#pragma unroll
+    for (int j = 0; j < D; j++) v[j] = v[j] - sgh[D + j];
+#endif
+}
+// Rows whose norm is outside [2^-60, 2^60] (zeros, NaN, inf; sums of squares that are
+// subnormal or overflow) are redone by page_fixup. Inside it ‖v‖² is a normal float within
+// D·2^-24 of the exact sum, so every |y| ≤ 1 + 2^-16: the tables' bins cover it.
+__device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, u8* st, const float* sgh,
+                                         float rot_scale, u32 tab_mul, int lane) {
+    const float norm = norm_tpr(v);
+    const bool slow = !(norm >= 0x1p-60f && norm <= 0x1p60f);
+    const float inv = slow ? 0.0f : 1.0f / norm;
+    u8* const codes = st + CODES_OFF + lane * (D + 4);
+#if EDEN
+    float ipl[32];
+#endif
+#pragma unroll
+    for (int j = 0; j < D; j++) {
+        const float y = slow ? 0.0f : v[j] * inv;
+        const int s = (int)sgh[2 * D + j];
+        const float z = fmaf(y, (float)QS, 12582912.0f);
+        const u32 a = (u32)__float_as_int(z) * tab_mul + (s < NHI ? pc.thi : pc.tlo);
+#if EDEN
+        vec4u ent;
+        asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(ent.x), "=r"(ent.y), "=r"(ent.z), "=r"(ent.w) : "r"(a));
+#else
+        vec2u ent;
+        asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(ent.x), "=r"(ent.y) : "r"(a));
+#endif
+        // thr < y ⟺ RN(thr − y) < 0 (turboquant_mse.cuh page_row).
+        const u32 code = ent.y + (__float_as_uint(__uint_as_float(ent.x) - y) >> 31);
+#if EDEN
+        const float p = y * __uint_as_float(code != ent.y ? ent.w : ent.z);
+        if (j < 32) ipl[j] = 0.0f + p;
+        else ipl[j & 31] = ipl[j & 31] + p;
+#endif
+        codes[s] = (u8)code;
+    }
+    // Slot order: the wide segment's codes, then the narrow one's, at compile-time bits.
+#pragma unroll
+    for (int i = 0; i < D / 4; i++) {
+        const u32 c4 = *(const u32*)(codes + 4 * i);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            const int sl = 4 * i + e, width = sl < NHI ? BITS : BITS2, pos = frac_bit(sl);
+            const u32 c = (c4 >> (8 * e)) & 0xFFu;
+            W[pos >> 5] += c << (pos & 31);  // cells never overlap: + is |
+            if ((pos & 31) + width > 32) W[(pos >> 5) + 1] += c >> (32 - (pos & 31));
+        }
+    }
+    float scale = norm;
+#if EDEN
+#pragma unroll
+    for (int lv = 4; lv >= 0; lv--) {
+#pragma unroll
+        for (int l = 0; l < 16; l++)
+            if (l < (1 << lv)) ipl[l] = ipl[l] + ipl[l + (1 << lv)];
+    }
+    if (ipl[0] > 0.0f) scale = norm / ipl[0];
+#endif
+    st[32 * ROW_BYTES + lane] = (u8)log_u8_code(scale, sgh[3 * D], pc.edges);
+    for (int o = 32 * ROW_BYTES + 32 + lane; o < PAGE_BYTES; o += 32) st[o] = 0;
+    return slow;
+}
+#define PAGE_FIXUP 1
+// The rare rows page_row hands back: the warp re-encodes each with the warp-per-row code into
+// the page image.
+__device__ __forceinline__ void page_fixup(const void* __restrict__ x, int job, const int* __restrict__ head_idx,
+                                           const float* __restrict__ signs, float rot_scale,
+                                           const float* __restrict__ thresholds,
+                                           const float* __restrict__ centroids, u8* st, bool slow, int lane) {
+    for (u32 todo = __ballot_sync(FULL_MASK, slow); todo; todo &= todo - 1) {
+        const int s = __ffs(todo) - 1;
+        float vw[EPL];
+#pragma unroll
+        for (int k = 0; k < EPL; k++) vw[k] = load_in(x, ((size_t)job * 32 + s) * D + lane + 32 * k);
+        encode_row_warp(vw, st, s, signs + (size_t)head_idx[job] * TW, rot_scale, thresholds, centroids, lane);
+        __syncwarp();
     }
 }
 #endif
