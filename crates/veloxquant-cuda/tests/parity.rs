@@ -400,7 +400,7 @@ fn frac_encode_bit_identical_to_cpu() {
             // Rows of whole words at d ≤ 128 take the thread-per-row kernel (its slow rows,
             // zeros here, the warp-per-row code), the others a warp per row.
             let kernel = GpuEncoder::new(dev, &gf, InputKind::F32).unwrap().kernel();
-            let want = if d <= 128 && gf.row_bytes % 4 == 0 { "thread/row" } else { "warp/row" };
+            let want = if d <= 128 && gf.row_bytes.is_multiple_of(4) { "thread/row" } else { "warp/row" };
             assert_eq!(kernel, want, "{spec} d={d}");
             kernel
         }
