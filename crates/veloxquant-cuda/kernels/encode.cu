@@ -127,6 +127,17 @@ __device__ __forceinline__ void fwht_tpr(float* v) {
     }
 }
 
+// The 32 lane chains s[l] summed by the canonical xor-butterfly's tree (reduce.rs).
+__device__ __forceinline__ float tree32(float* s) {
+#pragma unroll
+    for (int lv = 4; lv >= 0; lv--) {
+#pragma unroll
+        for (int l = 0; l < 16; l++)
+            if (l < (1 << lv)) s[l] = s[l] + s[l + (1 << lv)];
+    }
+    return s[0];
+}
+
 // ‖v‖ in the canonical order (reduce.rs): lane chains l, l + 32, … then the xor-butterfly.
 __device__ __forceinline__ float norm_tpr(const float* v) {
     float ss[32];
@@ -137,13 +148,50 @@ __device__ __forceinline__ float norm_tpr(const float* v) {
 #pragma unroll
         for (int l = 0; l < 32; l++) ss[l] = ss[l] + v[32 * k + l] * v[32 * k + l];
     }
+    return sqrtf(tree32(ss));
+}
+
+// Page codecs that find y's cell in a bin table (format.rs bin_table: bins of 4 words, the
+// first EW of them used): nb bins copied into shared memory as 32/EW copies each (bin b of
+// copy c at word 32 b + c·EW), each lane group reading its own copy, free of bank conflicts.
+template <int EW>
+__device__ __forceinline__ void copy_bins(u32* tab, const u32* __restrict__ table, int nb, int nthreads) {
+    for (int i = threadIdx.x; i < nb * (32 / EW); i += nthreads) {
+        const int b = i / (32 / EW);
 #pragma unroll
-    for (int lv = 4; lv >= 0; lv--) {
-#pragma unroll
-        for (int l = 0; l < 16; l++)
-            if (l < (1 << lv)) ss[l] = ss[l] + ss[l + (1 << lv)];
+        for (int w = 0; w < EW; w++) tab[i * EW + w] = table[b * 4 + w];
     }
-    return sqrtf(ss[0]);
+}
+// The bin entry at shared address a: (thr, base), and for EW = 4 (c(base), c(base + 1)).
+template <int EW>
+__device__ __forceinline__ vec4u bin_entry(u32 a) {
+    vec4u e;
+    if (EW == 4) {
+        asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(e.x), "=r"(e.y), "=r"(e.z), "=r"(e.w) : "r"(a));
+    } else {
+        asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(e.x), "=r"(e.y) : "r"(a));
+        e.z = e.w = 0u;
+    }
+    return e;
+}
+// y's cell from its bin entry: base + (thr < y), as thr < y ⟺ RN(thr − y) < 0 (no ftz:
+// distinct floats never differ by zero): an FADD and one LEA.HI instead of compare + select.
+__device__ __forceinline__ u32 bin_code(const vec4u& e, float y) {
+    return e.y + (__float_as_uint(__uint_as_float(e.x) - y) >> 31);
+}
+
+// The rows of job's page that page_row handed back (slow), each redone by the whole warp:
+// redo(v, s) with v row s's input (lane l: elements l, l + 32, …), then a warp barrier.
+template <class Redo>
+__device__ __forceinline__ void redo_slow_rows(const void* __restrict__ x, int job, bool slow, int lane, Redo redo) {
+    for (u32 todo = __ballot_sync(FULL_MASK, slow); todo; todo &= todo - 1) {
+        const int s = __ffs(todo) - 1;
+        float vw[EPL];
+#pragma unroll
+        for (int k = 0; k < EPL; k++) vw[k] = load_in(x, ((size_t)job * 32 + s) * D + lane + 32 * k);
+        redo(vw, s);
+        __syncwarp();
+    }
 }
 
 // Code j of B bits into the row's words (cells never overlap: + is |).

@@ -500,7 +500,9 @@ impl GpuFormat {
             KernelKind::Q8_0 | KernelKind::Q4_0 | KernelKind::Rabitq | KernelKind::Rvq => true,
             KernelKind::Codes => self.bins.is_some(),
             // Rows of whole words (the page kernel stores a row as words).
-            KernelKind::Frac => self.bins.is_some() && self.row_bytes.is_multiple_of(4) && self.page_bytes.is_multiple_of(4),
+            KernelKind::Frac => {
+                self.bins.is_some() && self.row_bytes.is_multiple_of(4) && self.page_bytes.is_multiple_of(4)
+            }
         }
     }
 

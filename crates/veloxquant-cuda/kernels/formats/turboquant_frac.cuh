@@ -139,11 +139,7 @@ __device__ __forceinline__ PageCodec page_codec(u8* dsm, const u32* __restrict__
                                                const float* __restrict__ thresholds,
                                                const float* __restrict__ centroids, u32 tab_bias, int lane) {
     u32* tab = (u32*)dsm;
-    for (int i = threadIdx.x; i < 2 * NB * COPIES; i += WARPS * 32) {
-        const int b = i / COPIES;
-#pragma unroll
-        for (int w = 0; w < EW; w++) tab[i * EW + w] = table[b * 4 + w];
-    }
+    copy_bins<EW>(tab, table, 2 * NB, WARPS * 32);
     __syncthreads();
     const u32 base = smem_addr(tab) + (u32)((lane % COPIES) * EW * 4) + tab_bias;
     return PageCodec{base, base + NB * 128, thresholds + NTHR + NTHR2};
@@ -174,15 +170,8 @@ __device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, 
         const int s = (int)sgh[2 * D + j];
         const float z = fmaf(y, (float)QS, 12582912.0f);
         const u32 a = (u32)__float_as_int(z) * tab_mul + (s < NHI ? pc.thi : pc.tlo);
-#if EDEN
-        vec4u ent;
-        asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(ent.x), "=r"(ent.y), "=r"(ent.z), "=r"(ent.w) : "r"(a));
-#else
-        vec2u ent;
-        asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(ent.x), "=r"(ent.y) : "r"(a));
-#endif
-        // thr < y ⟺ RN(thr − y) < 0 (turboquant_mse.cuh page_row).
-        const u32 code = ent.y + (__float_as_uint(__uint_as_float(ent.x) - y) >> 31);
+        const vec4u ent = bin_entry<EW>(a);
+        const u32 code = bin_code(ent, y);
 #if EDEN
         const float p = y * __uint_as_float(code != ent.y ? ent.w : ent.z);
         if (j < 32) ipl[j] = 0.0f + p;
@@ -204,13 +193,8 @@ __device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, 
     }
     float scale = norm;
 #if EDEN
-#pragma unroll
-    for (int lv = 4; lv >= 0; lv--) {
-#pragma unroll
-        for (int l = 0; l < 16; l++)
-            if (l < (1 << lv)) ipl[l] = ipl[l] + ipl[l + (1 << lv)];
-    }
-    if (ipl[0] > 0.0f) scale = norm / ipl[0];
+    const float ip = tree32(ipl);
+    if (ip > 0.0f) scale = norm / ip;
 #endif
     st[32 * ROW_BYTES + lane] = (u8)log_u8_code(scale, sgh[3 * D], pc.edges);
     for (int o = 32 * ROW_BYTES + 32 + lane; o < PAGE_BYTES; o += 32) st[o] = 0;
@@ -223,14 +207,9 @@ __device__ __forceinline__ void page_fixup(const void* __restrict__ x, int job, 
                                            const float* __restrict__ signs, float rot_scale,
                                            const float* __restrict__ thresholds,
                                            const float* __restrict__ centroids, u8* st, bool slow, int lane) {
-    for (u32 todo = __ballot_sync(FULL_MASK, slow); todo; todo &= todo - 1) {
-        const int s = __ffs(todo) - 1;
-        float vw[EPL];
-#pragma unroll
-        for (int k = 0; k < EPL; k++) vw[k] = load_in(x, ((size_t)job * 32 + s) * D + lane + 32 * k);
+    redo_slow_rows(x, job, slow, lane, [&](float* vw, int s) {
         encode_row_warp(vw, st, s, signs + (size_t)head_idx[job] * TW, rot_scale, thresholds, centroids, lane);
-        __syncwarp();
-    }
+    });
 }
 #endif
 

@@ -90,11 +90,7 @@ __device__ __forceinline__ PageCodec page_codec(u8* dsm, const u32* __restrict__
                                                const float* __restrict__ thresholds,
                                                const float* __restrict__ centroids, u32 tab_bias, int lane) {
     u32* tab = (u32*)dsm;
-    for (int i = threadIdx.x; i < NB * COPIES; i += WARPS * 32) {
-        int b = i / COPIES;
-#pragma unroll
-        for (int w = 0; w < EW; w++) tab[i * EW + w] = table[b * 4 + w];
-    }
+    copy_bins<EW>(tab, table, NB, WARPS * 32);
     __syncthreads();
     // Bin b of this lane's copy lives at tab + 32 b + (lane % COPIES)·EW; b comes from the bits
     // of z = y·QS + 1.5·2^23 as bits(z) − (0x4B400000 − QK − 1), folded into one multiply-add.
@@ -145,16 +141,8 @@ __device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, 
         // y·QS is exact, so the one rounding of the fma is round(y·QS) + 1.5·2^23.
         const float z = fmaf(y, (float)QS, 12582912.0f);
         const u32 a = (u32)__float_as_int(z) * tab_mul + pc.tbase;  // IMAD: keeps the ALU pipe free
-#if EDEN
-        vec4u ent;
-        asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(ent.x), "=r"(ent.y), "=r"(ent.z), "=r"(ent.w) : "r"(a));
-#else
-        vec2u ent;
-        asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(ent.x), "=r"(ent.y) : "r"(a));
-#endif
-        // thr < y ⟺ RN(thr − y) < 0 (no ftz: distinct floats never differ by zero), so the
-        // cell is base + the sign bit: an FADD and one LEA.HI instead of compare + select.
-        const u32 code = ent.y + (__float_as_uint(__uint_as_float(ent.x) - y) >> 31);
+        const vec4u ent = bin_entry<EW>(a);
+        const u32 code = bin_code(ent, y);
 #if EDEN
         const bool up = code != ent.y;
 #endif
@@ -169,13 +157,8 @@ __device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, 
     }
     float scale = norm;
 #if EDEN
-#pragma unroll
-    for (int lv = 4; lv >= 0; lv--) {
-#pragma unroll
-        for (int l = 0; l < 16; l++)
-            if (l < (1 << lv)) ipl[l] = ipl[l] + ipl[l + (1 << lv)];
-    }
-    if (ipl[0] > 0.0f) scale = norm / ipl[0];
+    const float ip = tree32(ipl);
+    if (ip > 0.0f) scale = norm / ip;
 #endif
     ((u16*)(st + 32 * ROW_BYTES))[lane] = f2h(scale);
     for (int o = 32 * ROW_BYTES + 64 + 4 * lane; o < PAGE_BYTES; o += 128) *(u32*)(st + o) = 0;
@@ -188,11 +171,7 @@ __device__ __forceinline__ void page_fixup(const void* __restrict__ x, int job, 
                                            const float* __restrict__ centroids, u8* st, bool slow, int lane) {
     // The rare rows the fast division does not cover: the whole warp re-encodes each one
     // with the warp-per-row code (plain IEEE division) into the page image.
-    for (u32 todo = __ballot_sync(FULL_MASK, slow); todo; todo &= todo - 1) {
-        const int s = __ffs(todo) - 1;
-        float vw[EPL];
-#pragma unroll
-        for (int k = 0; k < EPL; k++) vw[k] = load_in(x, ((size_t)job * 32 + s) * D + lane + 32 * k);
+    redo_slow_rows(x, job, slow, lane, [&](float* vw, int s) {
 #if ROT
         const float* sg = signs + (size_t)head_idx[job] * D;
 #pragma unroll
@@ -203,8 +182,7 @@ __device__ __forceinline__ void page_fixup(const void* __restrict__ x, int job, 
 #endif
         float sc = codes_row_warp(vw, st + s * ROW_BYTES, thresholds, centroids, lane);
         if (lane == 0) ((u16*)(st + 32 * ROW_BYTES))[s] = f2h(sc);
-        __syncwarp();
-    }
+    });
 }
 #endif
 
@@ -414,16 +392,8 @@ extern "C" __global__ void __launch_bounds__(WARPS2 * 32, MINB2) encode_pages_tp
             const float y = v[j];
             const float z = fmaf(y, (float)QS, 12582912.0f);
             const u32 a = (u32)__float_as_int(z) * tab_mul + tbase;  // IMAD: keeps the ALU pipe free
-#if EDEN
-            vec4u ent;
-            asm("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(ent.x), "=r"(ent.y), "=r"(ent.z), "=r"(ent.w) : "r"(a));
-#else
-            vec2u ent;
-            asm("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(ent.x), "=r"(ent.y) : "r"(a));
-#endif
-            // thr < y ⟺ RN(thr − y) < 0 (no ftz: distinct floats never differ by zero), so the
-            // cell is base + the sign bit: an FADD and one LEA.HI instead of compare + select.
-            const u32 code = ent.y + (__float_as_uint(__uint_as_float(ent.x) - y) >> 31);
+            const vec4u ent = bin_entry<EW>(a);
+            const u32 code = bin_code(ent, y);
 #if EDEN
             const bool up = code != ent.y;
 #endif
