@@ -180,6 +180,7 @@ pub fn bench_device() -> Result<Arc<GpuDevice>> {
         encode_warps2: knob("ENCODE_WARPS2", d.encode_warps2 as i64) as usize,
         encode_minb2: knob("ENCODE_MINB2", d.encode_minb2),
         prefill_warps: knob("PREFILL_WARPS", d.prefill_warps as i64) as usize,
+        smem_limit: knob("SMEM_LIMIT", d.smem_limit as i64).max(0) as usize,
     };
     GpuDevice::new_with(0, t, std::env::var_os("VELOXQUANT_PTX_DIR").map(std::path::PathBuf::from))
 }

@@ -176,7 +176,8 @@ pub struct GpuDevice {
     pub stream: Arc<CudaStream>,
     pub compute_capability: (i32, i32),
     pub sm_count: usize,
-    /// Shared memory one block may opt in to (static + dynamic), bytes.
+    /// Shared memory one block may opt in to (static + dynamic), bytes: the device's, or
+    /// `Tuning::smem_limit` where that is smaller.
     pub max_smem_optin: usize,
     pub name: String,
     /// NVRTC target, `compute_{major}{minor}`.
@@ -261,9 +262,10 @@ impl GpuDevice {
         let sm_count = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("attribute"))? as usize;
-        let max_smem_optin = ctx
+        let device_smem = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(drv("attribute"))? as usize;
+        let max_smem_optin = if tuning.smem_limit > 0 { device_smem.min(tuning.smem_limit) } else { device_smem };
         let name = ctx.name().map_err(drv("name"))?;
         // One created stream for all work (the legacy default stream cannot be captured
         // into a graph, and one stream orders everything without events).

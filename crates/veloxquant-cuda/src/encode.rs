@@ -58,6 +58,14 @@ pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) ->
     ]
 }
 
+/// A page kernel as [`GpuEncoder::page_kernel`] sets it up.
+struct PageKernel {
+    f: CudaFunction,
+    smem: u32,
+    warps: usize,
+    units_per_job: usize,
+}
+
 pub struct GpuEncoder {
     pub dev: Arc<GpuDevice>,
     pub fmt: GpuFormat,
@@ -78,50 +86,24 @@ impl GpuEncoder {
                 why: "the GPU encoder needs the calibrated state (GpuFormat::with_state)".into(),
             }));
         }
-        let t = dev.tuning;
-        let self_warps = t.encode_warps;
-        let pf = (dev.compute_capability.0 >= 8 && t.encode_prefetch) as i64;
-        // turboquant_mse codes: two threads per row (half the registers, twice the warps).
-        let two_per_row = fmt.kind == KernelKind::Codes && pf != 0 && t.encode_two_per_row;
-        let warps2 = t.encode_warps2;
-        let defines = encode_defines(fmt, input, pf, &t);
-        let func = dev.function(Family::Encode, &defines, "encode_rows")?;
-        let s = &dev.stream;
+        let pf = (dev.compute_capability.0 >= 8 && dev.tuning.encode_prefetch) as i64;
         // The register-resident kernels hold a row per lane (or two lanes): d ≤ 128.
         let use_tpr = fmt.t == 32 && fmt.d <= 128 && fmt.page_codec();
-        let tpr = if use_tpr {
-            let (name, warps, rows, upj) = if two_per_row {
-                ("encode_pages_tpr2", warps2, 16, 2)
-            } else {
-                ("encode_pages_tpr", self_warps, 32, 1)
-            };
-            let f = dev.function(Family::Encode, &defines, name)?;
-            let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
-            let stage = rows * (fmt.d * in_bytes + 16);
-            let table_bytes = match fmt.kind {
-                KernelKind::Codes => (2 * BIN_QK as usize + 3) * 128,
-                KernelKind::Frac => 2 * (2 * BIN_QK as usize + 3) * 128,
-                _ => 0,
-            };
-            let stages = if pf != 0 { 2 } else { 1 };
-            // With the prefetch, each stage also holds the page's rotation signs (turboquant_rvq:
-            // both rotations').
-            let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.transform_words() } else { 0 };
-            let smem = (table_bytes + warps * stages * (stage + signs_bytes)) as u32;
-            f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .map_err(drv("set_attribute"))?;
-            let per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem as usize, None)
-                .map_err(drv("occupancy"))?
-                .max(1);
-            let table = fmt.bins.clone().unwrap_or_else(|| vec![0u32; 4]);
-            let td = s.clone_htod(&table).map_err(drv("htod"))?;
-            Some((f, td, smem, per_sm * dev.sm_count as u32, warps, upj))
-        } else {
-            None
+        let tpr = if use_tpr { Self::page_kernel(dev, fmt, input, pf)? } else { None };
+        let tuning = tpr.as_ref().map_or(dev.tuning, |p| p.1);
+        let func = dev.function(Family::Encode, &encode_defines(fmt, input, pf, &tuning), "encode_rows")?;
+        let s = &dev.stream;
+        let tpr = match tpr {
+            Some((PageKernel { f, smem, warps, units_per_job }, _)) => {
+                let per_sm = f
+                    .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem as usize, None)
+                    .map_err(drv("occupancy"))?
+                    .max(1);
+                let table = fmt.bins.clone().unwrap_or_else(|| vec![0u32; 4]);
+                let td = s.clone_htod(&table).map_err(drv("htod"))?;
+                Some((f, td, smem, per_sm * dev.sm_count as u32, warps, units_per_job))
+            }
+            None => None,
         };
         Ok(Self {
             dev: dev.clone(),
@@ -132,6 +114,62 @@ impl GpuEncoder {
             centroids: s.clone_htod(&fmt.centroids).map_err(drv("htod"))?,
             tpr,
         })
+    }
+
+    /// The page kernel (thread per row; two per row for turboquant_mse codes) with as many of
+    /// the tuning's warps per block as the device's shared memory holds (the cell tables, then
+    /// each warp's stages; sm_86/89 allow 99 KiB a block), and the tuning its module was built
+    /// with; `None` where not even one warp fits (then a warp per row encodes).
+    fn page_kernel(
+        dev: &Arc<GpuDevice>,
+        fmt: &GpuFormat,
+        input: InputKind,
+        pf: i64,
+    ) -> Result<Option<(PageKernel, Tuning)>> {
+        let t = dev.tuning;
+        // turboquant_mse codes: two threads per row (half the registers, twice the warps).
+        let two_per_row = fmt.kind == KernelKind::Codes && pf != 0 && t.encode_two_per_row;
+        let (name, mut warps, rows, units_per_job) = if two_per_row {
+            ("encode_pages_tpr2", t.encode_warps2, 16, 2)
+        } else {
+            ("encode_pages_tpr", t.encode_warps, 32, 1)
+        };
+        let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
+        let stage = rows * (fmt.d * in_bytes + 16);
+        let table_bytes = match fmt.kind {
+            KernelKind::Codes => (2 * BIN_QK as usize + 3) * 128,
+            KernelKind::Frac => 2 * (2 * BIN_QK as usize + 3) * 128,
+            _ => 0,
+        };
+        let stages = if pf != 0 { 2 } else { 1 };
+        // With the prefetch, each stage also holds the page's transform (rotation signs;
+        // turboquant_rvq: both rotations'; turboquant_frac: μ, slots and scale base too).
+        let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.transform_words() } else { 0 };
+        let per_warp = stages * (stage + signs_bytes);
+        while warps >= 1 {
+            let mut tw = t;
+            if two_per_row {
+                tw.encode_warps2 = warps;
+            } else {
+                tw.encode_warps = warps;
+            }
+            let f = dev.function(Family::Encode, &encode_defines(fmt, input, pf, &tw), name)?;
+            let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
+            let smem = table_bytes + warps * per_warp;
+            // Past the device's opt-in limit the attribute call fails: not attempted.
+            if static_bytes + smem <= dev.max_smem_optin
+                && f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .is_ok()
+            {
+                return Ok(Some((PageKernel { f, smem: smem as u32, warps, units_per_job }, tw)));
+            }
+            let fit = dev.max_smem_optin.saturating_sub(static_bytes + table_bytes) / per_warp;
+            warps = if fit < warps { fit } else { warps - 1 };
+        }
+        Ok(None)
     }
 
     /// Use the warp-per-row kernel even where the thread-per-row one applies (benchmarks).

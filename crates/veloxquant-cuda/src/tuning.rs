@@ -43,6 +43,9 @@ pub struct Tuning {
     /// Flash prefill: warps per block, 16 query rows each (2, 4 or 8). Fixed per device: the
     /// blocks' row ranges set where the exact-window tiles start, so results differ in rounding.
     pub prefill_warps: usize,
+    /// Shared memory per block the kernels may use, bytes (0: the device's opt-in maximum);
+    /// below it, the maximum of a smaller GPU (sm_86/89: 99 KiB), as tests emulate one.
+    pub smem_limit: usize,
 }
 
 impl Default for Tuning {
@@ -67,6 +70,7 @@ impl Default for Tuning {
             encode_warps2: 8,
             encode_minb2: 2,
             prefill_warps: 4,
+            smem_limit: 0,
         }
     }
 }

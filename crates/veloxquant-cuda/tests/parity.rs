@@ -351,6 +351,32 @@ fn assert_encodes_like_cpu(dev: &Arc<GpuDevice>, cpu: &dyn Format, gf: &GpuForma
     check(&xr, &got, "f16");
 }
 
+/// A calibrated turboquant_frac case: the CPU format (calibrated on rows with a per-channel
+/// mean), its GPU twin, and 8 pages of the awkward rows, every other page around the mean (rows
+/// equal to μ become zero after centering).
+fn frac_case(spec: &FormatSpec, d: usize, t: usize) -> (Arc<dyn Format>, GpuFormat, Vec<f32>) {
+    let seed = 0x7ac + d as u64;
+    let mut rng = SplitMix64::new(seed);
+    let mean: Vec<f32> = (0..d).map(|j| 2.0 * (j as f32 * 0.37).cos()).collect();
+    let mut ctx = FormatCtx::new(d, t, Stream::Keys, seed);
+    ctx.calibration = Some(
+        (0..300 * d)
+            .map(|i| rng.next_gaussian() as f32 * (1 + i % 5) as f32 + mean[i % d])
+            .collect::<Vec<f32>>()
+            .into(),
+    );
+    let cpu = spec.build(&ctx).unwrap();
+    let gf = GpuFormat::with_state(spec, d, t, seed, Stream::Keys, Some(&cpu.export_state())).unwrap();
+    assert_eq!(gf.page_bytes, cpu.page_bytes(), "{spec} d={d}");
+    let mut x = awkward_rows(&mut rng, 8 * t, d);
+    for (i, v) in x.iter_mut().enumerate() {
+        if (i / (t * d)) % 2 == 1 {
+            *v += mean[i % d];
+        }
+    }
+    (cpu, gf, x)
+}
+
 /// turboquant_frac (calibrated: channel map, μ and scale base from the CPU format's state)
 /// encodes bit-identically to the CPU: wide and narrow channels, whole widths, centered or
 /// not, plain and EDEN scales, rows that need byte reads (d = 64 at 2.25 bits: 18-byte rows),
@@ -373,29 +399,7 @@ fn frac_encode_bit_identical_to_cpu() {
     let cases: Vec<(&FormatSpec, usize)> = specs.iter().flat_map(|s| [64usize, 128, 256].map(|d| (s, d))).collect();
     let checked = par_cases(&cases, |dev, &(spec, d)| {
         {
-            let seed = 0x7ac + d as u64;
-            let mut rng = SplitMix64::new(seed);
-            let mean: Vec<f32> = (0..d).map(|j| 2.0 * (j as f32 * 0.37).cos()).collect();
-            let mut ctx = FormatCtx::new(d, t, Stream::Keys, seed);
-            ctx.calibration = Some(
-                (0..300 * d)
-                    .map(|i| rng.next_gaussian() as f32 * (1 + i % 5) as f32 + mean[i % d])
-                    .collect::<Vec<f32>>()
-                    .into(),
-            );
-            let cpu = spec.build(&ctx).unwrap();
-            let state = cpu.export_state();
-            let gf = GpuFormat::with_state(spec, d, t, seed, Stream::Keys, Some(&state)).unwrap();
-            assert_eq!(gf.page_bytes, cpu.page_bytes(), "{spec} d={d}");
-            let n_pages = 8;
-            // The awkward rows, every other page around the calibrated mean (rows equal to μ
-            // become zero after centering).
-            let mut x = awkward_rows(&mut rng, n_pages * t, d);
-            for (i, v) in x.iter_mut().enumerate() {
-                if (i / (t * d)) % 2 == 1 {
-                    *v += mean[i % d];
-                }
-            }
+            let (cpu, gf, x) = frac_case(spec, d, t);
             assert_encodes_like_cpu(dev, cpu.as_ref(), &gf, &x, &format!("{spec} d={d}"));
             // Rows of whole words at d ≤ 128 take the thread-per-row kernel (its slow rows,
             // zeros here, the warp-per-row code), the others a warp per row.
@@ -411,6 +415,56 @@ fn frac_encode_bit_identical_to_cpu() {
         checked.len()
     );
     assert_eq!((checked.len(), tpr), (18, 10));
+}
+
+/// On a device that allows 99 KiB of shared memory per block (sm_86/89; emulated here by
+/// `Tuning::smem_limit`) the page encoders run with the warps that fit (or a warp per row),
+/// bit-identical to the CPU (f32 and f16 input), and decode picks variants that fit, within
+/// 2e-3 of the CPU reference (vecinfer's codebooks from global memory: 128 KiB staged would
+/// not fit).
+#[test]
+fn a_99_kib_device_encodes_and_decodes_like_the_cpu() {
+    if device().is_none() {
+        return;
+    }
+    let tuning = veloxquant_cuda::Tuning { smem_limit: 99 * 1024, ..Default::default() };
+    let small = GpuDevice::new_with(0, tuning, None).unwrap();
+    assert_eq!(small.max_smem_optin, 99 * 1024, "the device allows at least 99 KiB");
+    let t = 32;
+    let mut kernels = Vec::new();
+    for (spec, d) in [
+        ("turboquant_mse:4:eden", 128),
+        ("turboquant_mse:3", 64),
+        ("q4_0", 128),
+        ("rabitq", 128),
+        ("turboquant_rvq:2:2", 128),
+        ("turboquant_frac:3.5:center:eden", 128),
+        ("turboquant_frac:2.5:center", 64),
+    ] {
+        let spec = FormatSpec::parse(spec).unwrap();
+        let (cpu, gf, x) = if spec.desc().needs_calibration {
+            frac_case(&spec, d, t)
+        } else {
+            let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, 9)).unwrap();
+            (cpu, GpuFormat::new(&spec, d, t, 9).unwrap(), awkward_rows(&mut SplitMix64::new(d as u64), 8 * t, d))
+        };
+        assert_encodes_like_cpu(&small, cpu.as_ref(), &gf, &x, &format!("{spec} d={d} at 99 KiB"));
+        for input in [InputKind::F32, InputKind::F16] {
+            kernels.push(format!("{spec} d={d} {input:?}: {}", GpuEncoder::new(&small, &gf, input).unwrap().kernel()));
+        }
+    }
+    eprintln!("encoders at 99 KiB: {kernels:#?}");
+    let mut worst = 0f64;
+    for (k, v) in [
+        ("vecinfer:8", "vecinfer:8"),
+        ("turboquant_mse:4", "turboquant_mse:4"),
+        ("turboquant_mse:3", "turboquant_mse:2"),
+    ] {
+        let c = Case { k, v, d: 128, gqa: 4, recent: 8, sink: 4, page_mode: false, lens: &[300, 33, 1] };
+        worst = worst.max(run_case(&small, &c, 3));
+    }
+    assert!(worst <= 2e-3, "{worst:.2e}");
+    eprintln!("decode at 99 KiB: worst rel err {worst:.2e}");
 }
 
 /// vecinfer (calibrated: λ and k-means codebooks from the CPU format's state) encodes
