@@ -1,6 +1,7 @@
 //! Fused encode on the GPU: norm → rotation → quantize → pack → side info, bit-identical to
 //! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0, rabitq,
-//! turboquant_rvq, turboquant_frac (rows of whole words) and turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
+//! turboquant_rvq, turboquant_frac (rows of whole words; behind `Tuning::encode_frac_pages`) and
+//! turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
 //! one warp per page, one lane per row, all in registers; two lanes per row for the codes);
 //! fp16 and other page sizes use one warp per row (`encode_rows`), qjl and turboquant_prod one
 //! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all), kivi one
@@ -88,7 +89,10 @@ impl GpuEncoder {
         }
         let pf = (dev.compute_capability.0 >= 8 && dev.tuning.encode_prefetch) as i64;
         // The register-resident kernels hold a row per lane (or two lanes): d ≤ 128.
-        let use_tpr = fmt.t == 32 && fmt.d <= 128 && fmt.page_codec();
+        let use_tpr = fmt.t == 32
+            && fmt.d <= 128
+            && fmt.page_codec()
+            && (fmt.kind != KernelKind::Frac || dev.tuning.encode_frac_pages);
         let tpr = if use_tpr { Self::page_kernel(dev, fmt, input, pf)? } else { None };
         let tuning = tpr.as_ref().map_or(dev.tuning, |p| p.1);
         let func = dev.function(Family::Encode, &encode_defines(fmt, input, pf, &tuning), "encode_rows")?;

@@ -37,6 +37,10 @@ pub struct Tuning {
     pub encode_prefetch: bool,
     /// turboquant_mse codes: two threads per row.
     pub encode_two_per_row: bool,
+    /// turboquant_frac pages by the thread-per-row encoder (rows of whole words, d ≤ 128).
+    /// Off until the parity suite has run it on a GPU (written 2026-12-06 without one; the
+    /// warp-per-row encoder is the checked one).
+    pub encode_frac_pages: bool,
     /// Two-threads-per-row encode: warps per block, and blocks per SM.
     pub encode_warps2: usize,
     pub encode_minb2: i64,
@@ -67,6 +71,7 @@ impl Default for Tuning {
             encode_minb: 2,
             encode_prefetch: true,
             encode_two_per_row: true,
+            encode_frac_pages: false,
             encode_warps2: 8,
             encode_minb2: 2,
             prefill_warps: 4,

@@ -26,6 +26,15 @@ fn device() -> Option<Arc<GpuDevice>> {
 /// same module twice. `PARITY_WORKERS` sets the count (default: a quarter of the host's cores,
 /// as the harness runs tests side by side too).
 fn par_cases<T: Sync, R: Send>(items: &[T], f: impl Fn(&Arc<GpuDevice>, &T) -> R + Sync) -> Vec<R> {
+    par_cases_with(veloxquant_cuda::Tuning::default(), items, f)
+}
+
+/// [`par_cases`] on devices built with `tuning`.
+fn par_cases_with<T: Sync, R: Send>(
+    tuning: veloxquant_cuda::Tuning,
+    items: &[T],
+    f: impl Fn(&Arc<GpuDevice>, &T) -> R + Sync,
+) -> Vec<R> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let workers = std::env::var("PARITY_WORKERS")
         .ok()
@@ -37,7 +46,7 @@ fn par_cases<T: Sync, R: Send>(items: &[T], f: impl Fn(&Arc<GpuDevice>, &T) -> R
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
-                let dev = GpuDevice::new(0).expect("a second device handle on the GPU the test found");
+                let dev = GpuDevice::new_with(0, tuning, None).expect("a device handle on the GPU the test found");
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(item) = items.get(i) else { break };
@@ -397,7 +406,9 @@ fn frac_encode_bit_identical_to_cpu() {
     ]
     .map(|s| FormatSpec::parse(s).unwrap());
     let cases: Vec<(&FormatSpec, usize)> = specs.iter().flat_map(|s| [64usize, 128, 256].map(|d| (s, d))).collect();
-    let checked = par_cases(&cases, |dev, &(spec, d)| {
+    // The thread-per-row encoder is off by default until this test has run it.
+    let tuning = veloxquant_cuda::Tuning { encode_frac_pages: true, ..Default::default() };
+    let checked = par_cases_with(tuning, &cases, |dev, &(spec, d)| {
         {
             let (cpu, gf, x) = frac_case(spec, d, t);
             assert_encodes_like_cpu(dev, cpu.as_ref(), &gf, &x, &format!("{spec} d={d}"));
@@ -427,7 +438,7 @@ fn a_99_kib_device_encodes_and_decodes_like_the_cpu() {
     if device().is_none() {
         return;
     }
-    let tuning = veloxquant_cuda::Tuning { smem_limit: 99 * 1024, ..Default::default() };
+    let tuning = veloxquant_cuda::Tuning { smem_limit: 99 * 1024, encode_frac_pages: true, ..Default::default() };
     let small = GpuDevice::new_with(0, tuning, None).unwrap();
     assert_eq!(small.max_smem_optin, 99 * 1024, "the device allows at least 99 KiB");
     let t = 32;
