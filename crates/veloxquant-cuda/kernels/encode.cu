@@ -339,11 +339,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 #endif
 #if ROT
         {
-#if PF
-            const vec4u* sg = (const vec4u*)(st + STAGE);
-#else
-            const vec4u* sg = (const vec4u*)(signs + (size_t)head_idx[job] * TW);
-#endif
+            const vec4u* sg = (const vec4u*)sgh;  // the rotation's signs lead the transform
 #pragma unroll
             for (int i = 0; i < D / 4; i++) {
                 vec4u s = sg[i];

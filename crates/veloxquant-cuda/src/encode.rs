@@ -140,11 +140,8 @@ impl GpuEncoder {
         };
         let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
         let stage = rows * (fmt.d * in_bytes + 16);
-        let table_bytes = match fmt.kind {
-            KernelKind::Codes => (2 * BIN_QK as usize + 3) * 128,
-            KernelKind::Frac => 2 * (2 * BIN_QK as usize + 3) * 128,
-            _ => 0,
-        };
+        // The cell tables' bins (4 words each) in shared memory take 128 bytes each.
+        let table_bytes = fmt.bins.as_ref().map_or(0, |b| b.len() / 4 * 128);
         let stages = if pf != 0 { 2 } else { 1 };
         // With the prefetch, each stage also holds the page's transform (rotation signs;
         // turboquant_rvq: both rotations'; turboquant_frac: μ, slots and scale base too).

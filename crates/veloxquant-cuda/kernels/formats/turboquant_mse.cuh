@@ -229,11 +229,7 @@ extern "C" __global__ void __launch_bounds__(WARPS2 * 32, MINB2) encode_pages_tp
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int r = lane & 15, s = lane >> 4;
     u32* tab = (u32*)dsm;
-    for (int i = threadIdx.x; i < NB * COPIES; i += WARPS2 * 32) {
-        int b = i / COPIES;
-#pragma unroll
-        for (int w = 0; w < EW; w++) tab[i * EW + w] = table[b * 4 + w];
-    }
+    copy_bins<EW>(tab, table, NB, WARPS2 * 32);
     __syncthreads();
     const u32 tbase = smem_addr(tab) + (u32)((lane % COPIES) * EW * 4) + tab_bias;
     u8* const st0 = dsm + TAB_BYTES + warp * 2 * BUF2;
