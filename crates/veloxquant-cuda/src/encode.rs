@@ -67,6 +67,84 @@ struct PageKernel {
     units_per_job: usize,
 }
 
+/// Whether `fmt` pages are encoded by a page kernel (thread per row) where its shared memory
+/// fits: pages of 32 rows, a row per lane (or two) in registers (d ≤ 128), of a format with a
+/// page codec.
+pub fn has_page_kernel(fmt: &GpuFormat, t: &Tuning) -> bool {
+    fmt.t == 32 && fmt.d <= 128 && fmt.page_codec() && (fmt.kind != KernelKind::Frac || t.encode_frac_pages)
+}
+
+/// A page kernel's shared memory: the cell tables once per block, then each warp's stages
+/// (its 32 or 16 input rows, and with the prefetch a second stage and the page's transform).
+#[derive(Clone, Copy, Debug)]
+pub struct PageSmem {
+    pub name: &'static str,
+    /// The tuning's warps per block (the most the host builds).
+    pub warps: usize,
+    pub table_bytes: usize,
+    pub per_warp: usize,
+    two_per_row: bool,
+    units_per_job: usize,
+}
+
+impl PageSmem {
+    pub fn new(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> Self {
+        // turboquant_mse codes: two threads per row (half the registers, twice the warps).
+        let two_per_row = fmt.kind == KernelKind::Codes && pf != 0 && t.encode_two_per_row;
+        let (name, warps, rows, units_per_job) = if two_per_row {
+            ("encode_pages_tpr2", t.encode_warps2, 16, 2)
+        } else {
+            ("encode_pages_tpr", t.encode_warps, 32, 1)
+        };
+        let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
+        let stage = rows * (fmt.d * in_bytes + 16);
+        // The cell tables' bins (4 words each) in shared memory take 128 bytes each.
+        let table_bytes = fmt.bins.as_ref().map_or(0, |b| b.len() / 4 * 128);
+        let stages = if pf != 0 { 2 } else { 1 };
+        // With the prefetch, each stage also holds the page's transform (rotation signs;
+        // turboquant_rvq: both rotations'; turboquant_frac: μ, slots and scale base too).
+        let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.transform_words() } else { 0 };
+        Self { name, warps, table_bytes, per_warp: stages * (stage + signs_bytes), two_per_row, units_per_job }
+    }
+
+    /// Dynamic shared bytes of a block of `warps`.
+    pub fn dynamic_bytes(&self, warps: usize) -> usize {
+        self.table_bytes + warps * self.per_warp
+    }
+
+    /// The most warps (up to the tuning's) whose block fits `limit` bytes beside
+    /// `static_bytes` of static shared memory (0: none fits).
+    pub fn fitting_warps(&self, limit: usize, static_bytes: usize) -> usize {
+        (limit.saturating_sub(static_bytes + self.table_bytes) / self.per_warp).min(self.warps)
+    }
+
+    /// `t` with this kernel's warps per block set to `warps`.
+    pub fn tuning(&self, t: &Tuning, warps: usize) -> Tuning {
+        let mut tw = *t;
+        if self.two_per_row {
+            tw.encode_warps2 = warps;
+        } else {
+            tw.encode_warps = warps;
+        }
+        tw
+    }
+
+    /// Every tuning a device granting `limit` bytes a block may build this kernel with, when
+    /// its static shared memory is below one warp's share (the compile-all test checks that
+    /// bound on the PTX): the tuning's warps, and those that fit beside 0 or
+    /// `per_warp − 1` static bytes.
+    pub fn tunings(&self, t: &Tuning, limit: usize) -> Vec<Tuning> {
+        let mut w = vec![self.warps];
+        for static_bytes in [0, self.per_warp - 1] {
+            let fit = self.fitting_warps(limit, static_bytes);
+            if fit >= 1 && !w.contains(&fit) {
+                w.push(fit);
+            }
+        }
+        w.into_iter().map(|w| self.tuning(t, w)).collect()
+    }
+}
+
 pub struct GpuEncoder {
     pub dev: Arc<GpuDevice>,
     pub fmt: GpuFormat,
@@ -88,12 +166,7 @@ impl GpuEncoder {
             }));
         }
         let pf = (dev.compute_capability.0 >= 8 && dev.tuning.encode_prefetch) as i64;
-        // The register-resident kernels hold a row per lane (or two lanes): d ≤ 128.
-        let use_tpr = fmt.t == 32
-            && fmt.d <= 128
-            && fmt.page_codec()
-            && (fmt.kind != KernelKind::Frac || dev.tuning.encode_frac_pages);
-        let tpr = if use_tpr { Self::page_kernel(dev, fmt, input, pf)? } else { None };
+        let tpr = if has_page_kernel(fmt, &dev.tuning) { Self::page_kernel(dev, fmt, input, pf)? } else { None };
         let tuning = tpr.as_ref().map_or(dev.tuning, |p| p.1);
         let func = dev.function(Family::Encode, &encode_defines(fmt, input, pf, &tuning), "encode_rows")?;
         let s = &dev.stream;
@@ -121,42 +194,22 @@ impl GpuEncoder {
     }
 
     /// The page kernel (thread per row; two per row for turboquant_mse codes) with as many of
-    /// the tuning's warps per block as the device's shared memory holds (the cell tables, then
-    /// each warp's stages; sm_86/89 allow 99 KiB a block), and the tuning its module was built
-    /// with; `None` where not even one warp fits (then a warp per row encodes).
+    /// the tuning's warps per block as the device's shared memory holds ([`PageSmem`]), and
+    /// the tuning its module was built with; `None` where not even one warp fits (then a warp
+    /// per row encodes).
     fn page_kernel(
         dev: &Arc<GpuDevice>,
         fmt: &GpuFormat,
         input: InputKind,
         pf: i64,
     ) -> Result<Option<(PageKernel, Tuning)>> {
-        let t = dev.tuning;
-        // turboquant_mse codes: two threads per row (half the registers, twice the warps).
-        let two_per_row = fmt.kind == KernelKind::Codes && pf != 0 && t.encode_two_per_row;
-        let (name, mut warps, rows, units_per_job) = if two_per_row {
-            ("encode_pages_tpr2", t.encode_warps2, 16, 2)
-        } else {
-            ("encode_pages_tpr", t.encode_warps, 32, 1)
-        };
-        let in_bytes = if input == InputKind::F32 { 4 } else { 2 };
-        let stage = rows * (fmt.d * in_bytes + 16);
-        // The cell tables' bins (4 words each) in shared memory take 128 bytes each.
-        let table_bytes = fmt.bins.as_ref().map_or(0, |b| b.len() / 4 * 128);
-        let stages = if pf != 0 { 2 } else { 1 };
-        // With the prefetch, each stage also holds the page's transform (rotation signs;
-        // turboquant_rvq: both rotations'; turboquant_frac: μ, slots and scale base too).
-        let signs_bytes = if stages == 2 && fmt.rotation.is_some() { 4 * fmt.transform_words() } else { 0 };
-        let per_warp = stages * (stage + signs_bytes);
+        let plan = PageSmem::new(fmt, input, pf, &dev.tuning);
+        let mut warps = plan.warps;
         while warps >= 1 {
-            let mut tw = t;
-            if two_per_row {
-                tw.encode_warps2 = warps;
-            } else {
-                tw.encode_warps = warps;
-            }
-            let f = dev.function(Family::Encode, &encode_defines(fmt, input, pf, &tw), name)?;
+            let tw = plan.tuning(&dev.tuning, warps);
+            let f = dev.function(Family::Encode, &encode_defines(fmt, input, pf, &tw), plan.name)?;
             let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
-            let smem = table_bytes + warps * per_warp;
+            let smem = plan.dynamic_bytes(warps);
             // Past the device's opt-in limit the attribute call fails: not attempted.
             if static_bytes + smem <= dev.max_smem_optin
                 && f.set_attribute(
@@ -165,10 +218,10 @@ impl GpuEncoder {
                 )
                 .is_ok()
             {
+                let units_per_job = plan.units_per_job;
                 return Ok(Some((PageKernel { f, smem: smem as u32, warps, units_per_job }, tw)));
             }
-            let fit = dev.max_smem_optin.saturating_sub(static_bytes + table_bytes) / per_warp;
-            warps = if fit < warps { fit } else { warps - 1 };
+            warps = plan.fitting_warps(dev.max_smem_optin, static_bytes).min(warps - 1);
         }
         Ok(None)
     }

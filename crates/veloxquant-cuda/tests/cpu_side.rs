@@ -249,7 +249,9 @@ fn kivi_markstein_codes_equal_the_divisions() {
 }
 
 /// Every module configuration the host can request compiles with NVRTC for sm_80 and sm_90, and
-/// those of d = 128 for sm_86 and sm_89 (the same configurations as sm_80's; no GPU needed: CI installs libnvrtc from the `nvidia-cuda-nvrtc` wheel). Skips,
+/// those of d = 128 for sm_86 and sm_89 (the same configurations as sm_80's), encoders included
+/// at the fewer warps a device's shared memory may impose (no GPU needed: CI installs libnvrtc
+/// from the `nvidia-cuda-nvrtc` wheel). Skips,
 /// saying so, where libnvrtc cannot be loaded. For kernel refactors: `VELOXQUANT_PTX_DIGEST=F`
 /// writes one line per configuration (key, then a hash of its PTX) to F, so two trees' PTX can
 /// be compared (`diff`); `VELOXQUANT_PTX_SAVE=DIR` writes each PTX there; `VELOXQUANT_PTX_ONLY=S`
@@ -258,7 +260,7 @@ fn kivi_markstein_codes_equal_the_divisions() {
 fn every_kernel_configuration_compiles() {
     use veloxquant::CacheConfig;
     use veloxquant_cuda::device::{compile_ptx, libraries_present_nvrtc, Family};
-    use veloxquant_cuda::encode::encode_defines;
+    use veloxquant_cuda::encode::{encode_defines, has_page_kernel, PageSmem};
     use veloxquant_cuda::{cache::kv_defines, prefill::prefill_defines, GpuCacheConfig, InputKind};
     if let Err(e) = libraries_present_nvrtc() {
         eprintln!("SKIPPED: {e} (set LD_LIBRARY_PATH to a libnvrtc, e.g. from the nvidia-cuda-nvrtc wheel)");
@@ -304,26 +306,61 @@ fn every_kernel_configuration_compiles() {
     type Job = (String, Family, Vec<(String, i64)>, &'static str);
     let mut jobs: Vec<Job> = Vec::new();
     let mut seen = std::collections::HashSet::new();
+    // Page-kernel modules built with fewer warps, and a bound on their static shared bytes.
+    let mut static_caps = std::collections::HashMap::new();
     for (arch, cc) in archs {
         let mut compile = |fam: Family, defs: Vec<(String, i64)>| {
             let d: Vec<(&str, i64)> = defs.iter().map(|(k, v)| (k.as_str(), *v)).collect();
             let key = format!("{arch}/{}", veloxquant_cuda::device::module_key(fam, &d));
             if seen.insert(key.clone()) {
-                jobs.push((key, fam, defs, arch));
+                jobs.push((key.clone(), fam, defs, arch));
             }
+            key
         };
         let owned = |d: &[(&str, i64)]| d.iter().map(|(k, v)| (k.to_string(), *v)).collect::<Vec<_>>();
+        // The encoders' modules: the tuning's, and those the page kernel is built with where
+        // its warps do not all fit the block's shared memory (encode.rs PageSmem) on this
+        // target's devices (sm_80: 163 KiB, sm_86/89: 99 KiB, sm_90: 227 KiB; sm_80 and sm_90
+        // also at 99 KiB: sm_86/89's head sizes other than 128, and Tuning::smem_limit).
+        let limits: &[usize] = match cc {
+            (8, 0) => &[163 << 10, 99 << 10],
+            (9, 0) => &[227 << 10, 99 << 10],
+            _ => &[99 << 10],
+        };
+        let encoder_modules = |f: &GpuFormat| {
+            let t = veloxquant_cuda::Tuning { encode_frac_pages: true, ..Default::default() };
+            let mut m = Vec::new();
+            for input in [InputKind::F32, InputKind::F16] {
+                m.push((owned(&encode_defines(f, input, 1, &t)), None));
+                if has_page_kernel(f, &t) {
+                    let plan = PageSmem::new(f, input, 1, &t);
+                    for &limit in limits {
+                        m.extend(
+                            plan.tunings(&t, limit)
+                                .into_iter()
+                                .filter(|tw| *tw != t)
+                                .map(|tw| (owned(&encode_defines(f, input, 1, &tw)), Some(plan.per_warp))),
+                        );
+                    }
+                }
+            }
+            m
+        };
         compile(Family::Model, Vec::new());
-        // sm_86 and sm_89 get exactly sm_80's configurations (the host's choices differ only
-        // from sm_90 on: FAST, PDL), and each compiles for a newer target what sm_80's does:
-        // d = 128 of them proves the targets (all three sizes took 40 min on 2 cores).
+        // sm_86 and sm_89 get sm_80's configurations at 99 KiB (the host's choices differ only
+        // from sm_90 on: FAST, PDL; sm_80 builds its 99 KiB encoders too), and each compiles
+        // for a newer target what sm_80's does: d = 128 of them proves the targets (all three
+        // sizes took 40 min on 2 cores).
         let ds: &[usize] = if matches!(cc, (8, 6) | (8, 9)) { &[128] } else { &[64, 128, 256] };
         for &d in ds {
             let fmts: Vec<GpuFormat> =
                 specs.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();
             for f in &fmts {
-                for input in [InputKind::F32, InputKind::F16] {
-                    compile(Family::Encode, owned(&encode_defines(f, input, 1, &veloxquant_cuda::Tuning::default())));
+                for (defs, cap) in encoder_modules(f) {
+                    let key = compile(Family::Encode, defs);
+                    if let Some(cap) = cap {
+                        static_caps.insert(key, cap);
+                    }
                 }
                 for (sink, recent, rows) in [(0, 0, true), (4, 8, true), (0, 32, false)] {
                     let mut cpu = CacheConfig::new(1, 2, d, f.spec.clone(), f.spec.clone());
@@ -409,11 +446,9 @@ fn every_kernel_configuration_compiles() {
                 let spec = FormatSpec::parse(s).unwrap();
                 let kv = [Stream::Keys, Stream::Values].map(|st| GpuFormat::for_stream(&spec, d, 32, 3, st).unwrap());
                 for f in &kv {
-                    for input in [InputKind::F32, InputKind::F16] {
-                        compile(
-                            Family::Encode,
-                            owned(&encode_defines(f, input, 1, &veloxquant_cuda::Tuning::default())),
-                        );
+                    for (defs, cap) in encoder_modules(f) {
+                        assert!(cap.is_none(), "kivi has no page kernel");
+                        compile(Family::Encode, defs);
                     }
                     for (sink, recent) in [(0, 0), (4, 8)] {
                         let mut cpu = CacheConfig::new(1, 2, d, spec.clone(), spec.clone());
@@ -444,7 +479,7 @@ fn every_kernel_configuration_compiles() {
     let save_dir = std::env::var_os("VELOXQUANT_PTX_SAVE");
     let next = std::sync::atomic::AtomicUsize::new(0);
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let mut done: Vec<(String, f64, Option<u64>)> = std::thread::scope(|sc| {
+    let mut done: Vec<(String, f64, Option<u64>, Option<usize>)> = std::thread::scope(|sc| {
         let workers: Vec<_> = (0..threads)
             .map(|_| {
                 sc.spawn(|| {
@@ -461,13 +496,15 @@ fn every_kernel_configuration_compiles() {
                             std::fs::write(std::path::Path::new(dir).join(format!("{name}.ptx")), ptx.to_src())
                                 .expect("write the PTX");
                         }
+                        // Static shared bytes, all the module's kernels together (≥ any one's).
+                        let static_bytes = static_caps.contains_key(key).then(|| static_shared_bytes(&ptx.to_src()));
                         let hash = digest_path.as_ref().map(|_| {
                             use std::hash::{Hash, Hasher};
                             let mut h = std::collections::hash_map::DefaultHasher::new();
                             ptx.to_src().hash(&mut h);
                             h.finish()
                         });
-                        mine.push((key.clone(), secs, hash));
+                        mine.push((key.clone(), secs, hash, static_bytes));
                     }
                 })
             })
@@ -475,8 +512,15 @@ fn every_kernel_configuration_compiles() {
         workers.into_iter().flat_map(|w| w.join().expect("a compile worker panicked")).collect()
     });
     assert_eq!(done.len(), jobs.len());
+    // PageSmem::tunings holds where static shared memory is below a warp's share.
+    for (key, _, _, static_bytes) in &done {
+        if let Some(b) = static_bytes {
+            assert!(*b < static_caps[key], "{key}: {b} static shared bytes, not below a warp's {}", static_caps[key]);
+        }
+    }
+    let reduced = done.iter().filter(|d| d.3.is_some()).count();
     if let Some(path) = &digest_path {
-        let mut lines: Vec<String> = done.iter().map(|(k, _, h)| format!("{k} {:016x}\n", h.unwrap_or(0))).collect();
+        let mut lines: Vec<String> = done.iter().map(|(k, _, h, _)| format!("{k} {:016x}\n", h.unwrap_or(0))).collect();
         lines.sort();
         std::fs::write(path, lines.concat()).expect("write the PTX digest");
         eprintln!("PTX digest of {} configurations written to {path:?}", lines.len());
@@ -484,12 +528,31 @@ fn every_kernel_configuration_compiles() {
     done.sort_by(|a, b| b.1.total_cmp(&a.1));
     let total: f64 = done.iter().map(|d| d.1).sum();
     eprintln!(
-        "compiled {} module configurations on {threads} threads ({total:.0} s of compiles; slowest first):",
+        "compiled {} module configurations ({reduced} of them encoders with fewer warps for smaller shared \
+         memory) on {threads} threads ({total:.0} s of compiles; slowest first):",
         done.len()
     );
-    for (key, secs, _) in &done {
+    for (key, secs, ..) in &done {
         eprintln!("{secs:6.2} s  {key}");
     }
+}
+
+/// Bytes of a PTX module's static `.shared` arrays (`.shared .align A .b8 name[N];`).
+fn static_shared_bytes(ptx: &str) -> usize {
+    ptx.lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with(".shared") && !l.starts_with(".shared .extern"))
+        .map(|l| {
+            let width = [(".b8", 1), (".b16", 2), (".b32", 4), (".f32", 4), (".b64", 8), (".u8", 1), (".u32", 4)]
+                .iter()
+                .find(|(t, _)| l.contains(&format!("{t} ")))
+                .unwrap_or_else(|| panic!("unknown .shared type: {l}"))
+                .1;
+            let count =
+                l.split('[').skip(1).map(|n| n.split(']').next().unwrap().parse::<usize>().unwrap()).product::<usize>();
+            width * count.max(1)
+        })
+        .sum()
 }
 
 /// The kernel files (kernels/formats/) and the host agree on which encode kernels each format
@@ -499,7 +562,7 @@ fn every_kernel_configuration_compiles() {
 #[test]
 fn format_kernel_files_match_the_host() {
     use veloxquant_cuda::device::{compile_ptx, libraries_present_nvrtc, Family};
-    use veloxquant_cuda::encode::encode_defines;
+    use veloxquant_cuda::encode::{encode_defines, has_page_kernel};
     use veloxquant_cuda::format::KernelKind;
     use veloxquant_cuda::{InputKind, Tuning};
     if let Err(e) = libraries_present_nvrtc() {
@@ -532,7 +595,7 @@ fn format_kernel_files_match_the_host() {
                     .to_src();
             let got = entries(&ptx);
             let has = |name: &str| got.iter().any(|e| e == name);
-            let tpr = t == 32 && d <= 128 && f.page_codec();
+            let tpr = has_page_kernel(&f, &Tuning { encode_frac_pages: true, ..Default::default() });
             assert!(has("encode_rows"), "{spec} d={d} T={t}: {got:?}");
             assert_eq!(has("encode_pages_tpr"), tpr, "{spec} d={d} T={t}: {got:?}");
             assert_eq!(has("encode_pages_tpr2"), tpr && f.kind == KernelKind::Codes, "{spec} d={d} T={t}: {got:?}");
