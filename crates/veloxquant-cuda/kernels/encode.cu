@@ -90,7 +90,7 @@ extern "C" __global__ void ENCODE_ROWS_BOUNDS encode_rows(
 // (built and checked on the host: code = base + (thr < y)), replicated per lane group so the
 // lookups are free of bank conflicts. Extra defines: WARPS (warps per block), QK (bins).
 // Only for D ≤ 128, the sizes the host runs them at (a row in one lane's registers).
-#if T == 32 && D <= 128 && PAGE_CODEC
+#if T == 32 && D <= 128 && (PAGE_CODEC || PAGE_MMA)
 #define IN_B (IN_KIND == 0 ? 4 : 2)
 #define ROW_IN (D * IN_B)
 #define RS (ROW_IN + 16)
@@ -249,6 +249,7 @@ __device__ __forceinline__ PageCodec page_codec(u8* dsm, const u32* __restrict__
 // with the warp-per-row code; with PAGE_STATE, its PageCodec and the per-block set-up
 // page_codec (tables, registers).
 // @formats FMT_PAGE
+#if PAGE_CODEC
 #ifndef TAB_BYTES
 #define TAB_BYTES 0
 #endif
@@ -384,6 +385,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
         __syncwarp();
     }
 }
+#endif  // PAGE_CODEC
 #endif
 
 // Read bandwidth probe and a hashed N(0,1) generator (f16) for benchmarks.

@@ -178,6 +178,8 @@ pub fn bench_device() -> Result<Arc<GpuDevice>> {
         encode_prefetch: knob("ENCODE_PF", d.encode_prefetch as i64) != 0,
         encode_two_per_row: knob("ENCODE_TPR2", d.encode_two_per_row as i64) != 0,
         encode_frac_pages: knob("ENCODE_FRAC_PAGES", d.encode_frac_pages as i64) != 0,
+        encode_sketch_mma: knob("ENCODE_SKETCH_MMA", d.encode_sketch_mma as i64) != 0,
+        encode_sketch_warps: knob("ENCODE_SKETCH_WARPS", d.encode_sketch_warps as i64) as usize,
         encode_warps2: knob("ENCODE_WARPS2", d.encode_warps2 as i64) as usize,
         encode_minb2: knob("ENCODE_MINB2", d.encode_minb2),
         prefill_warps: knob("PREFILL_WARPS", d.prefill_warps as i64) as usize,

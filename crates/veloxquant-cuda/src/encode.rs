@@ -74,6 +74,17 @@ pub fn has_page_kernel(fmt: &GpuFormat, t: &Tuning) -> bool {
     fmt.t == 32 && fmt.d <= 128 && fmt.page_codec() && (fmt.kind != KernelKind::Frac || t.encode_frac_pages)
 }
 
+/// Whether `fmt` pages of `input` are encoded on tensor cores (`encode_sketch_mma`): qjl, pages
+/// of 32, d 64 or 128, f16 input, sm_80+, and the tuning asks for it.
+pub fn has_sketch_mma(fmt: &GpuFormat, input: InputKind, dev: &GpuDevice) -> bool {
+    fmt.kind == KernelKind::Sketch
+        && fmt.t == 32
+        && matches!(fmt.d, 64 | 128)
+        && input == InputKind::F16
+        && dev.compute_capability.0 >= 8
+        && dev.tuning.encode_sketch_mma
+}
+
 /// A page kernel's shared memory: the cell tables once per block, then each warp's stages
 /// (its 32 or 16 input rows, and with the prefetch a second stage and the page's transform).
 #[derive(Clone, Copy, Debug)]
@@ -145,6 +156,15 @@ impl PageSmem {
     }
 }
 
+/// qjl's tensor-core page kernel (`encode_sketch_mma`, kernels/formats/qjl.cuh) as set up:
+/// dynamic shared bytes, warps (pages) per block, grid cap.
+struct SketchMma {
+    f: CudaFunction,
+    smem: u32,
+    warps: usize,
+    max_grid: u32,
+}
+
 pub struct GpuEncoder {
     pub dev: Arc<GpuDevice>,
     pub fmt: GpuFormat,
@@ -155,6 +175,7 @@ pub struct GpuEncoder {
     /// Thread-per-row kernel, its cell table, dynamic shared bytes, grid cap, warps per block
     /// and warp work units per page (1, or 2 for the two-threads-per-row kernel).
     tpr: Option<(CudaFunction, CudaSlice<u32>, u32, u32, usize, usize)>,
+    sketch: Option<SketchMma>,
 }
 
 impl GpuEncoder {
@@ -169,6 +190,8 @@ impl GpuEncoder {
         let tpr = if has_page_kernel(fmt, &dev.tuning) { Self::page_kernel(dev, fmt, input, pf)? } else { None };
         let tuning = tpr.as_ref().map_or(dev.tuning, |p| p.1);
         let func = dev.function(Family::Encode, &encode_defines(fmt, input, pf, &tuning), "encode_rows")?;
+        let sketch =
+            if has_sketch_mma(fmt, input, dev) { Self::sketch_kernel(dev, fmt, input, pf, &tuning)? } else { None };
         let s = &dev.stream;
         let tpr = match tpr {
             Some((PageKernel { f, smem, warps, units_per_job }, _)) => {
@@ -190,7 +213,41 @@ impl GpuEncoder {
             thresholds: s.clone_htod(&fmt.thresholds).map_err(drv("htod"))?,
             centroids: s.clone_htod(&fmt.centroids).map_err(drv("htod"))?,
             tpr,
+            sketch,
         })
+    }
+
+    /// qjl's tensor-core kernel with as many of the tuning's warps as shared memory holds
+    /// beside the block's S' (kernels/formats/qjl.cuh: SK_S, SK_WARP); `None` where none fits.
+    fn sketch_kernel(
+        dev: &Arc<GpuDevice>,
+        fmt: &GpuFormat,
+        input: InputKind,
+        pf: i64,
+        tuning: &Tuning,
+    ) -> Result<Option<SketchMma>> {
+        let f = dev.function(Family::Encode, &encode_defines(fmt, input, pf, tuning), "encode_sketch_mma")?;
+        let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
+        let (d, list) = (fmt.d, 256);
+        let s_bytes = 2 * d * d;
+        let per_warp = 2 * 32 * (2 * d + 16) + 32 * fmt.row_bytes + 2 * list + 16;
+        let fit = dev.max_smem_optin.saturating_sub(static_bytes + s_bytes) / per_warp;
+        let warps = dev.tuning.encode_sketch_warps.min(fit);
+        let smem = s_bytes + warps * per_warp;
+        if warps == 0
+            || f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .is_err()
+        {
+            return Ok(None);
+        }
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem, None)
+            .map_err(drv("occupancy"))?
+            .max(1);
+        Ok(Some(SketchMma { f, smem: smem as u32, warps, max_grid: per_sm * dev.sm_count as u32 }))
     }
 
     /// The page kernel (thread per row; two per row for turboquant_mse codes) with as many of
@@ -226,13 +283,17 @@ impl GpuEncoder {
         Ok(None)
     }
 
-    /// Use the warp-per-row kernel even where the thread-per-row one applies (benchmarks).
+    /// Use the warp-per-row kernel even where a page kernel applies (benchmarks).
     pub fn force_warp_per_row(&mut self) {
         self.tpr = None;
+        self.sketch = None;
     }
 
-    /// The kernel launches use: "warp/row", "thread/row" or "2 threads/row".
+    /// The kernel launches use: "warp/row", "thread/row", "2 threads/row" or "tensor cores".
     pub fn kernel(&self) -> &'static str {
+        if self.sketch.is_some() {
+            return "tensor cores";
+        }
         match &self.tpr {
             None => "warp/row",
             Some((.., 1)) => "thread/row",
@@ -293,6 +354,22 @@ impl GpuEncoder {
             // callers as for encode_rows; the table has 2·QK+3 bins of 4 words (turboquant_frac:
             // two such tables, GpuFormat::bins).
             unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
+            return Ok(());
+        }
+        if let Some(k) = &self.sketch {
+            let n = n_jobs as i32;
+            let grid = (n_jobs.div_ceil(k.warps) as u32).min(k.max_grid);
+            let cfg = LaunchConfig {
+                grid_dim: (grid, 1, 1),
+                block_dim: ((k.warps * 32) as u32, 1, 1),
+                shared_mem_bytes: k.smem,
+            };
+            let mut b = self.dev.stream.launch_builder(&k.f);
+            b.arg(x).arg(&n).arg(page_idx).arg(head_idx).arg(pool).arg(signs);
+            // SAFETY: argument list matches encode_sketch_mma in kernels/formats/qjl.cuh; buffers
+            // are sized by the callers as for encode_rows (x: n_jobs·32·d f16, signs: heads·d²);
+            // the kernel writes no page if its dynamic shared memory is short of what it uses.
+            unsafe { b.launch(cfg) }.map_err(drv("encode_sketch_mma"))?;
             return Ok(());
         }
         // A warp per row (qjl, turboquant_prod: per RPW rows of a page); kivi's a warp per page

@@ -41,6 +41,12 @@ pub struct Tuning {
     /// Off until the parity suite has run it on a GPU (written 2026-12-06 without one; the
     /// warp-per-row encoder is the checked one).
     pub encode_frac_pages: bool,
+    /// qjl pages of f16 input (d 64 or 128, sm_80+) on tensor cores (`encode_sketch_mma`: signs
+    /// certain beyond an error bound, the rest summed again in the CPU's order). Off until the
+    /// parity suite has run it on a GPU (written 2026-12-07 without one).
+    pub encode_sketch_mma: bool,
+    /// `encode_sketch_mma`: warps (pages) per block, sharing the head's sketch (1..=8).
+    pub encode_sketch_warps: usize,
     /// Two-threads-per-row encode: warps per block, and blocks per SM.
     pub encode_warps2: usize,
     pub encode_minb2: i64,
@@ -72,6 +78,8 @@ impl Default for Tuning {
             encode_prefetch: true,
             encode_two_per_row: true,
             encode_frac_pages: false,
+            encode_sketch_mma: false,
+            encode_sketch_warps: 8,
             encode_warps2: 8,
             encode_minb2: 2,
             prefill_warps: 4,
@@ -90,6 +98,7 @@ impl Tuning {
             decode_slack: self.decode_slack.clamp(0, 12),
             encode_warps: self.encode_warps.clamp(1, 16),
             encode_warps2: self.encode_warps2.clamp(1, 16),
+            encode_sketch_warps: self.encode_sketch_warps.clamp(1, 8),
             prefill_warps: match self.prefill_warps {
                 0..=2 => 2,
                 3..=4 => 4,

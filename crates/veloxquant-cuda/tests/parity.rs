@@ -293,6 +293,121 @@ fn sketch_signs_at_the_rounding_level_bit_identical() {
     }
 }
 
+/// kernels/formats/qjl.cuh's bound per unit ‖x‖ (SK_EPS · 2^13 and its margins; no S' entry
+/// below 2⁻¹⁴).
+fn sketch_mma_eps(d: usize) -> f64 {
+    let eps = (2f32.powi(-11) + d as f32 * 2f32.powi(-20) + d as f32 * 2f32.powi(-24)) * 1.01;
+    (eps * 8192.0 * 1.001 * 1.001) as f64
+}
+
+/// qjl on tensor cores (`Tuning::encode_sketch_mma`: f16 input, d 64 and 128): pages of two
+/// heads interleaved (the kernel's blocks share one head's S' at a time), of the awkward rows
+/// (zeros, f16 subnormals, outliers), N(0, 1) rows, and rows with one output at the f16
+/// rounding level (x = g − (⟨g, S_i⟩/‖S_i‖²)·S_i, then f16), bit-identical to the CPU. The host
+/// first checks that the tensor cores' operands alone (S rounded to f16, x as is, summed
+/// exactly) give a sign other than the CPU's on some rows, so a kernel without the CPU-order
+/// redo of uncertain outputs would fail here.
+#[test]
+fn sketch_mma_encode_bit_identical_to_cpu() {
+    let t = 32;
+    let n_pages = 24;
+    let mut cases = Vec::new();
+    for spec in ["qjl", "qjl:orth"].map(|s| FormatSpec::parse(s).unwrap()) {
+        for d in [64usize, 128] {
+            let seeds = [0x61 + d as u64, 0x7a + d as u64];
+            let gfs = seeds.map(|seed| GpuFormat::new(&spec, d, t, seed).unwrap());
+            // Page p's head: runs of one and of several, so rounds see one head and two.
+            let head_of = |p: usize| [0, 1, 1, 0, 0, 0, 1, 0][p % 8];
+            let mut rng = SplitMix64::new(d as u64 ^ 0x6d6d);
+            let mut x16 = Vec::with_capacity(n_pages * t * d);
+            let (mut tc_differs, mut unsure, mut worst) = (0, 0, 0f64);
+            for p in 0..n_pages {
+                let (st, _) = gfs[head_of(p)].sketch.clone().unwrap();
+                let s_row = |i: usize| (0..d).map(|e| st[e * d + i] as f64).collect::<Vec<f64>>();
+                let rows: Vec<f32> = match p % 3 {
+                    0 => awkward_rows(&mut rng, t, d),
+                    1 => (0..t * d).map(|_| rng.next_gaussian() as f32).collect(),
+                    _ => (0..t)
+                        .flat_map(|r| {
+                            let si = s_row((r * 37 + p) % d);
+                            let g: Vec<f64> = (0..d).map(|_| rng.next_gaussian()).collect();
+                            let c = g.iter().zip(&si).map(|(a, b)| a * b).sum::<f64>()
+                                / si.iter().map(|v| v * v).sum::<f64>();
+                            g.iter().zip(&si).map(|(a, b)| (a - c * b) as f32).collect::<Vec<f32>>()
+                        })
+                        .collect(),
+                };
+                for r in 0..t {
+                    let row: Vec<u16> =
+                        rows[r * d..(r + 1) * d].iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+                    let xv: Vec<f32> = row.iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+                    // Output by output: the CPU's sign against the tensor cores' operands' (their
+                    // exact sum), and the kernel's test: beyond its bound the signs must agree.
+                    let nrm = xv.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+                    let bound = sketch_mma_eps(d) * nrm + 0.505 * (d as f64).sqrt();
+                    for i in 0..d {
+                        let si = s_row(i);
+                        let norm = si.iter().map(|v| v * v).sum::<f64>().sqrt();
+                        let cpu: f32 = xv.iter().enumerate().map(|(e, v)| st[e * d + i] * v).sum();
+                        let tc: f64 = xv
+                            .iter()
+                            .zip(&si)
+                            .map(|(v, s)| half::f16::from_f64(s * 8192.0 / norm).to_f64() * *v as f64)
+                            .sum();
+                        let differs = (cpu >= 0.0) != (tc > 0.0);
+                        tc_differs += usize::from(differs && tc != 0.0);
+                        if differs && tc != 0.0 {
+                            worst = worst.max(tc.abs() / bound);
+                        }
+                        unsure += usize::from(tc.abs() <= bound);
+                        assert!(
+                            !differs || tc.abs() <= bound,
+                            "{spec} d={d} page {p} row {r} output {i}: sign differs beyond the bound ({tc} vs {bound})"
+                        );
+                    }
+                    x16.extend(row);
+                }
+            }
+            assert!(tc_differs > 0, "{spec} d={d}: no output where the f16 operands' sign differs (test too weak)");
+            eprintln!(
+                "{spec} d={d}: the f16 operands alone differ in {tc_differs} outputs, all within the bound (at most \
+                 {worst:.3} of it); {unsure} of {} outputs within it",
+                n_pages * t * d
+            );
+            cases.push((spec.clone(), d, seeds, gfs, x16, head_of));
+        }
+    }
+    let tuning = veloxquant_cuda::Tuning { encode_sketch_mma: true, ..Default::default() };
+    let Ok(dev) = GpuDevice::new_with(0, tuning, None) else {
+        eprintln!("SKIPPED: no usable GPU");
+        return;
+    };
+    for (spec, d, seeds, gfs, x16, head_of) in cases {
+        let enc = GpuEncoder::new(&dev, &gfs[0], InputKind::F16).unwrap();
+        assert_eq!(enc.kernel(), "tensor cores", "{spec} d={d}");
+        let s = &dev.stream;
+        let signs: Vec<f32> = gfs.iter().flat_map(|g| g.transform().0).collect();
+        let pid: Vec<i32> = (0..n_pages as i32).rev().collect();
+        let hid: Vec<i32> = (0..n_pages).map(|p| head_of(p) as i32).collect();
+        let xd = s.clone_htod(&x16).unwrap();
+        let (pd, hd, sd) = (s.clone_htod(&pid).unwrap(), s.clone_htod(&hid).unwrap(), s.clone_htod(&signs).unwrap());
+        let pb = gfs[0].page_bytes;
+        let mut pool = s.clone_htod(&vec![0xA5u8; n_pages * pb]).unwrap();
+        enc.launch(&xd, n_pages, &pd, &hd, &mut pool, &sd.slice(..), gfs[0].transform().1).unwrap();
+        let got = s.clone_dtoh(&pool).unwrap();
+        let cpus = seeds.map(|seed| spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap());
+        let mut want = vec![0u8; pb];
+        for p in 0..n_pages {
+            let x: Vec<f32> =
+                x16[p * t * d..(p + 1) * t * d].iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+            cpus[head_of(p)].encode_page(&x, &mut want).unwrap();
+            let slot = pid[p] as usize;
+            assert!(got[slot * pb..(slot + 1) * pb] == want[..], "{spec} d={d} page {p} (head {}) differs", head_of(p));
+        }
+        eprintln!("{spec} d={d}: {n_pages} pages of two heads bit-identical on tensor cores");
+    }
+}
+
 /// kivi's encoders (the blocked page kernel and the Markstein quotients) on many pages of
 /// values on half-integer grids, where (x − z)/s lands on and beside the ties between codes,
 /// mixed with the awkward rows; f32 and f16 input, both streams, every bit width and group.

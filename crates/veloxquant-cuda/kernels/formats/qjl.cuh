@@ -4,6 +4,9 @@
 // helpers.
 #if FMT_ROW && KIND == 4
 #define TW (D * D)
+#if T == 32 && (D == 64 || D == 128) && IN_KIND == 1
+#define PAGE_MMA 1  // encode_sketch_mma (FMT_PAGE below)
+#endif
 #endif
 #if FMT_ROW && (KIND == 4 || KIND == 5)
 // Sign bits of S·x for the row held by the warp (lane l: x_l, x_{l+32}, …) into `row`. Each
@@ -208,5 +211,279 @@ __device__ __forceinline__ float sketch_query_block(float x, float* s, const flo
 __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, size_t at, size_t second,
                                           const float* __restrict__ kt, float krot_scale, float* s, int tid) {
     qprep[at] = sketch_query_block(x, s, kt, krot_scale, tid);
+}
+#endif
+
+#if FMT_PAGE && KIND == 4 && PAGE_MMA
+// qjl pages on tensor cores (encode_sketch_mma: f16 input, pages of 32 rows, d = 64 or 128),
+// bit-identical to the CPU. A block's warps take one page each and share the head's sketch in
+// shared memory as S' (row i of S scaled to ‖S'_i‖ = 2^13, in f16: no f16 subnormals in
+// practice, products and sums far inside f32's range). Each page's 32 × d outputs are
+// z = S'·x by m16n8k16 products (x: the f16 input as is), z_i a positive multiple of (S·x)_i.
+// z and the CPU's sum (sketch.rs project: products rounded, added in order) both lie within
+// EPS·‖S'_i‖·‖x‖ + ABS of the exact value, EPS = (2⁻¹¹ (S' in f16) + d·2⁻²⁰ (the tensor
+// cores' f32 accumulation, a 4× margin over one rounding per addition) + d·2⁻²⁴ (the CPU's))
+// · 1.01, ABS = √d/2 (x's f16 subnormals, were they flushed: < 2⁻¹⁴ each against ‖S'_i‖) and
+// nsub·2⁻¹⁴·‖x‖ for S' entries below 2⁻¹⁴; where |z_i| exceeds that bound its sign is the
+// CPU's. The other outputs (~0.6 % of them on N(0, 1) rows at d = 128) are summed again in the
+// CPU's order, one lane each; rows past the page's list, zero rows, rows of non-finite values
+// and rows so small that the bound covers many outputs are redone whole by sketch_signs_warp.
+#define SK_CAP 256                              // outputs a page's list holds
+#define SK_RAW (32 * RS)                        // one stage of the page's input rows (padded)
+#define SK_WARP (2 * SK_RAW + 32 * ROW_BYTES + 2 * SK_CAP + 16)  // per warp: two stages, words, list, counters
+#define SK_S (2 * D * D)                        // S' (f16), once per block
+#define SK_EPS ((4.8828125e-4f + D * 9.5367432e-7f + D * 5.9604645e-8f) * 1.01f)
+
+static_assert(ROW_BYTES == D / 8, "qjl rows are d sign bits");
+
+__device__ __forceinline__ void ldsm_x4(u32 a, u32* r) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// B-tile row of output i: within each n-tile of 8 outputs, column 2q holds output q and
+// column 2q + 1 output 4 + q, so each ballot of the accumulators' c0 (c1) gives a row's
+// outputs 0–3 (4–7) of the tile as one nibble.
+__device__ __forceinline__ int sk_row_of(int i) { return (i & ~7) | ((i & 3) << 1) | ((i >> 2) & 1); }
+
+// S' of the head (st: Sᵀ, D × D) into sS, rows at sk_row_of(i), 16-byte chunks swizzled by
+// the row (chunk c at c ^ (row & 7): ldmatrix's eight rows hit distinct banks); nsub counts
+// the entries below 2⁻¹⁴ (1 << 30 when a row of S is zero or not finite: every output then
+// fails the test and takes the exact path).
+__device__ __forceinline__ void sk_stage(const float* __restrict__ st, u8* sS, u32* nsub) {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        float ss = 0.0f;
+        for (int e = 0; e < D; e++) ss = ss + st[(size_t)e * D + i] * st[(size_t)e * D + i];
+        const float sc = 8192.0f / sqrtf(ss);
+        u32 small = (sc > 0.0f && sc < 3.0e38f) ? 0u : (1u << 30);
+        const int r = sk_row_of(i);
+        for (int c = 0; c < D / 8; c++) {
+            u32 w[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float a = st[(size_t)(8 * c + 2 * j) * D + i] * sc;
+                const float b = st[(size_t)(8 * c + 2 * j + 1) * D + i] * sc;
+                small += (fabsf(a) < 6.1035156e-05f) + (fabsf(b) < 6.1035156e-05f);
+                w[j] = pack_h2(a, b);
+            }
+            *(vec4u*)(sS + r * 2 * D + ((c ^ (r & 7)) << 4)) = vec4u{w[0], w[1], w[2], w[3]};
+        }
+        if (small) atomicAdd(nsub, small);
+    }
+}
+
+// One page: rows in `raw` (RS bytes apart, f16), S' in sS, the head's Sᵀ in st; words, list
+// and ctl (list count, rows to redo) are the warp's.
+__device__ __forceinline__ void sk_page(const u8* raw, const u8* sS, float eps_rel, const float* __restrict__ st,
+                                        u32* words, u16* list, u32* ctl, u8* page, int lane) {
+    // ‖x‖ of row `lane` in the canonical order (norm_tpr's), read chunk by chunk.
+    float nrm;
+    {
+        float ss[32];
+        const u8* rr = raw + lane * RS;
+#pragma unroll
+        for (int c = 0; c < D / 8; c++) {
+            const vec4u q = *(const vec4u*)(rr + 16 * c);
+            const u32 w4[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const float v = h2f((u16)(w4[j >> 1] >> ((j & 1) * 16)));
+                const int e = 8 * c + j;
+                ss[e & 31] = (e < 32 ? 0.0f : ss[e & 31]) + v * v;
+            }
+        }
+        nrm = sqrtf(tree32(ss));
+    }
+    const float bound = eps_rel * nrm + 0.505f * sqrtf((float)D);
+    // Zero or non-finite rows, and rows whose bound would leave over ~10 % of their outputs
+    // to the list (|z_i| ~ N(0, 2^26·‖x‖²/d)), are redone whole; their test never fails.
+    const bool exact_row = !(nrm > 0.0f && nrm < 1.0e30f) || bound * sqrtf((float)D) > 1024.0f * nrm;
+    const float thr = exact_row ? -1.0f : bound;
+    const int g = lane >> 2, q = lane & 3;
+    // This thread's accumulator rows: g and g + 8 of m-tiles 0 and 1.
+    float trow[4];
+#pragma unroll
+    for (int k = 0; k < 4; k++) trow[k] = __shfl_sync(FULL_MASK, thr, 8 * k + g);
+    const u32 a_base = smem_addr(raw) + (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 16);
+    const u32 s_base = smem_addr(sS);
+    u32 wout[D / 32];
+#pragma unroll
+    for (int nc = 0; nc < D / 32; nc++) {
+        float acc[2][4][4];
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int n = 0; n < 4; n++)
+#pragma unroll
+                for (int k = 0; k < 4; k++) acc[m][n][k] = 0.0f;
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+            u32 a[2][4], b[4][2];
+#pragma unroll
+            for (int m = 0; m < 2; m++) ldsm_x4(a_base + (u32)(16 * m * RS + 32 * ks), a[m]);
+#pragma unroll
+            for (int pr = 0; pr < 2; pr++) {
+                // Matrices (tile t, k 0–7), (t, k 8–15), (t + 1, k 0–7), (t + 1, k 8–15).
+                const int r = 8 * (4 * nc + 2 * pr + (lane >> 4)) + (lane & 7);
+                const int c = 2 * ks + ((lane >> 3) & 1);
+                u32 t4[4];
+                ldsm_x4(s_base + (u32)(r * 2 * D + ((c ^ (r & 7)) << 4)), t4);
+                b[2 * pr][0] = t4[0];
+                b[2 * pr][1] = t4[1];
+                b[2 * pr + 1][0] = t4[2];
+                b[2 * pr + 1][1] = t4[3];
+            }
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int n = 0; n < 4; n++) mma16816(acc[m][n], a[m][0], a[m][1], a[m][2], a[m][3], b[n][0], b[n][1]);
+        }
+        // Sign bits: row lane's byte of tile n from the ballots of its m-tile's accumulators.
+        u32 w = 0;
+        bool unsure = false;
+#pragma unroll
+        for (int n = 0; n < 4; n++) {
+            u32 byte = 0;
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                const u32 b0 = __ballot_sync(FULL_MASK, acc[m][n][0] > 0.0f);
+                const u32 b1 = __ballot_sync(FULL_MASK, acc[m][n][1] > 0.0f);
+                const u32 b2 = __ballot_sync(FULL_MASK, acc[m][n][2] > 0.0f);
+                const u32 b3 = __ballot_sync(FULL_MASK, acc[m][n][3] > 0.0f);
+                const bool hi = (lane >> 3) & 1;
+                const int sh = 4 * (lane & 7);
+                const u32 mine = ((((hi ? b2 : b0) >> sh) & 15u) | ((((hi ? b3 : b1) >> sh) & 15u) << 4));
+                byte = (lane >> 4) == m ? mine : byte;
+#pragma unroll
+                for (int k = 0; k < 4; k++) unsure |= !(fabsf(acc[m][n][k]) > trow[2 * m + (k >> 1)]);
+            }
+            w |= byte << (8 * n);
+        }
+        wout[nc] = w;
+        if (__any_sync(FULL_MASK, unsure)) {
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int n = 0; n < 4; n++)
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        if (!(fabsf(acc[m][n][k]) > trow[2 * m + (k >> 1)])) {
+                            const int row = 16 * m + g + 8 * (k >> 1);
+                            const int i = 32 * nc + 8 * n + 4 * (k & 1) + q;
+                            const u32 at = atomicAdd(&ctl[0], 1u);
+                            if (at < SK_CAP) list[at] = (u16)((row << 8) | i);
+                            else atomicOr(&ctl[1], 1u << row);
+                        }
+                    }
+        }
+    }
+    __syncwarp();
+    const u32 redo = ctl[1] | __ballot_sync(FULL_MASK, exact_row);
+    const u32 n_list = min(ctl[0], (u32)SK_CAP);
+    if (n_list > 0 || redo) {
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) words[lane * (D / 32) + k] = wout[k];
+        __syncwarp();
+        // Each listed output again, in the CPU's order (sketch_signs_warp's for one output).
+        for (u32 j = lane; j < n_list; j += 32) {
+            const int row = list[j] >> 8, i = list[j] & 255;
+            if ((redo >> row) & 1) continue;
+            const u16* xr = (const u16*)(raw + row * RS);
+            float p = -0.0f;
+#pragma unroll 8
+            for (int e = 0; e < D; e++) p = p + st[(size_t)e * D + i] * h2f(xr[e]);
+            const u32 bit = 1u << (i & 31);
+            if (p >= 0.0f) atomicOr(&words[row * (D / 32) + (i >> 5)], bit);
+            else atomicAnd(&words[row * (D / 32) + (i >> 5)], ~bit);
+        }
+        __syncwarp();
+        for (u32 todo = redo; todo; todo &= todo - 1) {
+            const int row = __ffs(todo) - 1;
+            const u16* xr = (const u16*)(raw + row * RS);
+            float v[EPL];
+#pragma unroll
+            for (int k = 0; k < EPL; k++) v[k] = h2f(xr[lane + 32 * k]);
+            sketch_signs_warp(v, (u8*)(words + row * (D / 32)), st, lane);
+            __syncwarp();
+        }
+#pragma unroll
+        for (int k = 0; k < D / 32; k++) wout[k] = words[lane * (D / 32) + k];
+    }
+    __syncwarp();
+    if (lane == 0) ctl[0] = ctl[1] = 0u;
+    u8* const row = page + lane * ROW_BYTES;
+#if D == 128
+    *(vec4u*)row = vec4u{wout[0], wout[1], wout[2], wout[3]};
+#else
+    *(vec2u*)row = vec2u{wout[0], wout[1]};
+#endif
+    ((u16*)(page + 32 * ROW_BYTES))[lane] = f2h(nrm);
+    for (int o = 32 * ROW_BYTES + 64 + 4 * lane; o < PAGE_BYTES; o += 128) *(u32*)(page + o) = 0u;
+}
+
+// A block's warps take a page each per round. The round's pages are encoded one head at a
+// time (the lowest warp's pending head first), S' staged when the head changes: every warp
+// waits at the round's barriers, and the host's jobs usually run a head at a time.
+extern "C" __global__ void __launch_bounds__(256) encode_sketch_mma(
+    const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx, const int* __restrict__ head_idx,
+    u8* __restrict__ pool, const float* __restrict__ signs) {
+    extern __shared__ __align__(16) u8 dsm[];
+    __shared__ int s_head[8];
+    __shared__ int s_staged;
+    __shared__ u32 s_nsub;
+    const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < (u32)(SK_S + nw * SK_WARP) || nw > 8) return;  // the host sized it otherwise: no page written
+    u8* const sS = dsm;
+    u8* const wb = dsm + SK_S + warp * SK_WARP;
+    u32* const words = (u32*)(wb + 2 * SK_RAW);
+    u16* const list = (u16*)(words + 32 * (D / 32));
+    u32* const ctl = (u32*)(list + SK_CAP);
+    if (lane == 0) ctl[0] = ctl[1] = 0u;
+    if (threadIdx.x == 0) s_staged = -1;
+    const int stride = gridDim.x * nw;
+    int job = blockIdx.x * nw + warp;
+    if (job < n_jobs) stage_rows_async(x, job, signs, wb, lane);
+    for (int it = 0; (int)blockIdx.x * nw + it * stride < n_jobs; it++, job += stride) {
+        u8* const raw = wb + (it & 1) * SK_RAW;
+        if (job + stride < n_jobs) {
+            stage_rows_async(x, job + stride, signs, wb + ((it + 1) & 1) * SK_RAW, lane);
+            asm volatile("cp.async.wait_group 1;" ::: "memory");
+        } else {
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+        }
+        __syncwarp();
+        int h = job < n_jobs ? head_idx[job] : -1;
+        for (;;) {
+            if (lane == 0) s_head[warp] = h;
+            __syncthreads();
+            int need = -1;
+            for (int w = 0; w < nw; w++) {
+                if (s_head[w] >= 0) {
+                    need = s_head[w];
+                    break;
+                }
+            }
+            if (need < 0) break;
+            if (need != s_staged) {
+                __syncthreads();  // every thread has read s_staged
+                if (threadIdx.x == 0) {
+                    s_nsub = 0u;
+                    s_staged = need;
+                }
+                __syncthreads();
+                sk_stage(signs + (size_t)need * TW, sS, &s_nsub);
+            }
+            __syncthreads();  // S' and s_nsub complete; s_head read by every thread
+            if (h == need) {
+                const float eps_rel = (SK_EPS * 8192.0f * 1.001f + (float)s_nsub * 6.1035156e-05f) * 1.001f;
+                sk_page(raw, sS, eps_rel, signs + (size_t)h * TW, words, list, ctl, pool + (size_t)page_idx[job] * PAGE_BYTES,
+                        lane);
+                h = -1;
+            }
+        }
+    }
 }
 #endif
