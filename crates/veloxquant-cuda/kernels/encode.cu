@@ -7,6 +7,7 @@
 // - encode_pages_tpr: one warp per 32-token page, one lane per row (q8_0, q4_0, rabitq,
 //   turboquant_rvq; codes when encode_pages_tpr2 is off).
 // - encode_pages_tpr2: two lanes per row (turboquant_mse codes; formats/turboquant_mse.cuh).
+// - encode_sketch_mma: qjl pages of f16 input on tensor cores (formats/qjl.cuh; PAGE_MMA).
 // Defines: D, T, KIND (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 4 qjl signs, 5 turboquant_prod, 6 rabitq, 7
 // turboquant_rvq, 8 kivi, 9 turboquant_frac, 10 vecinfer: 4-5 and 8-10 encode_rows only;
 // vecinfer's RPW rows per warp by its own encode_rows_own), BITS, BITS2, GRP, PERCH, ROT, EDEN, IN_KIND

@@ -4,7 +4,8 @@
 //! turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
 //! one warp per page, one lane per row, all in registers; two lanes per row for the codes);
 //! fp16 and other page sizes use one warp per row (`encode_rows`), qjl and turboquant_prod one
-//! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all), kivi one
+//! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all; qjl pages
+//! of f16 input at d = 64 and 128 on tensor cores behind `Tuning::encode_sketch_mma`), kivi one
 //! warp per page (the same kernel, launched with a warp per page), vecinfer a warp per row
 //! (the nearest centroids by the CPU's f64 distances).
 
