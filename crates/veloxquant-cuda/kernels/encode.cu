@@ -7,7 +7,8 @@
 // - encode_pages_tpr: one warp per 32-token page, one lane per row (q8_0, q4_0, rabitq,
 //   turboquant_rvq; codes when encode_pages_tpr2 is off).
 // - encode_pages_tpr2: two lanes per row (turboquant_mse codes; formats/turboquant_mse.cuh).
-// - encode_sketch_mma: qjl pages of f16 input on tensor cores (formats/qjl.cuh; PAGE_MMA).
+// - encode_sketch_mma: qjl and turboquant_prod pages of f16 input, the sketch on tensor cores
+//   (formats/qjl.cuh; PAGE_MMA).
 // Defines: D, T, KIND (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 4 qjl signs, 5 turboquant_prod, 6 rabitq, 7
 // turboquant_rvq, 8 kivi, 9 turboquant_frac, 10 vecinfer: 4-5 and 8-10 encode_rows only;
 // vecinfer's RPW rows per warp by its own encode_rows_own), BITS, BITS2, GRP, PERCH, ROT, EDEN, IN_KIND
@@ -214,8 +215,8 @@ __device__ __forceinline__ void side_tpr(u8* st, int lane, float a, float b) {
 // One prefetch buffer: the 32 rows (padded to RS bytes), then the page's rotation signs.
 #define BUF (STAGE + SG_BYTES)
 
-// The 32 input rows of page `job` and its head's signs `sg` into `buf` by cp.async, one group.
-__device__ __forceinline__ void stage_rows_async(const void* x, int job, const float* sg, u8* buf, int lane) {
+// The 32 input rows of page `job` into `buf` (rows RS bytes apart) by cp.async, uncommitted.
+__device__ __forceinline__ void copy_rows_async(const void* x, int job, u8* buf, int lane) {
     const u8* src = (const u8*)x + (size_t)job * 32 * ROW_IN;
     const u32 sb = smem_addr(buf);
     // Chunk c = lane + 32 i: row c / CPR = lane / CPR + i·(32 / CPR) (CPR divides 32), column
@@ -226,7 +227,13 @@ __device__ __forceinline__ void stage_rows_async(const void* x, int job, const f
     for (int i = 0; i < CPR; i++)
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sl + i * (32 / CPR) * RS), "l"(sp + 512 * i)
                      : "memory");
+}
+
+// The 32 input rows of page `job` and its head's signs `sg` into `buf` by cp.async, one group.
+__device__ __forceinline__ void stage_rows_async(const void* x, int job, const float* sg, u8* buf, int lane) {
+    copy_rows_async(x, job, buf, lane);
 #if ROT
+    const u32 sb = smem_addr(buf);
     for (int c = lane; c < TW / 4; c += 32)
         asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(sb + STAGE + 16 * c), "l"(sg + 4 * c)
                      : "memory");

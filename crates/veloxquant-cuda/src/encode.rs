@@ -4,8 +4,8 @@
 //! turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
 //! one warp per page, one lane per row, all in registers; two lanes per row for the codes);
 //! fp16 and other page sizes use one warp per row (`encode_rows`), qjl and turboquant_prod one
-//! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all; qjl pages
-//! of f16 input at d = 64 and 128 on tensor cores behind `Tuning::encode_sketch_mma`), kivi one
+//! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all; with f16
+//! input at d = 64 and 128 their sketch on tensor cores behind `Tuning::encode_sketch_mma`), kivi one
 //! warp per page (the same kernel, launched with a warp per page), vecinfer a warp per row
 //! (the nearest centroids by the CPU's f64 distances).
 
@@ -75,10 +75,10 @@ pub fn has_page_kernel(fmt: &GpuFormat, t: &Tuning) -> bool {
     fmt.t == 32 && fmt.d <= 128 && fmt.page_codec() && (fmt.kind != KernelKind::Frac || t.encode_frac_pages)
 }
 
-/// Whether `fmt` pages of `input` are encoded on tensor cores (`encode_sketch_mma`): qjl, pages
-/// of 32, d 64 or 128, f16 input, sm_80+, and the tuning asks for it.
+/// Whether `fmt` pages of `input` have their sketch signs on tensor cores (`encode_sketch_mma`):
+/// qjl or turboquant_prod, pages of 32, d 64 or 128, f16 input, sm_80+, and the tuning asks.
 pub fn has_sketch_mma(fmt: &GpuFormat, input: InputKind, dev: &GpuDevice) -> bool {
-    fmt.kind == KernelKind::Sketch
+    matches!(fmt.kind, KernelKind::Sketch | KernelKind::Prod)
         && fmt.t == 32
         && matches!(fmt.d, 64 | 128)
         && input == InputKind::F16
@@ -231,7 +231,10 @@ impl GpuEncoder {
         let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
         let (d, list) = (fmt.d, 256);
         let s_bytes = 2 * d * d;
-        let per_warp = 2 * 32 * (2 * d + 16) + 32 * fmt.row_bytes + 2 * list + 16;
+        // Two stages of input rows, turboquant_prod's residuals (f32, rows of d + 1), the sign
+        // words, the list, two counters.
+        let residuals = if fmt.kind == KernelKind::Prod { 32 * (d + 1) * 4 } else { 0 };
+        let per_warp = 2 * 32 * (2 * d + 16) + residuals + 32 * d / 8 + 2 * list + 16;
         let fit = dev.max_smem_optin.saturating_sub(static_bytes + s_bytes) / per_warp;
         let warps = dev.tuning.encode_sketch_warps.min(fit);
         let smem = s_bytes + warps * per_warp;
@@ -366,9 +369,17 @@ impl GpuEncoder {
                 shared_mem_bytes: k.smem,
             };
             let mut b = self.dev.stream.launch_builder(&k.f);
-            b.arg(x).arg(&n).arg(page_idx).arg(head_idx).arg(pool).arg(signs);
+            b.arg(x)
+                .arg(&n)
+                .arg(page_idx)
+                .arg(head_idx)
+                .arg(pool)
+                .arg(signs)
+                .arg(&rot_scale)
+                .arg(&self.thresholds)
+                .arg(&self.centroids);
             // SAFETY: argument list matches encode_sketch_mma in kernels/formats/qjl.cuh; buffers
-            // are sized by the callers as for encode_rows (x: n_jobs·32·d f16, signs: heads·d²);
+            // are sized by the callers as for encode_rows (x: n_jobs·32·d f16, signs: heads·TW);
             // the kernel writes no page if its dynamic shared memory is short of what it uses.
             unsafe { b.launch(cfg) }.map_err(drv("encode_sketch_mma"))?;
             return Ok(());

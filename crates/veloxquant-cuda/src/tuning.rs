@@ -41,9 +41,10 @@ pub struct Tuning {
     /// Off until the parity suite has run it on a GPU (written 2026-12-06 without one; the
     /// warp-per-row encoder is the checked one).
     pub encode_frac_pages: bool,
-    /// qjl pages of f16 input (d 64 or 128, sm_80+) on tensor cores (`encode_sketch_mma`: signs
-    /// certain beyond an error bound, the rest summed again in the CPU's order). Off until the
-    /// parity suite has run it on a GPU (written 2026-12-07 without one).
+    /// qjl and turboquant_prod pages of f16 input (d 64 or 128, sm_80+) with their sketch on
+    /// tensor cores (`encode_sketch_mma`: signs certain beyond an error bound, the rest summed
+    /// again in the CPU's order). Off until the parity suite has run it on a GPU (written
+    /// 2026-12-07 without one).
     pub encode_sketch_mma: bool,
     /// `encode_sketch_mma`: warps (pages) per block, sharing the head's sketch (1..=8).
     pub encode_sketch_warps: usize,

@@ -602,20 +602,23 @@ fn format_kernel_files_match_the_host() {
         }
     }
     assert_eq!(kinds.len(), 11, "one spec per kernel kind");
-    // qjl's tensor-core encoder: f16 input, pages of 32, d 64 or 128 (encode.rs has_sketch_mma).
-    for (d, t, input) in [
-        (64, 32, InputKind::F16),
-        (128, 32, InputKind::F16),
-        (256, 32, InputKind::F16),
-        (128, 16, InputKind::F16),
-        (128, 32, InputKind::F32),
-    ] {
-        let f = GpuFormat::new(&FormatSpec::parse("qjl").unwrap(), d, t, 5).unwrap();
-        let ptx = compile_ptx(Family::Encode, &encode_defines(&f, input, 1, &Tuning::default()), "compute_90")
-            .unwrap_or_else(|e| panic!("qjl d={d} T={t}: {e}"))
-            .to_src();
-        let want = t == 32 && d <= 128 && input == InputKind::F16;
-        assert_eq!(entries(&ptx).iter().any(|e| e == "encode_sketch_mma"), want, "qjl d={d} T={t} {input:?}");
+    // The sketch on tensor cores (qjl, turboquant_prod): f16 input, pages of 32, d 64 or 128
+    // (encode.rs has_sketch_mma).
+    for spec in ["qjl", "turboquant_prod:3"] {
+        for (d, t, input) in [
+            (64, 32, InputKind::F16),
+            (128, 32, InputKind::F16),
+            (256, 32, InputKind::F16),
+            (128, 16, InputKind::F16),
+            (128, 32, InputKind::F32),
+        ] {
+            let f = GpuFormat::new(&FormatSpec::parse(spec).unwrap(), d, t, 5).unwrap();
+            let ptx = compile_ptx(Family::Encode, &encode_defines(&f, input, 1, &Tuning::default()), "compute_90")
+                .unwrap_or_else(|e| panic!("{spec} d={d} T={t}: {e}"))
+                .to_src();
+            let want = t == 32 && d <= 128 && input == InputKind::F16;
+            assert_eq!(entries(&ptx).iter().any(|e| e == "encode_sketch_mma"), want, "{spec} d={d} T={t} {input:?}");
+        }
     }
     // rabitq's prefill query kernel, in its prefill modules alone (prefill.rs asks for it there).
     for spec in ["rabitq", "q8_0", "turboquant_mse:4"] {

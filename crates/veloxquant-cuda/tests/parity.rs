@@ -300,10 +300,11 @@ fn sketch_mma_eps(d: usize) -> f64 {
     (eps * 8192.0 * 1.001 * 1.001) as f64
 }
 
-/// qjl on tensor cores (`Tuning::encode_sketch_mma`: f16 input, d 64 and 128): pages of two
-/// heads interleaved (the kernel's blocks share one head's S' at a time), of the awkward rows
-/// (zeros, f16 subnormals, outliers), N(0, 1) rows, and rows with one output at the f16
-/// rounding level (x = g − (⟨g, S_i⟩/‖S_i‖²)·S_i, then f16), bit-identical to the CPU. The host
+/// qjl and turboquant_prod with their sketch on tensor cores (`Tuning::encode_sketch_mma`: f16
+/// input, d 64 and 128): pages of two heads interleaved (the kernel's blocks share one head's
+/// S' at a time), of the awkward rows (zeros, f16 subnormals, outliers), N(0, 1) rows, and for
+/// qjl rows with one output at the f16 rounding level (x = g − (⟨g, S_i⟩/‖S_i‖²)·S_i, then
+/// f16), bit-identical to the CPU. The host
 /// first checks that the tensor cores' operands alone (S rounded to f16, x as is, summed
 /// exactly) give a sign other than the CPU's on some rows, so a kernel without the CPU-order
 /// redo of uncertain outputs would fail here.
@@ -317,7 +318,7 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
             let seeds = [0x61 + d as u64, 0x7a + d as u64];
             let gfs = seeds.map(|seed| GpuFormat::new(&spec, d, t, seed).unwrap());
             // Page p's head: runs of one and of several, so rounds see one head and two.
-            let head_of = |p: usize| [0, 1, 1, 0, 0, 0, 1, 0][p % 8];
+            let head_of: fn(usize) -> usize = |p| [0, 1, 1, 0, 0, 0, 1, 0][p % 8];
             let mut rng = SplitMix64::new(d as u64 ^ 0x6d6d);
             let mut x16 = Vec::with_capacity(n_pages * t * d);
             let (mut tc_differs, mut unsure, mut worst) = (0, 0, 0f64);
@@ -377,6 +378,25 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
             cases.push((spec.clone(), d, seeds, gfs, x16, head_of));
         }
     }
+    // turboquant_prod: the sketch of its residuals (awkward and N(0, 1) rows).
+    for spec in
+        ["turboquant_prod:3", "turboquant_prod:2", "turboquant_prod:4:orth"].map(|s| FormatSpec::parse(s).unwrap())
+    {
+        for d in [64usize, 128] {
+            let seeds = [0x91 + d as u64, 0xa4 + d as u64];
+            let gfs = seeds.map(|seed| GpuFormat::new(&spec, d, t, seed).unwrap());
+            let head_of: fn(usize) -> usize = |p| [1, 1, 0, 1, 0, 0, 0, 1][p % 8];
+            let mut rng = SplitMix64::new(d as u64 ^ 0x7072);
+            let x16: Vec<u16> = (0..n_pages)
+                .flat_map(|p| match p % 2 {
+                    0 => awkward_rows(&mut rng, t, d),
+                    _ => (0..t * d).map(|_| rng.next_gaussian() as f32).collect(),
+                })
+                .map(|v| half::f16::from_f32(v).to_bits())
+                .collect();
+            cases.push((spec.clone(), d, seeds, gfs, x16, head_of));
+        }
+    }
     let tuning = veloxquant_cuda::Tuning { encode_sketch_mma: true, ..Default::default() };
     let Ok(dev) = GpuDevice::new_with(0, tuning, None) else {
         eprintln!("SKIPPED: no usable GPU");
@@ -404,7 +424,7 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
             let slot = pid[p] as usize;
             assert!(got[slot * pb..(slot + 1) * pb] == want[..], "{spec} d={d} page {p} (head {}) differs", head_of(p));
         }
-        eprintln!("{spec} d={d}: {n_pages} pages of two heads bit-identical on tensor cores");
+        eprintln!("{spec} d={d}: {n_pages} pages of two heads bit-identical with the sketch on tensor cores");
     }
 }
 

@@ -4,9 +4,9 @@
 // helpers.
 #if FMT_ROW && KIND == 4
 #define TW (D * D)
-#if T == 32 && (D == 64 || D == 128) && IN_KIND == 1
-#define PAGE_MMA 1  // encode_sketch_mma (FMT_PAGE below)
 #endif
+#if FMT_ROW && (KIND == 4 || KIND == 5) && T == 32 && (D == 64 || D == 128) && IN_KIND == 1
+#define PAGE_MMA 1  // encode_sketch_mma (FMT_PAGE below)
 #endif
 #if FMT_ROW && (KIND == 4 || KIND == 5)
 // Sign bits of S·x for the row held by the warp (lane l: x_l, x_{l+32}, …) into `row`. Each
@@ -214,27 +214,37 @@ __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, si
 }
 #endif
 
-#if FMT_PAGE && KIND == 4 && PAGE_MMA
-// qjl pages on tensor cores (encode_sketch_mma: f16 input, pages of 32 rows, d = 64 or 128),
-// bit-identical to the CPU. A block's warps take one page each and share the head's sketch in
-// shared memory as S' (row i of S scaled to ‖S'_i‖ = 2^13, in f16: no f16 subnormals in
-// practice, products and sums far inside f32's range). Each page's 32 × d outputs are
-// z = S'·x by m16n8k16 products (x: the f16 input as is), z_i a positive multiple of (S·x)_i.
-// z and the CPU's sum (sketch.rs project: products rounded, added in order) both lie within
-// EPS·‖S'_i‖·‖x‖ + ABS of the exact value, EPS = (2⁻¹¹ (S' in f16) + d·2⁻²⁰ (the tensor
-// cores' f32 accumulation, a 4× margin over one rounding per addition) + d·2⁻²⁴ (the CPU's))
-// · 1.01, ABS = √d/2 (x's f16 subnormals, were they flushed: < 2⁻¹⁴ each against ‖S'_i‖) and
-// nsub·2⁻¹⁴·‖x‖ for S' entries below 2⁻¹⁴; where |z_i| exceeds that bound its sign is the
-// CPU's. The other outputs (~0.6 % of them on N(0, 1) rows at d = 128) are summed again in the
-// CPU's order, one lane each; rows past the page's list, zero rows, rows of non-finite values
-// and rows so small that the bound covers many outputs are redone whole by sketch_signs_warp.
+#if FMT_PAGE && (KIND == 4 || KIND == 5) && PAGE_MMA
+// The sketch's signs on tensor cores (encode_sketch_mma: f16 input, pages of 32 rows, d = 64
+// or 128), bit-identical to the CPU: qjl's of the input rows, turboquant_prod's of the
+// residuals its stage 1 leaves (a warp per row, as encode_rows). A block's warps take one page
+// each and share the head's sketch in shared memory as S' (row i of S scaled to ‖S'_i‖ = 2^13,
+// in f16: no f16 subnormals in practice, products and sums far inside f32's range). Each
+// page's 32 × d outputs are z = S'·x̃ by m16n8k16 products (x̃: qjl's f16 input as is; prod's
+// residual scaled by a power of two to [2^14, 2^15) and rounded to f16), z_i a positive
+// multiple of (S·x)_i up to rounding. z and the CPU's sum (sketch.rs project: products
+// rounded, added in order) both lie within EPS·‖S'_i‖·‖x̃‖ + ABS of the exact value, EPS =
+// (2⁻¹¹ (S' in f16; prod: 2⁻¹¹ more for x̃) + d·2⁻²⁰ (the tensor cores' f32 accumulation, a 4×
+// margin over one rounding per addition) + d·2⁻²⁴ (the CPU's)) · 1.01, ABS = √d/2 (x̃'s f16
+// subnormals, were they flushed: < 2⁻¹⁴ each against ‖S'_i‖) and nsub·2⁻¹⁴·‖x̃‖ for S' entries
+// below 2⁻¹⁴: where |z_i| exceeds that bound its sign is the CPU's. The other outputs (~0.6 %
+// of them on N(0, 1) rows at d = 128) are summed again in the CPU's order, one lane each; rows
+// past the page's list, zero rows, rows of non-finite values and rows so small that the
+// bound covers many outputs are redone whole by sketch_signs_warp.
 #define SK_CAP 256                              // outputs a page's list holds
 #define SK_RAW (32 * RS)                        // one stage of the page's input rows (padded)
-#define SK_WARP (2 * SK_RAW + 32 * ROW_BYTES + 2 * SK_CAP + 16)  // per warp: two stages, words, list, counters
+#if KIND == 5
+#define SK_ST D                                 // Sᵀ after the rotation's signs
+#define SK_XS (32 * (D + 1) * 4)                // the residuals (f32, rows padded by a word)
+#define SK_XEPS 4.8828125e-4f                   // x̃ rounded to f16
+#else
+#define SK_ST 0
+#define SK_XS 0
+#define SK_XEPS 0.0f
+#endif
+#define SK_WARP (2 * SK_RAW + SK_XS + 32 * (D / 8) + 2 * SK_CAP + 16)  // per warp: two stages, residuals, words, list, counters
 #define SK_S (2 * D * D)                        // S' (f16), once per block
-#define SK_EPS ((4.8828125e-4f + D * 9.5367432e-7f + D * 5.9604645e-8f) * 1.01f)
-
-static_assert(ROW_BYTES == D / 8, "qjl rows are d sign bits");
+#define SK_EPS ((4.8828125e-4f + SK_XEPS + D * 9.5367432e-7f + D * 5.9604645e-8f) * 1.01f)
 
 __device__ __forceinline__ void ldsm_x4(u32 a, u32* r) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -273,41 +283,20 @@ __device__ __forceinline__ void sk_stage(const float* __restrict__ st, u8* sS, u
     }
 }
 
-// One page: rows in `raw` (RS bytes apart, f16), S' in sS, the head's Sᵀ in st; words, list
-// and ctl (list count, rows to redo) are the warp's.
-__device__ __forceinline__ void sk_page(const u8* raw, const u8* sS, float eps_rel, const float* __restrict__ st,
-                                        u32* words, u16* list, u32* ctl, u8* page, int lane) {
-    // ‖x‖ of row `lane` in the canonical order (norm_tpr's), read chunk by chunk.
-    float nrm;
-    {
-        float ss[32];
-        const u8* rr = raw + lane * RS;
-#pragma unroll
-        for (int c = 0; c < D / 8; c++) {
-            const vec4u q = *(const vec4u*)(rr + 16 * c);
-            const u32 w4[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const float v = h2f((u16)(w4[j >> 1] >> ((j & 1) * 16)));
-                const int e = 8 * c + j;
-                ss[e & 31] = (e < 32 ? 0.0f : ss[e & 31]) + v * v;
-            }
-        }
-        nrm = sqrtf(tree32(ss));
-    }
-    const float bound = eps_rel * nrm + 0.505f * sqrtf((float)D);
-    // Zero or non-finite rows, and rows whose bound would leave over ~10 % of their outputs
-    // to the list (|z_i| ~ N(0, 2^26·‖x‖²/d)), are redone whole; their test never fails.
-    const bool exact_row = !(nrm > 0.0f && nrm < 1.0e30f) || bound * sqrtf((float)D) > 1024.0f * nrm;
-    const float thr = exact_row ? -1.0f : bound;
+// The sign words of the page's 32 rows into wout (this lane's row): x̃'s rows (f16) at a_smem,
+// RS bytes apart; x_at(row, e) the exact f32 values for the CPU-order sums and whole-row
+// redos; thr this lane's row's bound (−1: redo the row whole); S' in sS, Sᵀ in st; words,
+// list and ctl (list count, rows past it) the warp's.
+template <class X>
+__device__ __forceinline__ void sk_signs(u32 a_smem, X x_at, float thr, const u8* sS, const float* __restrict__ st,
+                                         u32* words, u16* list, u32* ctl, u32* wout, int lane) {
     const int g = lane >> 2, q = lane & 3;
     // This thread's accumulator rows: g and g + 8 of m-tiles 0 and 1.
     float trow[4];
 #pragma unroll
     for (int k = 0; k < 4; k++) trow[k] = __shfl_sync(FULL_MASK, thr, 8 * k + g);
-    const u32 a_base = smem_addr(raw) + (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 16);
+    const u32 a_base = a_smem + (u32)(((lane & 7) + ((lane >> 3) & 1) * 8) * RS + (lane >> 4) * 16);
     const u32 s_base = smem_addr(sS);
-    u32 wout[D / 32];
 #pragma unroll
     for (int nc = 0; nc < D / 32; nc++) {
         float acc[2][4][4];
@@ -379,7 +368,7 @@ __device__ __forceinline__ void sk_page(const u8* raw, const u8* sS, float eps_r
         }
     }
     __syncwarp();
-    const u32 redo = ctl[1] | __ballot_sync(FULL_MASK, exact_row);
+    const u32 redo = ctl[1] | __ballot_sync(FULL_MASK, thr < 0.0f);
     const u32 n_list = min(ctl[0], (u32)SK_CAP);
     if (n_list > 0 || redo) {
 #pragma unroll
@@ -389,10 +378,9 @@ __device__ __forceinline__ void sk_page(const u8* raw, const u8* sS, float eps_r
         for (u32 j = lane; j < n_list; j += 32) {
             const int row = list[j] >> 8, i = list[j] & 255;
             if ((redo >> row) & 1) continue;
-            const u16* xr = (const u16*)(raw + row * RS);
             float p = -0.0f;
 #pragma unroll 8
-            for (int e = 0; e < D; e++) p = p + st[(size_t)e * D + i] * h2f(xr[e]);
+            for (int e = 0; e < D; e++) p = p + st[(size_t)e * D + i] * x_at(row, e);
             const u32 bit = 1u << (i & 31);
             if (p >= 0.0f) atomicOr(&words[row * (D / 32) + (i >> 5)], bit);
             else atomicAnd(&words[row * (D / 32) + (i >> 5)], ~bit);
@@ -400,10 +388,9 @@ __device__ __forceinline__ void sk_page(const u8* raw, const u8* sS, float eps_r
         __syncwarp();
         for (u32 todo = redo; todo; todo &= todo - 1) {
             const int row = __ffs(todo) - 1;
-            const u16* xr = (const u16*)(raw + row * RS);
             float v[EPL];
 #pragma unroll
-            for (int k = 0; k < EPL; k++) v[k] = h2f(xr[lane + 32 * k]);
+            for (int k = 0; k < EPL; k++) v[k] = x_at(row, lane + 32 * k);
             sketch_signs_warp(v, (u8*)(words + row * (D / 32)), st, lane);
             __syncwarp();
         }
@@ -412,6 +399,44 @@ __device__ __forceinline__ void sk_page(const u8* raw, const u8* sS, float eps_r
     }
     __syncwarp();
     if (lane == 0) ctl[0] = ctl[1] = 0u;
+}
+
+// The bound of a row whose x̃ has norm nrm (see above): −1 where the row is redone whole (zero
+// or not finite, or over ~10 % of its outputs would fall within the bound: |z_i| ~ N(0,
+// 2^26·‖x̃‖²/d)).
+__device__ __forceinline__ float sk_bound(float nrm, float eps_rel) {
+    const float bound = eps_rel * nrm + 0.505f * sqrtf((float)D);
+    return !(nrm > 0.0f && nrm < 1.0e30f) || bound * sqrtf((float)D) > 1024.0f * nrm ? -1.0f : bound;
+}
+
+#if KIND == 4
+static_assert(ROW_BYTES == D / 8, "qjl rows are d sign bits");
+// One qjl page: ‖x‖ of row `lane` in the canonical order (norm_tpr's, chunk by chunk), the
+// signs of the f16 input as it is, the rows and ‖x‖ into the page.
+__device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, const float* __restrict__ sg,
+                                        float rot_scale, const float* __restrict__ thresholds,
+                                        const float* __restrict__ centroids, float* xs, u32* words, u16* list,
+                                        u32* ctl, u8* page, int lane) {
+    float nrm;
+    {
+        float ss[32];
+        const u8* rr = raw + lane * RS;
+#pragma unroll
+        for (int c = 0; c < D / 8; c++) {
+            const vec4u q = *(const vec4u*)(rr + 16 * c);
+            const u32 w4[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const float v = h2f((u16)(w4[j >> 1] >> ((j & 1) * 16)));
+                const int e = 8 * c + j;
+                ss[e & 31] = (e < 32 ? 0.0f : ss[e & 31]) + v * v;
+            }
+        }
+        nrm = sqrtf(tree32(ss));
+    }
+    u32 wout[D / 32];
+    auto x_at = [&](int row, int e) { return h2f(((const u16*)(raw + row * RS))[e]); };
+    sk_signs(smem_addr(raw), x_at, sk_bound(nrm, eps_rel), sS, sg + SK_ST, words, list, ctl, wout, lane);
     u8* const row = page + lane * ROW_BYTES;
 #if D == 128
     *(vec4u*)row = vec4u{wout[0], wout[1], wout[2], wout[3]};
@@ -421,13 +446,58 @@ __device__ __forceinline__ void sk_page(const u8* raw, const u8* sS, float eps_r
     ((u16*)(page + 32 * ROW_BYTES))[lane] = f2h(nrm);
     for (int o = 32 * ROW_BYTES + 64 + 4 * lane; o < PAGE_BYTES; o += 128) *(u32*)(page + o) = 0u;
 }
+#else
+// One turboquant_prod page: stage 1 of each row by the warp (prod_row_warp's, as encode_rows:
+// rotation, codes into the page, residual e, ‖x‖ and γ = ‖e‖ as sides), e into xs (f32) and,
+// scaled by 2^k to [2^14, 2^15) and rounded to f16, over the row's input in raw (read before);
+// then the signs of S·e after the codes.
+__device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, const float* __restrict__ sg,
+                                        float rot_scale, const float* __restrict__ thresholds,
+                                        const float* __restrict__ centroids, float* xs, u32* words, u16* list,
+                                        u32* ctl, u8* page, int lane) {
+    float thr = -1.0f;
+    for (int r = 0; r < 32; r++) {
+        u16* const rr = (u16*)(raw + r * RS);
+        float v[EPL];
+#pragma unroll
+        for (int k = 0; k < EPL; k++) v[k] = h2f(rr[lane + 32 * k]);
+        rotate_warp(v, sg, rot_scale, lane);
+        const float norm = stage1_warp(v, page + r * ROW_BYTES, thresholds, centroids, lane);
+        const float gam = norm_warp(v);
+        put_two_sides(page, r, make_float2(norm, gam), lane);
+        float mx = 0.0f;
+#pragma unroll
+        for (int k = 0; k < EPL; k++) mx = fmaxf(mx, fabsf(v[k]));
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, off));
+        // 2^k with mx·2^k in [2^14, 2^15) (mx normal and ≥ 2^-113; else the row is redone whole).
+        const int ex = (int)((__float_as_uint(mx) >> 23) & 255u) - 127;
+        const bool ok = ex >= -113 && ex <= 127 && mx == mx;
+        const float sc = ok ? __uint_as_float((u32)(14 - ex + 127) << 23) : 1.0f;
+#pragma unroll
+        for (int k = 0; k < EPL; k++) {
+            xs[r * (D + 1) + lane + 32 * k] = v[k];
+            rr[lane + 32 * k] = f2h(v[k] * sc);
+        }
+        if (lane == r) thr = ok ? sk_bound(gam * sc, eps_rel) : -1.0f;
+    }
+    __syncwarp();
+    u32 wout[D / 32];
+    auto x_at = [&](int row, int e) { return xs[row * (D + 1) + e]; };
+    sk_signs(smem_addr(raw), x_at, thr, sS, sg + SK_ST, words, list, ctl, wout, lane);
+    u32* const signs_out = (u32*)(page + lane * ROW_BYTES + MSE_BYTES);
+#pragma unroll
+    for (int k = 0; k < D / 32; k++) signs_out[k] = wout[k];
+}
+#endif
 
 // A block's warps take a page each per round. The round's pages are encoded one head at a
 // time (the lowest warp's pending head first), S' staged when the head changes: every warp
 // waits at the round's barriers, and the host's jobs usually run a head at a time.
 extern "C" __global__ void __launch_bounds__(256) encode_sketch_mma(
     const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx, const int* __restrict__ head_idx,
-    u8* __restrict__ pool, const float* __restrict__ signs) {
+    u8* __restrict__ pool, const float* __restrict__ signs, float rot_scale, const float* __restrict__ thresholds,
+    const float* __restrict__ centroids) {
     extern __shared__ __align__(16) u8 dsm[];
     __shared__ int s_head[8];
     __shared__ int s_staged;
@@ -438,18 +508,23 @@ extern "C" __global__ void __launch_bounds__(256) encode_sketch_mma(
     if (dyn < (u32)(SK_S + nw * SK_WARP) || nw > 8) return;  // the host sized it otherwise: no page written
     u8* const sS = dsm;
     u8* const wb = dsm + SK_S + warp * SK_WARP;
-    u32* const words = (u32*)(wb + 2 * SK_RAW);
+    float* const xs = (float*)(wb + 2 * SK_RAW);
+    u32* const words = (u32*)(wb + 2 * SK_RAW + SK_XS);
     u16* const list = (u16*)(words + 32 * (D / 32));
     u32* const ctl = (u32*)(list + SK_CAP);
     if (lane == 0) ctl[0] = ctl[1] = 0u;
     if (threadIdx.x == 0) s_staged = -1;
     const int stride = gridDim.x * nw;
     int job = blockIdx.x * nw + warp;
-    if (job < n_jobs) stage_rows_async(x, job, signs, wb, lane);
+    if (job < n_jobs) {
+        copy_rows_async(x, job, wb, lane);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
     for (int it = 0; (int)blockIdx.x * nw + it * stride < n_jobs; it++, job += stride) {
         u8* const raw = wb + (it & 1) * SK_RAW;
         if (job + stride < n_jobs) {
-            stage_rows_async(x, job + stride, signs, wb + ((it + 1) & 1) * SK_RAW, lane);
+            copy_rows_async(x, job + stride, wb + ((it + 1) & 1) * SK_RAW, lane);
+            asm volatile("cp.async.commit_group;" ::: "memory");
             asm volatile("cp.async.wait_group 1;" ::: "memory");
         } else {
             asm volatile("cp.async.wait_group 0;" ::: "memory");
@@ -474,13 +549,13 @@ extern "C" __global__ void __launch_bounds__(256) encode_sketch_mma(
                     s_staged = need;
                 }
                 __syncthreads();
-                sk_stage(signs + (size_t)need * TW, sS, &s_nsub);
+                sk_stage(signs + (size_t)need * TW + SK_ST, sS, &s_nsub);
             }
             __syncthreads();  // S' and s_nsub complete; s_head read by every thread
             if (h == need) {
                 const float eps_rel = (SK_EPS * 8192.0f * 1.001f + (float)s_nsub * 6.1035156e-05f) * 1.001f;
-                sk_page(raw, sS, eps_rel, signs + (size_t)h * TW, words, list, ctl, pool + (size_t)page_idx[job] * PAGE_BYTES,
-                        lane);
+                sk_page(raw, sS, eps_rel, signs + (size_t)h * TW, rot_scale, thresholds, centroids, xs, words, list,
+                        ctl, pool + (size_t)page_idx[job] * PAGE_BYTES, lane);
                 h = -1;
             }
         }
