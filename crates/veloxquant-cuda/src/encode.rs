@@ -360,42 +360,34 @@ impl GpuEncoder {
             unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
             return Ok(());
         }
-        if let Some(k) = &self.sketch {
-            let n = n_jobs as i32;
-            let grid = (n_jobs.div_ceil(k.warps) as u32).min(k.max_grid);
-            let cfg = LaunchConfig {
-                grid_dim: (grid, 1, 1),
-                block_dim: ((k.warps * 32) as u32, 1, 1),
-                shared_mem_bytes: k.smem,
-            };
-            let mut b = self.dev.stream.launch_builder(&k.f);
-            b.arg(x)
-                .arg(&n)
-                .arg(page_idx)
-                .arg(head_idx)
-                .arg(pool)
-                .arg(signs)
-                .arg(&rot_scale)
-                .arg(&self.thresholds)
-                .arg(&self.centroids);
-            // SAFETY: argument list matches encode_sketch_mma in kernels/formats/qjl.cuh; buffers
-            // are sized by the callers as for encode_rows (x: n_jobs·32·d f16, signs: heads·TW);
-            // the kernel writes no page if its dynamic shared memory is short of what it uses.
-            unsafe { b.launch(cfg) }.map_err(drv("encode_sketch_mma"))?;
-            return Ok(());
-        }
-        // A warp per row (qjl, turboquant_prod: per RPW rows of a page); kivi's a warp per page
-        // (its kernel reads n_rows / T pages).
-        let warps = if self.fmt.kind == KernelKind::Kivi {
-            n_jobs
-        } else {
-            (n_rows as usize).div_ceil(self.fmt.encode_rows_per_warp())
+        // The sketch on tensor cores (a page per warp, up to 8 a block), else a warp per row
+        // (qjl, turboquant_prod: per RPW rows of a page; kivi's a warp per page: its kernel
+        // reads n_rows / T pages). Both take encode_rows' arguments, the count aside.
+        let (f, cfg, count, name) = match &self.sketch {
+            Some(k) => {
+                let grid = (n_jobs.div_ceil(k.warps) as u32).min(k.max_grid);
+                let block = ((k.warps * 32) as u32, 1, 1);
+                let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: block, shared_mem_bytes: k.smem };
+                (&k.f, cfg, n_jobs as i32, "encode_sketch_mma")
+            }
+            None => {
+                let warps = if self.fmt.kind == KernelKind::Kivi {
+                    n_jobs
+                } else {
+                    (n_rows as usize).div_ceil(self.fmt.encode_rows_per_warp())
+                };
+                let grid = (warps.div_ceil(8) as u32, 1, 1);
+                (
+                    &self.func,
+                    LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: 0 },
+                    n_rows,
+                    "encode_rows",
+                )
+            }
         };
-        let cfg =
-            LaunchConfig { grid_dim: (warps.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.dev.stream.launch_builder(&self.func);
+        let mut b = self.dev.stream.launch_builder(f);
         b.arg(x)
-            .arg(&n_rows)
+            .arg(&count)
             .arg(page_idx)
             .arg(head_idx)
             .arg(pool)
@@ -403,9 +395,11 @@ impl GpuEncoder {
             .arg(&rot_scale)
             .arg(&self.thresholds)
             .arg(&self.centroids);
-        // SAFETY: argument list matches encode_rows in kernels/encode.cu; buffers are sized by
-        // the callers (x: n_jobs·T·D, pool: ≥ max(page_idx)+1 pages, signs: heads·D).
-        unsafe { b.launch(cfg) }.map_err(drv("encode_rows"))?;
+        // SAFETY: argument list matches encode_rows in kernels/encode.cu (count: rows) and
+        // encode_sketch_mma in kernels/formats/qjl.cuh (count: pages); buffers are sized by the
+        // callers (x: n_jobs·T·D, pool: ≥ max(page_idx)+1 pages, signs: heads·TW); the sketch
+        // kernel writes no page if its dynamic shared memory is short of what it uses.
+        unsafe { b.launch(cfg) }.map_err(drv(name))?;
         Ok(())
     }
 
