@@ -157,8 +157,8 @@ impl PageSmem {
     }
 }
 
-/// qjl's tensor-core page kernel (`encode_sketch_mma`, kernels/formats/qjl.cuh) as set up:
-/// dynamic shared bytes, warps (pages) per block, grid cap.
+/// The sketch's tensor-core page kernel (`encode_sketch_mma`, kernels/formats/qjl.cuh; qjl and
+/// turboquant_prod) as set up: dynamic shared bytes, warps (pages) per block, grid cap.
 struct SketchMma {
     f: CudaFunction,
     smem: u32,
@@ -218,7 +218,7 @@ impl GpuEncoder {
         })
     }
 
-    /// qjl's tensor-core kernel with as many of the tuning's warps as shared memory holds
+    /// The sketch's tensor-core kernel with as many of the tuning's warps as shared memory holds
     /// beside the block's S' (kernels/formats/qjl.cuh: SK_S, SK_WARP); `None` where none fits.
     fn sketch_kernel(
         dev: &Arc<GpuDevice>,
