@@ -153,6 +153,31 @@ __device__ __forceinline__ float norm_tpr(const float* v) {
     return sqrtf(tree32(ss));
 }
 
+// A staged row (the input kind, 16-byte chunks) into v as f32, element j in v[j].
+__device__ __forceinline__ void row_tpr(const u8* row, float* v) {
+#pragma unroll
+    for (int i = 0; i < CPR; i++) {
+        const vec4u q = *(const vec4u*)(row + 16 * i);
+        const u32 w4[4] = {q.x, q.y, q.z, q.w};
+#if IN_KIND == 0
+#pragma unroll
+        for (int k = 0; k < 4; k++) v[4 * i + k] = __uint_as_float(w4[k]);
+#elif IN_KIND == 1
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            v[8 * i + 2 * k] = h2f((u16)(w4[k] & 0xFFFFu));
+            v[8 * i + 2 * k + 1] = h2f((u16)(w4[k] >> 16));
+        }
+#else
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            v[8 * i + 2 * k] = __uint_as_float(w4[k] << 16);
+            v[8 * i + 2 * k + 1] = __uint_as_float(w4[k] & 0xFFFF0000u);
+        }
+#endif
+    }
+}
+
 // Page codecs that find y's cell in a bin table (format.rs bin_table: bins of 4 words, the
 // first EW of them used): nb bins copied into shared memory as 32/EW copies each (bin b of
 // copy c at word 32 b + c·EW), each lane group reading its own copy, free of bank conflicts.
@@ -316,27 +341,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 #endif
         __syncwarp();
         float v[D];
-#pragma unroll
-        for (int i = 0; i < CPR; i++) {
-            vec4u q = *(const vec4u*)(st + lane * RS + 16 * i);
-            u32 w4[4] = {q.x, q.y, q.z, q.w};
-#if IN_KIND == 0
-#pragma unroll
-            for (int k = 0; k < 4; k++) v[4 * i + k] = __uint_as_float(w4[k]);
-#elif IN_KIND == 1
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                v[8 * i + 2 * k] = h2f((u16)(w4[k] & 0xFFFFu));
-                v[8 * i + 2 * k + 1] = h2f((u16)(w4[k] >> 16));
-            }
-#else
-#pragma unroll
-            for (int k = 0; k < 4; k++) {
-                v[8 * i + 2 * k] = __uint_as_float(w4[k] << 16);
-                v[8 * i + 2 * k + 1] = __uint_as_float(w4[k] & 0xFFFF0000u);
-            }
-#endif
-        }
+        row_tpr(st + lane * RS, v);
         __syncwarp();  // the stage now receives the encoded page
 #if PF
         const float* sgh = (const float*)(st + STAGE);

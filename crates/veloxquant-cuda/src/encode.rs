@@ -398,7 +398,7 @@ impl GpuEncoder {
         // SAFETY: argument list matches encode_rows in kernels/encode.cu (count: rows) and
         // encode_sketch_mma in kernels/formats/qjl.cuh (count: pages); buffers are sized by the
         // callers (x: n_jobs·T·D, pool: ≥ max(page_idx)+1 pages, signs: heads·TW); the sketch
-        // kernel writes no page if its dynamic shared memory is short of what it uses.
+        // kernel traps (a failed launch) if its dynamic shared memory is short of what it uses.
         unsafe { b.launch(cfg) }.map_err(drv(name))?;
         Ok(())
     }

@@ -328,9 +328,9 @@ __device__ __forceinline__ void sk_signs(u32 a_smem, X x_at, float thr, const u8
 #pragma unroll
                 for (int n = 0; n < 4; n++) mma16816(acc[m][n], a[m][0], a[m][1], a[m][2], a[m][3], b[n][0], b[n][1]);
         }
-        // Sign bits: row lane's byte of tile n from the ballots of its m-tile's accumulators.
-        u32 w = 0;
-        bool unsure = false;
+        // Sign bits: row lane's byte of tile n from the ballots of its m-tile's accumulators;
+        // bit 16m + 4n + k of `unsure`: acc[m][n][k] within the bound.
+        u32 w = 0, unsure = 0;
 #pragma unroll
         for (int n = 0; n < 4; n++) {
             u32 byte = 0;
@@ -345,26 +345,20 @@ __device__ __forceinline__ void sk_signs(u32 a_smem, X x_at, float thr, const u8
                 const u32 mine = ((((hi ? b2 : b0) >> sh) & 15u) | ((((hi ? b3 : b1) >> sh) & 15u) << 4));
                 byte = (lane >> 4) == m ? mine : byte;
 #pragma unroll
-                for (int k = 0; k < 4; k++) unsure |= !(fabsf(acc[m][n][k]) > trow[2 * m + (k >> 1)]);
+                for (int k = 0; k < 4; k++)
+                    unsure |= (u32)!(fabsf(acc[m][n][k]) > trow[2 * m + (k >> 1)]) << (16 * m + 4 * n + k);
             }
             w |= byte << (8 * n);
         }
         wout[nc] = w;
-        if (__any_sync(FULL_MASK, unsure)) {
-#pragma unroll
-            for (int m = 0; m < 2; m++)
-#pragma unroll
-                for (int n = 0; n < 4; n++)
-#pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        if (!(fabsf(acc[m][n][k]) > trow[2 * m + (k >> 1)])) {
-                            const int row = 16 * m + g + 8 * (k >> 1);
-                            const int i = 32 * nc + 8 * n + 4 * (k & 1) + q;
-                            const u32 at = atomicAdd(&ctl[0], 1u);
-                            if (at < SK_CAP) list[at] = (u16)((row << 8) | i);
-                            else atomicOr(&ctl[1], 1u << row);
-                        }
-                    }
+        // The outputs within the bound into the list (past it, their rows into ctl[1]).
+        for (u32 todo = unsure; todo; todo &= todo - 1) {
+            const int b = __ffs(todo) - 1, m = b >> 4, n = (b >> 2) & 3, k = b & 3;
+            const int row = 16 * m + g + 8 * (k >> 1);
+            const int i = 32 * nc + 8 * n + 4 * (k & 1) + q;
+            const u32 at = atomicAdd(&ctl[0], 1u);
+            if (at < SK_CAP) list[at] = (u16)((row << 8) | i);
+            else atomicOr(&ctl[1], 1u << row);
         }
     }
     __syncwarp();
@@ -411,28 +405,17 @@ __device__ __forceinline__ float sk_bound(float nrm, float eps_rel) {
 
 #if KIND == 4
 static_assert(ROW_BYTES == D / 8, "qjl rows are d sign bits");
-// One qjl page: ‖x‖ of row `lane` in the canonical order (norm_tpr's, chunk by chunk), the
-// signs of the f16 input as it is, the rows and ‖x‖ into the page.
+// One qjl page: ‖x‖ of row `lane` (norm_tpr), the signs of the f16 input as it is, the rows
+// and ‖x‖ into the page.
 __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, const float* __restrict__ sg,
                                         float rot_scale, const float* __restrict__ thresholds,
                                         const float* __restrict__ centroids, float* xs, u32* words, u16* list,
                                         u32* ctl, u8* page, int lane) {
     float nrm;
     {
-        float ss[32];
-        const u8* rr = raw + lane * RS;
-#pragma unroll
-        for (int c = 0; c < D / 8; c++) {
-            const vec4u q = *(const vec4u*)(rr + 16 * c);
-            const u32 w4[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const float v = h2f((u16)(w4[j >> 1] >> ((j & 1) * 16)));
-                const int e = 8 * c + j;
-                ss[e & 31] = (e < 32 ? 0.0f : ss[e & 31]) + v * v;
-            }
-        }
-        nrm = sqrtf(tree32(ss));
+        float v[D];
+        row_tpr(raw + lane * RS, v);
+        nrm = norm_tpr(v);
     }
     u32 wout[D / 32];
     auto x_at = [&](int row, int e) { return h2f(((const u16*)(raw + row * RS))[e]); };
@@ -505,7 +488,9 @@ extern "C" __global__ void __launch_bounds__(256) encode_sketch_mma(
     const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u32 dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < (u32)(SK_S + nw * SK_WARP) || nw > 8) return;  // the host sized it otherwise: no page written
+    // The host's layout (encode.rs sketch_kernel) disagreeing with this one is a bug: fail the
+    // launch rather than leave pages unwritten.
+    if (dyn < (u32)(SK_S + nw * SK_WARP) || nw > 8) __trap();
     u8* const sS = dsm;
     u8* const wb = dsm + SK_S + warp * SK_WARP;
     float* const xs = (float*)(wb + 2 * SK_RAW);
