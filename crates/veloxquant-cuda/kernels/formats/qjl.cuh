@@ -217,8 +217,8 @@ __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, si
 #if FMT_PAGE && (KIND == 4 || KIND == 5) && PAGE_MMA
 // The sketch's signs on tensor cores (encode_sketch_mma: f16 input, pages of 32 rows, d = 64
 // or 128), bit-identical to the CPU: qjl's of the input rows, turboquant_prod's of the
-// residuals its stage 1 leaves (a warp per row, as encode_rows). A block's warps take one page
-// each and share the head's sketch in shared memory as S' (row i of S scaled to ‖S'_i‖ = 2^13,
+// residuals its stage 1 leaves (a lane per row, as the thread-per-row codecs). A block's warps
+// take one page each and share the head's sketch in shared memory as S' (row i of S scaled to ‖S'_i‖ = 2^13,
 // in f16: no f16 subnormals in practice, products and sums far inside f32's range). Each
 // page's 32 × d outputs are z = S'·x̃ by m16n8k16 products (x̃: qjl's f16 input as is; prod's
 // residual scaled by a power of two to [2^14, 2^15) and rounded to f16), z_i a positive
@@ -430,39 +430,101 @@ __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, co
     for (int o = 32 * ROW_BYTES + 64 + 4 * lane; o < PAGE_BYTES; o += 128) *(u32*)(page + o) = 0u;
 }
 #else
-// One turboquant_prod page: stage 1 of each row by the warp (prod_row_warp's, as encode_rows:
-// rotation, codes into the page, residual e, ‖x‖ and γ = ‖e‖ as sides), e into xs (f32) and,
-// scaled by 2^k to [2^14, 2^15) and rounded to f16, over the row's input in raw (read before);
-// then the signs of S·e after the codes.
+static_assert(MSE_BYTES == D * BITS / 8, "prod's code segment: d codes of BITS bits");
+// One turboquant_prod page: stage 1 with row `lane` wholly in this lane's registers (the
+// thread-per-row codecs' helpers: row_tpr, fwht_tpr, norm_tpr, put_code), operation for
+// operation as prod_row_warp: rotation, y = v·(1/‖v‖), its codes into the page, e = y − ŷ,
+// ‖x‖ and γ = ‖e‖ as sides; e into xs (f32) and, scaled by 2^k to [2^14, 2^15) and rounded to
+// f16, over the row's input in raw (read before); then the signs of S·e after the codes.
 __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, const float* __restrict__ sg,
                                         float rot_scale, const float* __restrict__ thresholds,
                                         const float* __restrict__ centroids, float* xs, u32* words, u16* list,
                                         u32* ctl, u8* page, int lane) {
-    float thr = -1.0f;
-    for (int r = 0; r < 32; r++) {
-        u16* const rr = (u16*)(raw + r * RS);
-        float v[EPL];
+    float thr;
+    {
+        float v[D];
+        row_tpr(raw + lane * RS, v);
+#if ROT
 #pragma unroll
-        for (int k = 0; k < EPL; k++) v[k] = h2f(rr[lane + 32 * k]);
-        rotate_warp(v, sg, rot_scale, lane);
-        const float norm = stage1_warp(v, page + r * ROW_BYTES, thresholds, centroids, lane);
-        const float gam = norm_warp(v);
-        put_two_sides(page, r, make_float2(norm, gam), lane);
+        for (int i = 0; i < D / 4; i++) {
+            const float4 s4 = __ldg((const float4*)sg + i);  // the same address in every lane
+            v[4 * i] = v[4 * i] * s4.x;
+            v[4 * i + 1] = v[4 * i + 1] * s4.y;
+            v[4 * i + 2] = v[4 * i + 2] * s4.z;
+            v[4 * i + 3] = v[4 * i + 3] * s4.w;
+        }
+        fwht_tpr(v);
+#pragma unroll
+        for (int j = 0; j < D; j++) v[j] = v[j] * rot_scale;
+#endif
+        // Loaded per page (volatile: not hoisted out of the job loop, where they would hold
+        // registers through the tensor-core part too).
+        float th[NTHR];
+#pragma unroll
+        for (int j = 0; j < NTHR; j++) asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(th[j]) : "l"(thresholds + j));
+#if BITS <= 2
+        float cn[NTHR + 1];
+#pragma unroll
+        for (int j = 0; j <= NTHR; j++) asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(cn[j]) : "l"(centroids + j));
+#endif
+        const float norm = norm_tpr(v);
+        const float inv = norm > 0.0f ? 1.0f / norm : 0.0f;
+        u32* const codes_out = (u32*)(page + lane * ROW_BYTES);
+#pragma unroll
+        for (int c32 = 0; c32 < D / 32; c32++) {
+            u32 W[BITS];  // codes 32·c32 … 32·c32 + 31: exactly words BITS·c32 … (stored as done)
+#pragma unroll
+            for (int w = 0; w < BITS; w++) W[w] = 0u;
+#pragma unroll
+            for (int i = 0; i < 32; i++) {
+                const int j = 32 * c32 + i;
+                const float y = v[j] * inv;
+                // lloyd_code's count of thresholds below y; ŷ its centroid (up to 2 bits by
+                // selects: the thresholds are sorted, so the last one below y names it).
+                u32 c = 0u;
+#if BITS <= 2
+                float yh = cn[0];
+#pragma unroll
+                for (int q = 0; q < NTHR; q++) {
+                    const bool up = th[q] < y;
+                    c += up ? 1u : 0u;
+                    yh = up ? cn[q + 1] : yh;
+                }
+#else
+#pragma unroll
+                for (int q = 0; q < NTHR; q++) c += (th[q] < y) ? 1u : 0u;
+                const float yh = __ldg(centroids + c);  // 8 centroids: a gather (registers are short at d = 128)
+#endif
+                put_code<BITS>(W, i, c);
+                v[j] = norm > 0.0f ? y - yh : 0.0f;
+            }
+#pragma unroll
+            for (int w = 0; w < BITS; w++) codes_out[BITS * c32 + w] = W[w];
+        }
+        const float gam = norm_tpr(v);
+        ((u16*)(page + 32 * ROW_BYTES))[lane] = f2h(norm);
+        ((u16*)(page + 32 * ROW_BYTES))[32 + lane] = f2h(gam);
+        for (int o = 32 * ROW_BYTES + 128 + lane; o < PAGE_BYTES; o += 32) page[o] = 0;
         float mx = 0.0f;
 #pragma unroll
-        for (int k = 0; k < EPL; k++) mx = fmaxf(mx, fabsf(v[k]));
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL_MASK, mx, off));
+        for (int j = 0; j < D; j++) mx = fmaxf(mx, fabsf(v[j]));
         // 2^k with mx·2^k in [2^14, 2^15) (mx normal and ≥ 2^-113; else the row is redone whole).
         const int ex = (int)((__float_as_uint(mx) >> 23) & 255u) - 127;
         const bool ok = ex >= -113 && ex <= 127 && mx == mx;
         const float sc = ok ? __uint_as_float((u32)(14 - ex + 127) << 23) : 1.0f;
+        float* const xr = xs + lane * (D + 1);  // word (D + 1)·lane + j: bank lane + j, no conflicts
 #pragma unroll
-        for (int k = 0; k < EPL; k++) {
-            xs[r * (D + 1) + lane + 32 * k] = v[k];
-            rr[lane + 32 * k] = f2h(v[k] * sc);
+        for (int j = 0; j < D; j++) xr[j] = v[j];
+        u8* const rr = raw + lane * RS;  // 16 B stores at RS-byte rows: conflict-free (row_tpr's pattern)
+#pragma unroll
+        for (int i = 0; i < D / 8; i++) {
+            u32 h[4];
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                h[k] = (u32)f2h(v[8 * i + 2 * k] * sc) | ((u32)f2h(v[8 * i + 2 * k + 1] * sc) << 16);
+            *(vec4u*)(rr + 16 * i) = vec4u{h[0], h[1], h[2], h[3]};
         }
-        if (lane == r) thr = ok ? sk_bound(gam * sc, eps_rel) : -1.0f;
+        thr = ok ? sk_bound(gam * sc, eps_rel) : -1.0f;
     }
     __syncwarp();
     u32 wout[D / 32];
