@@ -229,12 +229,7 @@ impl GpuEncoder {
     ) -> Result<Option<SketchMma>> {
         let f = dev.function(Family::Encode, &encode_defines(fmt, input, pf, tuning), "encode_sketch_mma")?;
         let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
-        let (d, list) = (fmt.d, 256);
-        let s_bytes = 2 * d * d;
-        // Two stages of input rows, turboquant_prod's residuals (f32, rows of d + 1), the sign
-        // words, the list, two counters.
-        let residuals = if fmt.kind == KernelKind::Prod { 32 * (d + 1) * 4 } else { 0 };
-        let per_warp = 2 * 32 * (2 * d + 16) + residuals + 32 * d / 8 + 2 * list + 16;
+        let (s_bytes, per_warp) = sketch_smem(fmt);
         let fit = dev.max_smem_optin.saturating_sub(static_bytes + s_bytes) / per_warp;
         let warps = dev.tuning.encode_sketch_warps.min(fit);
         let smem = s_bytes + warps * per_warp;
@@ -443,4 +438,15 @@ impl GpuEncoder {
         self.launch(&xd, n, &pid, &hid, &mut pool, &sd.slice(..), sc)?;
         s.clone_dtoh(&pool).map_err(drv("dtoh"))
     }
+}
+
+/// `encode_sketch_mma`'s dynamic shared memory (kernels/formats/qjl.cuh: SK_S, SK_WARP): the
+/// block's S' (f16, d × d), and per warp two stages of input rows (f16, padded by 16 bytes),
+/// turboquant_prod's residuals (f32, rows of d + 1), the sign words, the list of 256 outputs
+/// (u16) and two counters. The module states its own (`encode_sketch_mma_smem`); the
+/// compile-all test holds them equal.
+pub fn sketch_smem(fmt: &GpuFormat) -> (usize, usize) {
+    let (d, list) = (fmt.d, 256);
+    let residuals = if fmt.kind == KernelKind::Prod { 32 * (d + 1) * 4 } else { 0 };
+    (2 * d * d, 2 * 32 * (2 * d + 16) + residuals + 32 * d / 8 + 2 * list + 16)
 }

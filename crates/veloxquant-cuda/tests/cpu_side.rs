@@ -562,7 +562,7 @@ fn static_shared_bytes(ptx: &str) -> usize {
 #[test]
 fn format_kernel_files_match_the_host() {
     use veloxquant_cuda::device::{compile_ptx, libraries_present_nvrtc, Family};
-    use veloxquant_cuda::encode::{encode_defines, has_page_kernel};
+    use veloxquant_cuda::encode::{encode_defines, has_page_kernel, sketch_smem};
     use veloxquant_cuda::format::KernelKind;
     use veloxquant_cuda::{InputKind, Tuning};
     if let Err(e) = libraries_present_nvrtc() {
@@ -618,6 +618,15 @@ fn format_kernel_files_match_the_host() {
                 .to_src();
             let want = t == 32 && d <= 128 && input == InputKind::F16;
             assert_eq!(entries(&ptx).iter().any(|e| e == "encode_sketch_mma"), want, "{spec} d={d} T={t} {input:?}");
+            if want {
+                // The kernel's shared-memory layout as the module states it, against the host's.
+                let (s_bytes, per_warp) = sketch_smem(&f);
+                assert_eq!(
+                    global_u32s(&ptx, "encode_sketch_mma_smem"),
+                    Some(vec![s_bytes as u32, per_warp as u32]),
+                    "{spec} d={d}"
+                );
+            }
         }
     }
     // rabitq's prefill query kernel, in its prefill modules alone (prefill.rs asks for it there).
@@ -630,6 +639,19 @@ fn format_kernel_files_match_the_host() {
         let got = entries(&ptx);
         assert_eq!(got.iter().any(|e| e == "rabitq_query"), spec.name == "rabitq", "{spec}: {got:?}");
     }
+}
+
+/// The little-endian u32 words of a module's initialised global `name` (PTX `.b8 name[N] =
+/// {…}` or `.u32 name[N] = {…}`), or `None` where the module has no such global.
+fn global_u32s(ptx: &str, name: &str) -> Option<Vec<u32>> {
+    let line = ptx.lines().find(|l| l.contains(".global") && l.contains(&format!(" {name}[")))?;
+    let body = line.split_once('{')?.1.split_once('}')?.0;
+    let vals: Vec<u64> = body.split(',').map(|v| v.trim().parse().expect("a number")).collect();
+    Some(if line.contains(".b8 ") || line.contains(".u8 ") {
+        vals.chunks(4).map(|c| c.iter().rev().fold(0u32, |a, &b| (a << 8) | b as u32)).collect()
+    } else {
+        vals.iter().map(|&v| v as u32).collect()
+    })
 }
 
 /// The GPU's reading of the sign and two-segment formats, on the CPU's bytes: a qjl page as

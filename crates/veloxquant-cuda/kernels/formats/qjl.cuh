@@ -244,6 +244,9 @@ __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, si
 #endif
 #define SK_WARP (2 * SK_RAW + SK_XS + 32 * (D / 8) + 2 * SK_CAP + 16)  // per warp: two stages, residuals, words, list, counters
 #define SK_S (2 * D * D)                        // S' (f16), once per block
+// The layout's sizes as the module states them: the compile-all test compares them with the
+// host's (encode.rs sketch_smem), which sizes the launch.
+extern "C" __device__ const u32 encode_sketch_mma_smem[2] = {SK_S, SK_WARP};
 #define SK_EPS ((4.8828125e-4f + SK_XEPS + D * 9.5367432e-7f + D * 5.9604645e-8f) * 1.01f)
 
 __device__ __forceinline__ void ldsm_x4(u32 a, u32* r) {
@@ -550,8 +553,8 @@ extern "C" __global__ void __launch_bounds__(256) encode_sketch_mma(
     const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     u32 dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    // The host's layout (encode.rs sketch_kernel) disagreeing with this one is a bug: fail the
-    // launch rather than leave pages unwritten.
+    // The host's layout (encode.rs sketch_smem, held equal by the compile-all test) short of
+    // this one would be a bug: fail the launch rather than leave pages unwritten.
     if (dyn < (u32)(SK_S + nw * SK_WARP) || nw > 8) __trap();
     u8* const sS = dsm;
     u8* const wb = dsm + SK_S + warp * SK_WARP;
