@@ -160,6 +160,9 @@ mod tests {
         for bits in 1..=4 {
             for d in [64, 96, 128] {
                 let cb = ScaledCodebook::new(bits, d);
+                // Sorted: the GPU's thread-per-row encoders take the centroid of the last
+                // threshold below y (a chain of selects) as centroids[count].
+                assert!(cb.thresholds.windows(2).all(|w| w[0] <= w[1]), "bits {bits} d {d}: thresholds unsorted");
                 let mut ys = vec![0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e30, -1e30];
                 for &t in &cb.thresholds {
                     ys.extend([t, t.next_up(), t.next_down(), t * 0.5, t * 2.0]);
