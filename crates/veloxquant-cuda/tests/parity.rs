@@ -293,11 +293,74 @@ fn sketch_signs_at_the_rounding_level_bit_identical() {
     }
 }
 
-/// kernels/formats/qjl.cuh's bound per unit ‖x‖ (SK_EPS · 2^13 and its margins; no S' entry
-/// below 2⁻¹⁴).
-fn sketch_mma_eps(d: usize) -> f64 {
-    let eps = (2f32.powi(-11) + d as f32 * 2f32.powi(-20) + d as f32 * 2f32.powi(-24)) * 1.01;
+/// kernels/formats/qjl.cuh's bound per unit ‖x̃‖ (SK_EPS · 2^13 and its margins; no S' entry
+/// below 2⁻¹⁴); `prod`: 2⁻¹¹ more for the residual rounded to f16 (SK_XEPS).
+fn sketch_mma_eps(d: usize, prod: bool) -> f64 {
+    let x_eps = if prod { 2f32.powi(-11) } else { 0.0 };
+    let eps = (2f32.powi(-11) + x_eps + d as f32 * 2f32.powi(-20) + d as f32 * 2f32.powi(-24)) * 1.01;
     (eps * 8192.0 * 1.001 * 1.001) as f64
+}
+
+/// The host part of the sketch kernel's test for turboquant_prod: its stage 1 as the CPU's
+/// (rotation, y = r·(1/‖r‖), codes, e = y − ŷ), e scaled by 2^k to [2^14, 2^15) and rounded
+/// to f16 as the kernel does, and each output's sign from those f16 operands summed exactly
+/// against the CPU page's sign bit: where they differ, |z| must lie within the kernel's bound.
+/// Returns (outputs whose f16 sign differs, outputs within the bound, worst |z|/bound of a
+/// differing one).
+fn prod_bound_check(spec: &FormatSpec, d: usize, seed: u64, st: &[f32], x: &[f32]) -> (usize, usize, f64) {
+    let t = 32;
+    let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
+    let mut page = vec![0u8; cpu.page_bytes()];
+    cpu.encode_page(x, &mut page).unwrap();
+    let rot = veloxquant::rotate::Rotation::new(d, seed).unwrap();
+    let cb = veloxquant::codebook::ScaledCodebook::new(spec.bits - 1, d);
+    let mse_bytes = (d * (spec.bits as usize - 1)).div_ceil(32) * 4;
+    let row_bytes = mse_bytes + d / 8;
+    let s_norm: Vec<f64> = (0..d).map(|i| (0..d).map(|e| (st[e * d + i] as f64).powi(2)).sum::<f64>().sqrt()).collect();
+    let (mut differs_n, mut unsure, mut worst) = (0, 0, 0f64);
+    for r in 0..t {
+        let mut v = x[r * d..(r + 1) * d].to_vec();
+        rot.apply(&mut v);
+        let norm = veloxquant::reduce::sum_sq_canonical(&v).sqrt();
+        let inv = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        let e: Vec<f32> = v
+            .iter()
+            .map(|&a| {
+                let y = a * inv;
+                if norm > 0.0 { y - cb.centroids[cb.quantize(y) as usize] } else { 0.0 }
+            })
+            .collect();
+        let mx = e.iter().fold(0f32, |m, a| m.max(a.abs()));
+        let ex = ((mx.to_bits() >> 23) & 255) as i32 - 127;
+        if !(-113..=127).contains(&ex) {
+            continue; // redone whole by the kernel
+        }
+        let sc = 2f32.powi(14 - ex);
+        let xt: Vec<f64> = e.iter().map(|&a| half::f16::from_f32(a * sc).to_f64()).collect();
+        let nrm = (veloxquant::reduce::sum_sq_canonical(&e).sqrt() * sc) as f64;
+        let bound = sketch_mma_eps(d, true) * nrm + 0.505 * (d as f64).sqrt();
+        if bound * (d as f64).sqrt() > 1024.0 * nrm {
+            continue; // redone whole by the kernel
+        }
+        let signs = &page[r * row_bytes + mse_bytes..(r + 1) * row_bytes];
+        for i in 0..d {
+            let cpu_pos = signs[i / 8] >> (i % 8) & 1 == 1;
+            let tc: f64 = (0..d)
+                .map(|k| half::f16::from_f64(st[k * d + i] as f64 * 8192.0 / s_norm[i]).to_f64() * xt[k])
+                .sum();
+            let differs = cpu_pos != (tc > 0.0) && tc != 0.0;
+            differs_n += usize::from(differs);
+            unsure += usize::from(tc.abs() <= bound);
+            if differs {
+                worst = worst.max(tc.abs() / bound);
+            }
+            assert!(
+                !differs || tc.abs() <= bound,
+                "{spec} d={d} row {r} output {i}: sign differs beyond the bound ({tc} vs {bound})"
+            );
+        }
+    }
+    (differs_n, unsure, worst)
 }
 
 /// qjl and turboquant_prod with their sketch on tensor cores (`Tuning::encode_sketch_mma`: f16
@@ -345,7 +408,7 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
                     // Output by output: the CPU's sign against the tensor cores' operands' (their
                     // exact sum), and the kernel's test: beyond its bound the signs must agree.
                     let nrm = xv.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
-                    let bound = sketch_mma_eps(d) * nrm + 0.505 * (d as f64).sqrt();
+                    let bound = sketch_mma_eps(d, false) * nrm + 0.505 * (d as f64).sqrt();
                     for i in 0..d {
                         let si = s_row(i);
                         let norm = si.iter().map(|v| v * v).sum::<f64>().sqrt();
@@ -394,6 +457,19 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
                 })
                 .map(|v| half::f16::from_f32(v).to_bits())
                 .collect();
+            let (mut differs, mut unsure, mut worst) = (0, 0, 0f64);
+            for p in 0..n_pages {
+                let x: Vec<f32> =
+                    x16[p * t * d..(p + 1) * t * d].iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
+                let st = &gfs[head_of(p)].sketch.as_ref().unwrap().0;
+                let (a, b, w) = prod_bound_check(&spec, d, seeds[head_of(p)], st, &x);
+                (differs, unsure, worst) = (differs + a, unsure + b, worst.max(w));
+            }
+            eprintln!(
+                "{spec} d={d}: the f16 residuals alone differ in {differs} outputs, all within the bound (at most \
+                 {worst:.3} of it); {unsure} of {} outputs within it",
+                n_pages * t * d
+            );
             cases.push((spec.clone(), d, seeds, gfs, x16, head_of));
         }
     }
