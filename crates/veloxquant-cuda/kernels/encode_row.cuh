@@ -100,6 +100,23 @@ __device__ __forceinline__ u32 lloyd_code(float y, const float* thr) {
     for (int j = 0; j < NT; j++) c += (thr[j] < y) ? 1u : 0u;
     return c;
 }
+// lloyd_code and the cell's centroid cen[c] (*yh) from the same compares: the thresholds
+// are sorted, so the last one below y names it. The thread-per-row stage 1 of
+// turboquant_prod and turboquant_rvq up to 2 bits (at 3 and 4 the predicates held for both
+// spill at d = 128).
+template <int NT>
+__device__ __forceinline__ u32 lloyd_code_centroid(float y, const float* thr, const float* cen, float* yh) {
+    u32 c = 0;
+    float h = cen[0];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const bool up = thr[j] < y;
+        c += up ? 1u : 0u;
+        h = up ? cen[j + 1] : h;
+    }
+    *yh = h;
+    return c;
+}
 #endif
 
 #if KIND == 5 || KIND == 7

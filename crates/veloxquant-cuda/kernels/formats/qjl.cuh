@@ -482,20 +482,11 @@ __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, co
             for (int i = 0; i < 32; i++) {
                 const int j = 32 * c32 + i;
                 const float y = v[j] * inv;
-                // lloyd_code's count of thresholds below y; ŷ its centroid (up to 2 bits by
-                // selects: the thresholds are sorted, so the last one below y names it).
-                u32 c = 0u;
 #if BITS <= 2
-                float yh = cn[0];
-#pragma unroll
-                for (int q = 0; q < NTHR; q++) {
-                    const bool up = th[q] < y;
-                    c += up ? 1u : 0u;
-                    yh = up ? cn[q + 1] : yh;
-                }
+                float yh;
+                const u32 c = lloyd_code_centroid<NTHR>(y, th, cn, &yh);
 #else
-#pragma unroll
-                for (int q = 0; q < NTHR; q++) c += (th[q] < y) ? 1u : 0u;
+                const u32 c = lloyd_code<NTHR>(y, th);
                 const float yh = __ldg(centroids + c);  // 8 centroids: a gather (registers are short at d = 128)
 #endif
                 put_code<BITS>(W, i, c);

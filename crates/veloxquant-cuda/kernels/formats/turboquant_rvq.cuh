@@ -89,21 +89,14 @@ __device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, 
 #pragma unroll
         for (int j = 0; j < D; j++) {
             const float y = v[j] * inv;
-            // cen1[c] by selects, the arrays kept in registers. Up to 2 bits from lloyd_code's
-            // own compares (the thresholds are sorted: the last one below y names the
-            // centroid; 384 fewer instructions a page at d = 128), else on c (the predicates
-            // held for both spill at 3 and 4 bits).
-            u32 c = 0u;
-            float cy = cen1[0];
+            // cen1[c] by selects, the arrays kept in registers (up to 2 bits from lloyd_code's
+            // own compares: 384 fewer instructions a page at d = 128).
 #if BITS <= 2
-#pragma unroll
-            for (int i = 0; i < NTHR; i++) {
-                const bool up = thr1[i] < y;
-                c += up ? 1u : 0u;
-                cy = up ? cen1[i + 1] : cy;
-            }
+            float cy;
+            const u32 c = lloyd_code_centroid<NTHR>(y, thr1, cen1, &cy);
 #else
-            c = lloyd_code<NTHR>(y, thr1);
+            const u32 c = lloyd_code<NTHR>(y, thr1);
+            float cy = cen1[0];
 #pragma unroll
             for (int i = 1; i <= NTHR; i++) cy = c == (u32)i ? cen1[i] : cy;
 #endif
