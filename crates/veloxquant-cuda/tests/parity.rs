@@ -327,7 +327,11 @@ fn prod_bound_check(spec: &FormatSpec, d: usize, seed: u64, st: &[f32], x: &[f32
             .iter()
             .map(|&a| {
                 let y = a * inv;
-                if norm > 0.0 { y - cb.centroids[cb.quantize(y) as usize] } else { 0.0 }
+                if norm > 0.0 {
+                    y - cb.centroids[cb.quantize(y) as usize]
+                } else {
+                    0.0
+                }
             })
             .collect();
         let mx = e.iter().fold(0f32, |m, a| m.max(a.abs()));
@@ -345,9 +349,8 @@ fn prod_bound_check(spec: &FormatSpec, d: usize, seed: u64, st: &[f32], x: &[f32
         let signs = &page[r * row_bytes + mse_bytes..(r + 1) * row_bytes];
         for i in 0..d {
             let cpu_pos = signs[i / 8] >> (i % 8) & 1 == 1;
-            let tc: f64 = (0..d)
-                .map(|k| half::f16::from_f64(st[k * d + i] as f64 * 8192.0 / s_norm[i]).to_f64() * xt[k])
-                .sum();
+            let tc: f64 =
+                (0..d).map(|k| half::f16::from_f64(st[k * d + i] as f64 * 8192.0 / s_norm[i]).to_f64() * xt[k]).sum();
             let differs = cpu_pos != (tc > 0.0) && tc != 0.0;
             differs_n += usize::from(differs);
             unsure += usize::from(tc.abs() <= bound);
