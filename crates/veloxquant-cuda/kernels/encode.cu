@@ -129,6 +129,24 @@ __device__ __forceinline__ void fwht_tpr(float* v) {
     }
 }
 
+// The format's rotation of a row held by one lane (rotate_warp's operations): the signs sg
+// (the transform's first D floats; shared or global), the FWHT, the scale.
+__device__ __forceinline__ void rotate_tpr(float* v, const float* sg, float rot_scale) {
+#if ROT
+#pragma unroll
+    for (int i = 0; i < D / 4; i++) {
+        const vec4u s = ((const vec4u*)sg)[i];
+        v[4 * i] = v[4 * i] * __uint_as_float(s.x);
+        v[4 * i + 1] = v[4 * i + 1] * __uint_as_float(s.y);
+        v[4 * i + 2] = v[4 * i + 2] * __uint_as_float(s.z);
+        v[4 * i + 3] = v[4 * i + 3] * __uint_as_float(s.w);
+    }
+    fwht_tpr(v);
+#pragma unroll
+    for (int j = 0; j < D; j++) v[j] = v[j] * rot_scale;
+#endif
+}
+
 // The 32 lane chains s[l] summed by the canonical xor-butterfly's tree (reduce.rs).
 __device__ __forceinline__ float tree32(float* s) {
 #pragma unroll
@@ -351,22 +369,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 #ifdef PAGE_PRE
         page_pre_fmt(v, sgh);  // a format's step before the rotation (turboquant_frac: − μ)
 #endif
-#if ROT
-        {
-            const vec4u* sg = (const vec4u*)sgh;  // the rotation's signs lead the transform
-#pragma unroll
-            for (int i = 0; i < D / 4; i++) {
-                vec4u s = sg[i];
-                v[4 * i] = v[4 * i] * __uint_as_float(s.x);
-                v[4 * i + 1] = v[4 * i + 1] * __uint_as_float(s.y);
-                v[4 * i + 2] = v[4 * i + 2] * __uint_as_float(s.z);
-                v[4 * i + 3] = v[4 * i + 3] * __uint_as_float(s.w);
-            }
-        }
-        fwht_tpr(v);
-#pragma unroll
-        for (int j = 0; j < D; j++) v[j] = v[j] * rot_scale;
-#endif
+        rotate_tpr(v, sgh, rot_scale);
         u32 W[ROW_W];
 #pragma unroll
         for (int w = 0; w < ROW_W; w++) W[w] = 0;

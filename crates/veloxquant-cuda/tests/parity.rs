@@ -307,15 +307,14 @@ fn sketch_mma_eps(d: usize, prod: bool) -> f64 {
 /// against the CPU page's sign bit: where they differ, |z| must lie within the kernel's bound.
 /// Returns (outputs whose f16 sign differs, outputs within the bound, worst |z|/bound of a
 /// differing one).
-fn prod_bound_check(spec: &FormatSpec, d: usize, seed: u64, st: &[f32], x: &[f32]) -> (usize, usize, f64) {
-    let t = 32;
+fn prod_bound_check(spec: &FormatSpec, gf: &GpuFormat, seed: u64, x: &[f32]) -> (usize, usize, f64) {
+    let (d, t, mse_bytes, row_bytes) = (gf.d, 32, gf.mse_bytes, gf.row_bytes);
+    let st = &gf.sketch.as_ref().unwrap().0;
     let cpu = spec.build(&FormatCtx::new(d, t, Stream::Keys, seed)).unwrap();
     let mut page = vec![0u8; cpu.page_bytes()];
     cpu.encode_page(x, &mut page).unwrap();
     let rot = veloxquant::rotate::Rotation::new(d, seed).unwrap();
     let cb = veloxquant::codebook::ScaledCodebook::new(spec.bits - 1, d);
-    let mse_bytes = (d * (spec.bits as usize - 1)).div_ceil(32) * 4;
-    let row_bytes = mse_bytes + d / 8;
     let s_norm: Vec<f64> = (0..d).map(|i| (0..d).map(|e| (st[e * d + i] as f64).powi(2)).sum::<f64>().sqrt()).collect();
     let (mut differs_n, mut unsure, mut worst) = (0, 0, 0f64);
     for r in 0..t {
@@ -464,8 +463,7 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
             for p in 0..n_pages {
                 let x: Vec<f32> =
                     x16[p * t * d..(p + 1) * t * d].iter().map(|&b| half::f16::from_bits(b).to_f32()).collect();
-                let st = &gfs[head_of(p)].sketch.as_ref().unwrap().0;
-                let (a, b, w) = prod_bound_check(&spec, d, seeds[head_of(p)], st, &x);
+                let (a, b, w) = prod_bound_check(&spec, &gfs[head_of(p)], seeds[head_of(p)], &x);
                 (differs, unsure, worst) = (differs + a, unsure + b, worst.max(w));
             }
             eprintln!(

@@ -435,10 +435,11 @@ __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, co
 #else
 static_assert(MSE_BYTES == D * BITS / 8, "prod's code segment: d codes of BITS bits");
 // One turboquant_prod page: stage 1 with row `lane` wholly in this lane's registers (the
-// thread-per-row codecs' helpers: row_tpr, fwht_tpr, norm_tpr, put_code), operation for
-// operation as prod_row_warp: rotation, y = v·(1/‖v‖), its codes into the page, e = y − ŷ,
-// ‖x‖ and γ = ‖e‖ as sides; e into xs (f32) and, scaled by 2^k to [2^14, 2^15) and rounded to
-// f16, over the row's input in raw (read before); then the signs of S·e after the codes.
+// thread-per-row codecs' helpers: row_tpr, rotate_tpr, norm_tpr, put_code, side_tpr),
+// operation for operation as prod_row_warp: rotation, y = v·(1/‖v‖), its codes into the page,
+// e = y − ŷ, ‖x‖ and γ = ‖e‖ as sides; e into xs (f32) and, scaled by 2^k to [2^14, 2^15) and
+// rounded to f16, over the row's input in raw (read before); then the signs of S·e after the
+// codes.
 __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, const float* __restrict__ sg,
                                         float rot_scale, const float* __restrict__ thresholds,
                                         const float* __restrict__ centroids, float* xs, u32* words, u16* list,
@@ -447,19 +448,7 @@ __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, co
     {
         float v[D];
         row_tpr(raw + lane * RS, v);
-#if ROT
-#pragma unroll
-        for (int i = 0; i < D / 4; i++) {
-            const float4 s4 = __ldg((const float4*)sg + i);  // the same address in every lane
-            v[4 * i] = v[4 * i] * s4.x;
-            v[4 * i + 1] = v[4 * i + 1] * s4.y;
-            v[4 * i + 2] = v[4 * i + 2] * s4.z;
-            v[4 * i + 3] = v[4 * i + 3] * s4.w;
-        }
-        fwht_tpr(v);
-#pragma unroll
-        for (int j = 0; j < D; j++) v[j] = v[j] * rot_scale;
-#endif
+        rotate_tpr(v, sg, rot_scale);
         // Loaded per page (volatile: not hoisted out of the job loop, where they would hold
         // registers through the tensor-core part too).
         float th[NTHR];
@@ -496,9 +485,7 @@ __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, co
             for (int w = 0; w < BITS; w++) codes_out[BITS * c32 + w] = W[w];
         }
         const float gam = norm_tpr(v);
-        ((u16*)(page + 32 * ROW_BYTES))[lane] = f2h(norm);
-        ((u16*)(page + 32 * ROW_BYTES))[32 + lane] = f2h(gam);
-        for (int o = 32 * ROW_BYTES + 128 + lane; o < PAGE_BYTES; o += 32) page[o] = 0;
+        side_tpr(page, lane, norm, gam);
         float mx = 0.0f;
 #pragma unroll
         for (int j = 0; j < D; j++) mx = fmaxf(mx, fabsf(v[j]));
