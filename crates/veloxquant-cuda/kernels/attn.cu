@@ -16,7 +16,7 @@
 // value_post_fmt (VALUE_POST_FMT), combine's step on the merged accumulator (for the rotation).
 // @formats FMT_QUERY
 #ifndef KTW
-#define KTW D
+#define KTW (D + KDENSE_W)
 #endif
 #ifndef QUERY_FMT
 #define QUERY_FMT 0
@@ -59,7 +59,7 @@ extern "C" __global__ void PREP_BOUNDS prep_query(const float* __restrict__ q, f
 #endif
 #if KROT
     x *= kt[tid];
-    x = fwht_block(x, s, tid) * krot_scale;
+    x = rot_block<KDENSE_W, false>(x, s, tid, kt + (KTW - KDENSE_W)) * krot_scale;
 #endif
 #if QUERY_FMT
     query_fmt(x, qprep, at, (size_t)gridDim.x * gridDim.y * D, kt, krot_scale, s, tid);
@@ -225,7 +225,8 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
 #endif
     }
 #elif VROT
-    A = fwht_block(A, s, tid) * (vsigns[hkv * D + tid] * vrot_scale);
+    A = rot_block<VDENSE_W, true>(A, s, tid, vsigns + hkv * (D + VDENSE_W) + D) *
+        (vsigns[hkv * (D + VDENSE_W) + tid] * vrot_scale);
 #endif
     // The codes' share and the exact tokens', each rescaled to the larger max.
     const float m2 = fmaxf(M, mt);

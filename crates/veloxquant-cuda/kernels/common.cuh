@@ -43,3 +43,16 @@ __device__ __forceinline__ void mma16816(float* c, u32 a0, u32 a1, u32 a2, u32 a
 __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 // √(π/2)/d: the sketch estimator's scale (sketch.rs `scale`, rounded from f64 the same way).
 #define SKETCH_C(dim) ((float)(1.2533141373155001 / (dim)))
+// Floats of a dense rotation's matrices after a format's own transform words per head
+// (head sizes that are not a power of two: format.rs `GpuFormat::dense`): DENSE_W for the
+// encode and cache modules' format, KDENSE_W / VDENSE_W for decode's keys and values; 0 for
+// a Hadamard rotation (whose signs and scale the kernels apply), or none.
+#ifndef DENSE_W
+#define DENSE_W 0
+#endif
+#ifndef KDENSE_W
+#define KDENSE_W 0
+#endif
+#ifndef VDENSE_W
+#define VDENSE_W 0
+#endif

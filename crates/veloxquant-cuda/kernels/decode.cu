@@ -43,7 +43,7 @@
 #ifndef KRATIO
 #define KRATIO 0
 #endif
-#if !NOFAST && D <= 128 && (KK == 3 || KK == 5) && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME) && (KK != 5 || K2SAME || K2B == 1)
+#if !NOFAST && (D == 64 || D == 128) && (KK == 3 || KK == 5) && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME) && (KK != 5 || K2SAME || K2B == 1)
 #define FAST 1
 #else
 #define FAST 0

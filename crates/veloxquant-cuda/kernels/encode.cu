@@ -91,8 +91,9 @@ extern "C" __global__ void ENCODE_ROWS_BOUNDS encode_rows(
 // comes from a table of bins of width 1/QS over y holding at most one threshold each
 // (built and checked on the host: code = base + (thr < y)), replicated per lane group so the
 // lookups are free of bank conflicts. Extra defines: WARPS (warps per block), QK (bins).
-// Only for D ≤ 128, the sizes the host runs them at (a row in one lane's registers).
-#if T == 32 && D <= 128 && (PAGE_CODEC || PAGE_MMA)
+// Only for D = 64 and 128, the sizes the host runs them at (a row in one lane's registers,
+// rotated by the FWHT).
+#if T == 32 && (D == 64 || D == 128) && (PAGE_CODEC || PAGE_MMA)
 #define IN_B (IN_KIND == 0 ? 4 : 2)
 #define ROW_IN (D * IN_B)
 #define RS (ROW_IN + 16)

@@ -57,6 +57,60 @@ __device__ __forceinline__ float warp_sum_canonical(float acc) {
     return acc;
 }
 
+#if DENSE_W
+// v ← M·v for a dense rotation M (row-major D × D; the warp's strided layout): output i is the
+// CPU's dot_canonical(M row i, v) (rotate.rs Rotation::apply): the lane's products in index
+// order from 0, then the xor butterfly, whose result every lane holds (a + b = b + a).
+__device__ __forceinline__ void dense_warp(float* v, const float* __restrict__ m, int lane) {
+    float out[EPL];
+#pragma unroll
+    for (int i = 0; i < D; i++) {
+        float p = 0.0f;
+#pragma unroll
+        for (int k = 0; k < EPL; k++) p = p + m[(size_t)i * D + lane + 32 * k] * v[k];
+        p = warp_sum_canonical(p);
+        if ((i & 31) == lane) out[i >> 5] = p;
+    }
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = out[k];
+}
+// v ← Mᵀ·v (the inverse rotation), for decoded rows: within the decode tolerance, not the
+// CPU's order.
+__device__ __forceinline__ void dense_inv_warp(float* v, const float* __restrict__ m, int lane) {
+    float out[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) out[k] = 0.0f;
+#pragma unroll 4
+    for (int i = 0; i < D; i++) {
+        float vi = 0.0f;
+#pragma unroll
+        for (int k = 0; k < EPL; k++) vi = (i >> 5) == k ? v[k] : vi;
+        vi = __shfl_sync(FULL_MASK, vi, i & 31);
+#pragma unroll
+        for (int k = 0; k < EPL; k++) out[k] += m[(size_t)i * D + lane + 32 * k] * vi;
+    }
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = out[k];
+}
+#endif
+// The format's forward rotation core (after its signs, before its scale: both ones for a
+// dense rotation) and its inverse (before signs and scale); m: the dense matrix, when
+// DENSE_W.
+__device__ __forceinline__ void rot_fwd_warp(float* v, const float* __restrict__ m, int lane) {
+#if DENSE_W
+    dense_warp(v, m, lane);
+#else
+    fwht_warp(v, lane);
+#endif
+}
+__device__ __forceinline__ void rot_inv_warp(float* v, const float* __restrict__ m, int lane) {
+#if DENSE_W
+    dense_inv_warp(v, m, lane);
+#else
+    fwht_warp(v, lane);
+#endif
+}
+
 #if KIND >= 4
 __device__ __forceinline__ float norm_warp(const float* v) {
     float ss = 0.0f;
@@ -161,6 +215,9 @@ __device__ __forceinline__ void put_two_sides(u8* page, int t, float2 sides, int
     put_sides(page, t, sides.x, 2, lane);
 }
 
+// A dense rotation's matrix R₁ in a head's transform sg, after the format's own TW − DENSE_W
+// words (turboquant_rvq's R₂ follows it).
+#define DENSE_M(sg) ((sg) + (TW - DENSE_W))
 // Each format's row codec (FMT_ROW): encode_row_fmt (row t of a page from v, rotated when the
 // format rotates; its sides too) and decode_row_fmt (row t back, sides applied, still in the
 // rotated domain), and TW, the floats per head of its transform argument (default D);
@@ -168,12 +225,14 @@ __device__ __forceinline__ void put_two_sides(u8* page, int t, float2 sides, int
 // inverse rotation of a decoded row).
 // @formats FMT_ROW
 #ifndef TW
-#define TW D
+#define TW (D + DENSE_W)
 #endif
 
 // The format's rotation of a row held by a warp (signs sg, then the FWHT, then the scale).
 __device__ __forceinline__ void rotate_warp(float* v, const float* __restrict__ sg, float rot_scale, int lane) {
-#if ROT
+#if ROT && DENSE_W
+    dense_warp(v, DENSE_M(sg), lane);  // unit signs and scale: not applied
+#elif ROT
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = v[k] * sg[lane + 32 * k];
     fwht_warp(v, lane);

@@ -126,7 +126,9 @@ extern "C" __global__ void kv_dense(int slot, int n_end, int coded, const u16* _
     const u8* page = pool + (size_t)phys * PAGE_BYTES;
     float v[EPL];
     decode_row_fmt(page, c % T, signs + (size_t)h * TW, rot_scale, cen, lane, v);
-#if ROT
+#if ROT && DENSE_W
+    dense_inv_warp(v, DENSE_M(signs + (size_t)h * TW), lane);
+#elif ROT
     // x = Hᵀ(D s ⊙ …): the rotation is R = scale · H · diag(signs), H symmetric, so
     // R⁻¹ y = diag(signs) · H · y · scale.
     fwht_warp(v, lane);

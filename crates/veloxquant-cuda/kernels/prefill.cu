@@ -117,7 +117,7 @@ extern "C" __global__ void band_v(BandArgs a, const float* __restrict__ o, const
     out16[((size_t)(row0 + t) * NKV * G + g * G + i) * D + d] = f2h(acc);
 }
 
-// Flash prefill (D ≤ 128, not KQUANT): the same attention as the GEMM path above in one
+// Flash prefill (D = 64 or 128, not KQUANT): the same attention as the GEMM path above in one
 // pass, without the score matrix. A block takes FW·16 rows (row = t·G + i of one KV head);
 // each warp 16 of them, its queries held as mma A fragments. Keys arrive in tiles of FBN
 // through two cp.async stages: first the dense tiles of K̃/Ṽ (codes decoded, sinks exact)
@@ -126,7 +126,7 @@ extern "C" __global__ void band_v(BandArgs a, const float* __restrict__ o, const
 // j < min(lo(p), p + 1); exact: lo(p) ≤ j ≤ p), so a key is counted once, from the source
 // decode would read; online softmax (base 2) merges the tiles. P reaches the PV mma from
 // the score fragments in registers; Ṽ's B fragments come by ldmatrix.trans.
-#if D <= 128
+#if D == 64 || D == 128
 #ifndef FW
 #define FW 4  // warps per block, 16 rows each (Tuning::prefill_warps)
 #endif

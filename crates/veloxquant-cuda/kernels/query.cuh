@@ -16,3 +16,22 @@ __device__ __forceinline__ float fwht_block(float x, float* s, int tid) {
     }
     return x;
 }
+// x ← M·x (INV: Mᵀ·x) for the block's D values, M a dense rotation (row-major D × D, head
+// sizes that are not a power of two): decode's query and output, within its tolerance.
+template <bool INV>
+__device__ __forceinline__ float dense_block(float x, float* s, int tid, const float* __restrict__ m) {
+    s[tid] = x;
+    __syncthreads();
+    float a = 0.0f;
+#pragma unroll 8
+    for (int j = 0; j < D; j++) a += (INV ? m[(size_t)j * D + tid] : m[(size_t)tid * D + j]) * s[j];
+    __syncthreads();
+    return a;
+}
+// A rotation's core for the block (after its signs, before its scale; both ones when
+// dense): the FWHT, or with DW dense words the matrix m.
+template <int DW, bool INV>
+__device__ __forceinline__ float rot_block(float x, float* s, int tid, const float* __restrict__ m) {
+    if (DW) return dense_block<INV>(x, s, tid, m);
+    return fwht_block(x, s, tid);
+}

@@ -41,7 +41,7 @@ fn splits_for_waves(rows: usize, target: usize, max_splits: usize) -> usize {
 /// Whether the decode kernel's FAST path (2–4-bit codes dequantized in registers) applies;
 /// must agree with decode.cu's `FAST`.
 fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
-    kf.d <= 128
+    matches!(kf.d, 64 | 128)
         && matches!(kf.kind.decode_id(), 3 | 5)
         && vf.kind == KernelKind::Codes
         && (matches!(kf.bits, 2..=4) || (kf.bits == 1 && symmetric_1bit(kf)))
@@ -216,6 +216,8 @@ fn decode_defines(
         defs.push(("NOFAST".into(), 1)); // a pre-Hopper device: the generic path
     }
     defs.push(("KROT".into(), kf.rotation.is_some() as i64));
+    defs.push(("KDENSE_W".into(), kf.dense.len() as i64));
+    defs.push(("VDENSE_W".into(), vf.dense.len() as i64));
     defs.push(("EXPFTZ".into(), var.expftz as i64));
     defs.push(("SLACK".into(), var.slack));
     if pipe.fuse_q {
@@ -283,6 +285,8 @@ fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(Str
         ("VFRAC", (vf.kind == KernelKind::Frac) as i64),
         ("VCENTER", (vf.kind == KernelKind::Frac && vf.spec.center) as i64),
         ("PDL", pdl as i64),
+        ("KDENSE_W", kf.dense.len() as i64),
+        ("VDENSE_W", vf.dense.len() as i64),
     ]
     .iter()
     .map(|(k, v)| (k.to_string(), *v))

@@ -27,7 +27,7 @@ pub enum InputKind {
 }
 
 /// The encode module's defines for `fmt` and `input` (`pf`: the cp.async prefetch, sm_80+).
-pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 24] {
+pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) -> [(&'static str, i64); 25] {
     [
         ("RPW", fmt.encode_rows_per_warp() as i64),
         ("GRP", fmt.group.max(1) as i64),
@@ -57,6 +57,8 @@ pub fn encode_defines(fmt: &GpuFormat, input: InputKind, pf: i64, t: &Tuning) ->
         // turboquant_frac: the wide channels' count (BITS: theirs, BITS2: the others'), μ.
         ("NHI", fmt.frac.as_ref().map_or(0, |f| f.n_hi) as i64),
         ("CENTER", fmt.spec.center as i64),
+        // A dense rotation's matrices after the format's transform words (0: Hadamard).
+        ("DENSE_W", fmt.dense.len() as i64),
     ]
 }
 
@@ -69,10 +71,13 @@ struct PageKernel {
 }
 
 /// Whether `fmt` pages are encoded by a page kernel (thread per row) where its shared memory
-/// fits: pages of 32 rows, a row per lane (or two) in registers (d ≤ 128), of a format with a
-/// page codec.
+/// fits: pages of 32 rows, a row per lane (or two) in registers (d ≤ 128, a power of two: the
+/// codecs rotate by the FWHT), of a format with a page codec.
 pub fn has_page_kernel(fmt: &GpuFormat, t: &Tuning) -> bool {
-    fmt.t == 32 && fmt.d <= 128 && fmt.page_codec() && (fmt.kind != KernelKind::Frac || t.encode_frac_pages)
+    fmt.t == 32
+        && matches!(fmt.d, 64 | 128)
+        && fmt.page_codec()
+        && (fmt.kind != KernelKind::Frac || t.encode_frac_pages)
 }
 
 /// Whether `fmt` pages of `input` have their sketch signs on tensor cores (`encode_sketch_mma`):

@@ -79,7 +79,8 @@ pub struct GpuFormat {
     pub t: usize,
     pub row_bytes: usize,
     pub page_bytes: usize,
-    /// Hadamard signs (±1) and scale when the format rotates.
+    /// Hadamard signs (±1) and scale when the format rotates; a dense rotation's are ones and
+    /// 1 (exact no-ops in the kernels' sign and scale steps), its matrix in `dense`.
     pub rotation: Option<(Vec<f32>, f32)>,
     /// turboquant_prod and turboquant_rvq: bytes of a row's first code segment (the sign bits
     /// or the stage-2 codes follow); 0 otherwise.
@@ -90,6 +91,11 @@ pub struct GpuFormat {
     pub table2_f16: [u16; 16],
     /// turboquant_rvq: the stage-2 rotation's Hadamard signs (same scale as the first).
     pub rotation2: Option<Vec<f32>>,
+    /// Head sizes that are not a power of two (96): the rotations' dense matrices R (d × d,
+    /// row-major, as the CPU's `Rotation::Dense`), R₁ then turboquant_rvq's R₂; empty for a
+    /// Hadamard rotation. The kernels read them after the format's own transform words
+    /// (`DENSE_W` floats at the end of [`Self::transform`]).
+    pub dense: Vec<f32>,
     /// QJL and turboquant_prod: the sketch S transposed (d × m, element [e][i] = S[i][e]: the kernels read one
     /// input dimension's m entries in one coalesced load) and the estimator's scale √(π/2)/m.
     pub sketch: Option<(Vec<f32>, f32)>,
@@ -269,8 +275,13 @@ impl GpuFormat {
         // turboquant_frac: (state, wide codebook, narrow codebook).
         let mut frac: Option<(FracState, ScaledCodebook, ScaledCodebook)> = None;
         let mut vq: Option<VqState> = None;
-        if !matches!(d, 64 | 128 | 256) {
-            return Err(unsupported("head size must be 64, 128 or 256 on the GPU"));
+        if !matches!(d, 64 | 96 | 128 | 256) {
+            return Err(unsupported("head size must be 64, 96, 128 or 256 on the GPU"));
+        }
+        // d = 96: the warp-per-row encoders, the generic decode path and a dense rotation;
+        // kivi's page layout, turboquant_frac's and vecinfer's are built for powers of two.
+        if !d.is_power_of_two() && matches!(spec.name, "kivi" | "turboquant_frac" | "vecinfer") {
+            return Err(unsupported("on the GPU this format needs a head size of 64, 128 or 256"));
         }
         let (kind, row_kind, rotate) = match spec.name {
             "fp16" => (KernelKind::F16, RowKind::F16, false),
@@ -388,14 +399,22 @@ impl GpuFormat {
             }
             _ => (0, layout.row_bytes, layout.page_bytes()),
         };
-        let hadamard = |seed| match Rotation::new(d, seed)? {
-            Rotation::Hadamard { signs, scale } => Ok((signs, scale)),
-            Rotation::Dense { .. } => Err(unsupported("dense rotations are CPU-only")),
+        // The CPU's rotation for `seed`: Hadamard signs and scale, or unit signs, scale 1 and
+        // the dense matrix (appended to `dense`).
+        let mut dense = Vec::new();
+        let mut rotation_of = |seed| -> Result<(Vec<f32>, f32)> {
+            Ok(match Rotation::new(d, seed)? {
+                Rotation::Hadamard { signs, scale } => (signs, scale),
+                Rotation::Dense { m, .. } => {
+                    dense.extend_from_slice(&m);
+                    (vec![1.0; d], 1.0)
+                }
+            })
         };
-        let rotation = if rotate { Some(hadamard(seed)?) } else { None };
+        let rotation = if rotate { Some(rotation_of(seed)?) } else { None };
         // turboquant_rvq's stage-2 rotation (the CPU's derived seed); its scale is 1/√d as the
-        // first's.
-        let rotation2 = if kind == KernelKind::Rvq { Some(hadamard(derive_seed(seed, &[0x52]))?.0) } else { None };
+        // first's (1 for both when dense).
+        let rotation2 = if kind == KernelKind::Rvq { Some(rotation_of(derive_seed(seed, &[0x52]))?.0) } else { None };
         let sketch = if matches!(kind, KernelKind::Sketch | KernelKind::Prod) {
             // The CPU's builds: qjl's Sketch::new(kind, m, d, seed) with m = d; prod's m = d
             // sketch of the residual under a derived seed.
@@ -478,6 +497,7 @@ impl GpuFormat {
             bits2,
             table2_f16,
             rotation2,
+            dense,
             sketch,
             eden: spec.norm == NormMode::Eden && matches!(kind, KernelKind::Codes | KernelKind::Frac),
             thresholds,
@@ -548,9 +568,12 @@ impl GpuFormat {
     /// Per-instance state as the CPU counts it (`Format::state_bytes`): rotation signs,
     /// the sketch and the codebook.
     pub fn state_bytes(&self) -> usize {
-        let rot = self.rotation.as_ref().map_or(0, |(s, _)| s.len() * 4);
+        let (rot, rot2) = if self.dense.is_empty() {
+            (self.rotation.as_ref().map_or(0, |(s, _)| s.len() * 4), self.rotation2.as_ref().map_or(0, |s| s.len() * 4))
+        } else {
+            (self.dense.len() * 4, 0)
+        };
         let sk = self.sketch.as_ref().map_or(0, |(s, _)| s.len() * 4);
-        let rot2 = self.rotation2.as_ref().map_or(0, |s| s.len() * 4);
         let cb = if matches!(self.kind, KernelKind::Codes | KernelKind::Prod | KernelKind::Rvq | KernelKind::Frac) {
             (self.centroids.len() + self.thresholds.len()) * 4
         } else {
@@ -558,7 +581,7 @@ impl GpuFormat {
         };
         // turboquant_frac: the slots, μ and the base beside the signs; vecinfer: λ and the
         // codebooks (transform_words).
-        let fr = if self.frac.is_some() || self.vq.is_some() { (self.transform_words() - self.d) * 4 } else { 0 };
+        let fr = if self.frac.is_some() || self.vq.is_some() { (self.own_transform_words() - self.d) * 4 } else { 0 };
         rot + rot2 + sk + cb + fr
     }
 
@@ -573,7 +596,15 @@ impl GpuFormat {
     /// constant of d the kernels compute). turboquant_rvq: both rotations' signs.
     /// turboquant_frac: the signs, μ, each rotated channel's storage slot (as f32), then the
     /// scale base and three zeros (16-byte rows). vecinfer: the signs, λ, the codebooks.
+    /// Then, for a dense rotation, its matrices ([`Self::dense`]).
     pub fn transform(&self) -> (Vec<f32>, f32) {
+        let (mut words, scale) = self.own_transform();
+        words.extend_from_slice(&self.dense);
+        (words, scale)
+    }
+
+    /// [`Self::transform`] without the dense matrices.
+    fn own_transform(&self) -> (Vec<f32>, f32) {
         if let (Some((r, sc)), Some(vq)) = (&self.rotation, &self.vq) {
             return ([&r[..], &vq.lambda[..], &vq.codebooks[..]].concat(), *sc);
         }
@@ -594,8 +625,13 @@ impl GpuFormat {
 
     /// Floats per head of [`Self::transform`]: d, d·d for qjl's sketch, d + d·d for
     /// turboquant_prod, 2d for turboquant_rvq, 3d + 4 for turboquant_frac, (2 + 2^b)·d for
-    /// vecinfer (kernels: `TW`).
+    /// vecinfer (kernels: `TW`); plus the dense matrices' d² (turboquant_rvq: 2d²) floats.
     pub fn transform_words(&self) -> usize {
+        self.own_transform_words() + self.dense.len()
+    }
+
+    /// [`Self::transform_words`] without the dense matrices.
+    fn own_transform_words(&self) -> usize {
         if self.rotation2.is_some() {
             return 2 * self.d;
         }

@@ -83,7 +83,7 @@ impl PrefillKernel {
     }
 
     pub fn supports(self, cfg: &crate::GpuCacheConfig) -> bool {
-        self == Self::Gemm || (cfg.head_dim <= 128 && cfg.k.name != "rabitq")
+        self == Self::Gemm || (matches!(cfg.head_dim, 64 | 128) && cfg.k.name != "rabitq")
     }
 }
 
@@ -121,7 +121,7 @@ pub struct PrefillAttn {
 }
 
 /// The defines of the prefill module for a cache shape and GQA group `g`.
-pub fn prefill_defines(cfg: &crate::GpuCacheConfig, g: usize, row_mode: bool) -> [(&'static str, i64); 8] {
+pub fn prefill_defines(cfg: &crate::GpuCacheConfig, g: usize, row_mode: bool) -> [(&'static str, i64); 9] {
     [
         ("D", cfg.head_dim as i64),
         ("G", g as i64),
@@ -131,6 +131,11 @@ pub fn prefill_defines(cfg: &crate::GpuCacheConfig, g: usize, row_mode: bool) ->
         ("R", cfg.recent as i64),
         ("ROWMODE", row_mode as i64),
         ("KQUANT", (cfg.k.name == "rabitq") as i64),
+        // rabitq's dense rotation (d not a power of two) after its signs in the transform.
+        (
+            "KDENSE_W",
+            if cfg.k.name == "rabitq" && !cfg.head_dim.is_power_of_two() { cfg.head_dim.pow(2) as i64 } else { 0 },
+        ),
     ]
 }
 

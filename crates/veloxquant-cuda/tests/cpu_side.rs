@@ -25,11 +25,12 @@ fn gpu_layouts_match_cpu_page_sizes() {
         "turboquant_rvq:4:4",
     ] {
         let spec = FormatSpec::parse(s).unwrap();
-        for d in [64, 128, 256] {
+        for d in [64, 96, 128, 256] {
             let stream = if spec.desc().for_values { Stream::Values } else { Stream::Keys };
             let cpu = spec.build(&FormatCtx::new(d, 32, stream, 9)).unwrap();
             let g = GpuFormat::new(&spec, d, 32, 9).unwrap();
             assert_eq!(g.page_bytes, cpu.page_bytes(), "{s} d={d}");
+            assert_eq!(g.state_bytes(), cpu.state_bytes(), "{s} d={d}");
             assert!((g.bits_per_value() - cpu.bits_per_value()).abs() < 1e-12);
         }
     }
@@ -51,7 +52,61 @@ fn gpu_layouts_match_cpu_page_sizes() {
             }
         }
     }
-    assert!(GpuFormat::new(&FormatSpec::parse("fp16").unwrap(), 96, 32, 1).is_err());
+    // Head sizes the kernels do not take, and d = 96 where a format's layout needs a power of
+    // two: refused, typed.
+    for (s, d) in
+        [("fp16", 80), ("turboquant_mse:4", 112), ("kivi:4", 96), ("turboquant_frac:3", 96), ("vecinfer:8", 96)]
+    {
+        let r = GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 1);
+        assert!(matches!(r, Err(veloxquant_cuda::CudaError::UnsupportedFormat { .. })), "{s} d={d}");
+    }
+}
+
+/// d = 96 (not a power of two): the rotation is the CPU's dense matrix, in the transform after
+/// the format's own words (unit signs and scale 1, so the kernels' sign and scale steps change
+/// nothing), and applying it as dense_warp does (each output the canonical dot product) gives
+/// the CPU's rotated row bit for bit; turboquant_rvq carries R₁ then R₂ (the CPU's derived
+/// seed).
+#[test]
+fn dense_rotations_for_d96_are_the_cpus() {
+    use veloxquant::reduce::dot_canonical;
+    use veloxquant::rng::derive_seed;
+    use veloxquant::rotate::Rotation;
+    let d = 96;
+    let seed = 17;
+    let r1 = Rotation::new(d, seed).unwrap();
+    let Rotation::Dense { m: m1, .. } = &r1 else { panic!("d = 96 rotates densely") };
+    let Rotation::Dense { m: m2, .. } = Rotation::new(d, derive_seed(seed, &[0x52])).unwrap() else { unreachable!() };
+    let mut rng = veloxquant::rng::SplitMix64::new(5);
+    let x: Vec<f32> = (0..d).map(|_| rng.next_gaussian() as f32).collect();
+    for (s, own) in [
+        ("turboquant_mse:3", d),
+        ("q4_0:rot", d),
+        ("rabitq", d),
+        ("turboquant_prod:3", d + d * d),
+        ("turboquant_rvq:2:2", 2 * d),
+    ] {
+        let g = GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, seed).unwrap();
+        let (tr, scale) = g.transform();
+        let dense = if s.starts_with("turboquant_rvq") { [&m1[..], &m2[..]].concat() } else { m1.clone() };
+        assert_eq!((tr.len(), g.transform_words(), scale), (own + dense.len(), own + dense.len(), 1.0), "{s}");
+        assert!(tr[..d].iter().all(|&v| v == 1.0), "{s}: unit signs");
+        assert_eq!(&tr[own..], &dense[..], "{s}: the matrices after the format's words");
+        // dense_warp's arithmetic against the CPU's apply, every output bit for bit.
+        let m = &tr[own..own + d * d];
+        let mut want = x.clone();
+        r1.apply(&mut want);
+        let got: Vec<f32> = (0..d).map(|i| dot_canonical(&m[i * d..(i + 1) * d], &x)).collect();
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+    }
+    // Formats without a rotation carry no matrix.
+    for s in ["fp16", "q8_0", "qjl"] {
+        let g = GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, seed).unwrap();
+        assert!(g.dense.is_empty() && g.transform_words() == g.transform().0.len(), "{s}");
+    }
 }
 
 /// vecinfer on the GPU: the CPU's page size and state size, its state in the transform (signs,
@@ -466,6 +521,53 @@ fn every_kernel_configuration_compiles() {
                         for (fam, defs) in veloxquant_cuda::attn::decode_modules(kf, vf, g, cc) {
                             compile(fam, defs);
                         }
+                    }
+                }
+            }
+        }
+        // d = 96 (a dense rotation; sm_80's choices stand for sm_86/89's): the formats the GPU
+        // runs there, their encoders, cache modules and prefill, and decode with themselves
+        // (codes) or beside turboquant_mse:2 values (key-only formats).
+        if matches!(cc, (8, 0) | (9, 0)) {
+            let d = 96;
+            let ninety_six = [
+                "fp16",
+                "q8_0",
+                "q8_0:rot",
+                "q4_0:rot",
+                "turboquant_mse:2",
+                "turboquant_mse:3",
+                "turboquant_mse:4:eden",
+                "qjl",
+                "turboquant_prod:3",
+                "rabitq",
+                "turboquant_rvq:2:2",
+            ];
+            let fmts: Vec<GpuFormat> =
+                ninety_six.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();
+            for f in &fmts {
+                assert!(
+                    !has_page_kernel(f, &veloxquant_cuda::Tuning::default()),
+                    "{}: d = 96 takes encode_rows",
+                    f.spec
+                );
+                for (defs, _) in encoder_modules(f) {
+                    compile(Family::Encode, defs);
+                }
+                for (sink, recent, rows) in [(0, 0, true), (4, 8, true), (0, 32, false)] {
+                    let mut cpu = CacheConfig::new(1, 2, d, f.spec.clone(), f.spec.clone());
+                    (cpu.sink, cpu.recent) = (sink, recent);
+                    let cfg = GpuCacheConfig::from_cpu(&cpu, 2, 1024, 2048);
+                    compile(Family::Kv, owned(&kv_defines(&cfg, f, rows)));
+                    compile(Family::Prefill, owned(&prefill_defines(&cfg, 3, rows)));
+                }
+            }
+            let mse2 = &fmts[4];
+            for (i, kf) in fmts.iter().enumerate() {
+                let vf = if i >= 7 { mse2 } else { kf };
+                for g in [1, 3, 4] {
+                    for (fam, defs) in veloxquant_cuda::attn::decode_modules(kf, vf, g, cc) {
+                        compile(fam, defs);
                     }
                 }
             }

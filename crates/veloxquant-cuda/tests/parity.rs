@@ -144,7 +144,7 @@ fn encode_f16_input_bit_identical_to_cpu() {
         let (mut checked, mut failures) = (0, Vec::new());
         let one = if spec.desc().for_values { Stream::Values } else { Stream::Keys };
         for (d, stream) in
-            [64usize, 128, 256].into_iter().flat_map(|d| streams(spec, one).into_iter().map(move |s| (d, s)))
+            [64usize, 96, 128, 256].into_iter().flat_map(|d| streams(spec, one).into_iter().map(move |s| (d, s)))
         {
             let seed = 0x4321 + d as u64;
             let gf = match GpuFormat::for_stream(spec, d, t, seed, stream) {
@@ -192,7 +192,7 @@ fn encode_bit_identical_to_cpu() {
         let (mut checked, mut failures) = (0, Vec::new());
         let one = Stream::Keys;
         for (d, stream) in
-            [64usize, 128, 256].into_iter().flat_map(|d| streams(spec, one).into_iter().map(move |s| (d, s)))
+            [64usize, 96, 128, 256].into_iter().flat_map(|d| streams(spec, one).into_iter().map(move |s| (d, s)))
         {
             let seed = 0x1234 + d as u64;
             let gf = match GpuFormat::for_stream(spec, d, t, seed, stream) {
@@ -1114,6 +1114,41 @@ fn decode_d256_matches_cpu_reference() {
     });
     let (worst, bad) = worst_and_failures(per_pair.into_iter().flatten());
     eprintln!("decode parity, d = 256: worst rel err {worst:.2e}, failures {}", bad.len());
+    assert!(bad.is_empty(), "decode failures: {bad:#?}");
+}
+
+/// d = 96 (a dense rotation: the CPU's matrix; the warp-per-row encoders; the generic decode
+/// path) for every format the GPU runs there, keys and values, G ∈ {1, 3, 4}, the window and
+/// sinks, ragged lengths, row and page mode: the cache's pages byte-identical to the CPU's
+/// (run_case), decode within 2e-3 of the CPU reference.
+#[test]
+fn decode_d96_matches_cpu_reference() {
+    if device().is_none() {
+        return;
+    }
+    let pairs: Vec<(usize, (&str, &str))> = [
+        ("fp16", "fp16"),
+        ("q8_0", "q4_0:rot"),
+        ("q8_0:rot", "q8_0"),
+        ("turboquant_mse:4", "turboquant_mse:4"),
+        ("turboquant_mse:3:eden", "turboquant_mse:2"),
+        ("turboquant_mse:2", "turboquant_mse:3"),
+        ("qjl", "turboquant_mse:2"),
+        ("turboquant_prod:3", "turboquant_mse:2"),
+        ("rabitq", "turboquant_mse:2"),
+        ("turboquant_rvq:2:2", "turboquant_mse:2"),
+    ]
+    .into_iter()
+    .enumerate()
+    .collect();
+    let per_pair = par_cases(&pairs, |dev, &(pi, (k, v))| {
+        [(1, false), (3, true), (4, false)].map(|(gqa, page_mode)| {
+            let c = Case { k, v, d: 96, gqa, recent: 8, sink: 4, page_mode, lens: &[300, 33, 1] };
+            (format!("{k}/{v} g={gqa} page_mode={page_mode}"), run_case(dev, &c, (pi * 10 + gqa) as u64))
+        })
+    });
+    let (worst, bad) = worst_and_failures(per_pair.into_iter().flatten());
+    eprintln!("decode parity, d = 96: worst rel err {worst:.2e}, failures {}", bad.len());
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 

@@ -91,7 +91,7 @@ __device__ __forceinline__ float rabitq_query_block(float r, int tid) {
 __device__ __forceinline__ void prep_query_fmt(float q, float* __restrict__ out, const float* __restrict__ kt,
                                                float krot_scale, float* s, int tid) {
     float r = q * kt[tid];
-    r = rabitq_query_block(fwht_block(r, s, tid) * krot_scale, tid);
+    r = rabitq_query_block(rot_block<KDENSE_W, false>(r, s, tid, kt + D) * krot_scale, tid);
     *out = __fmul_rn(r, LOG2E / sqrtf((float)D));
 }
 #endif
@@ -104,11 +104,13 @@ extern "C" __global__ void rabitq_query(const u16* __restrict__ q16, long q_gstr
                                         float krot_scale, u16* __restrict__ out, int rows) {
     __shared__ float sh[D];
     const int row = blockIdx.x, g = blockIdx.y, tid = threadIdx.x;
-    const float sg = ksigns[(size_t)g * D + tid];
-    float r = fwht_block(h2f(q16[g * q_gstride + (size_t)row * D + tid]) * sg, sh, tid) * krot_scale;
+    const float* kt = ksigns + (size_t)g * (D + KDENSE_W);  // signs, then a dense rotation's R
+    const float sg = kt[tid];
+    float r = rot_block<KDENSE_W, false>(h2f(q16[g * q_gstride + (size_t)row * D + tid]) * sg, sh, tid, kt + D) *
+              krot_scale;
     r = rabitq_query_block(r, tid);
-    __syncthreads();  // fwht_block's last reads of sh
-    r = fwht_block(r, sh, tid) * (sg * krot_scale);
+    __syncthreads();  // the rotation's last reads of sh
+    r = rot_block<KDENSE_W, true>(r, sh, tid, kt + D) * (sg * krot_scale);
     out[((size_t)g * rows + row) * D + tid] = f2h(r);
 }
 #endif

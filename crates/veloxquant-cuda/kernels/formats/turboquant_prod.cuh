@@ -3,7 +3,7 @@
 // of S·(y − ŷ) (qjl's sketch of the residual); per token ‖x‖ and the residual norm γ. The
 // transform argument is the rotation's signs, then Sᵀ.
 #if FMT_ROW && KIND == 5
-#define TW (D + D * D)
+#define TW (D + D * D + DENSE_W)
 // turboquant_prod's row (turboquant_prod.rs encode_page, operation for operation): v rotated;
 // y = v·(1/‖v‖), its (BITS)-bit codes, the residual e = y − ŷ (0 for a zero row), the signs
 // of S·e after the codes; returns (‖v‖, ‖e‖).
@@ -63,7 +63,7 @@ __device__ __forceinline__ void k_second(const u8* kr, int t, const u16* k2t, u3
 #endif
 
 #if FMT_QUERY && KPROD
-#define KTW (D + D * D)
+#define KTW (D + D * D + KDENSE_W)
 #define QUERY_FMT 1
 // R·q for the codes, then c·S·R·q for the signs (kt: the rotation's signs, then Sᵀ).
 __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, size_t at, size_t second,

@@ -5,11 +5,13 @@
 #if FMT_ROW && KIND == 7
 #define PAGE_CODEC 1  // encode_pages_tpr (FMT_PAGE below)
 #define PAGE_STATE 1  // its own PageCodec and page_codec
-#define TW (2 * D)
+#define TW (2 * D + DENSE_W)
 // turboquant_rvq's row (turboquant_rvq.rs encode_row_unchecked, operation for operation): v
 // rotated by R₁; y = v·(1/n₁), stage-1 codes, e = y − ŷ₁ (0 for a zero row), z = R₂·(e·(1/n₂))
-// (signs sg2, the FWHT, the scale), stage-2 codes after stage 1's; returns (n₁, n₂).
-__device__ __forceinline__ float2 rvq_row_warp(float* v, u8* row, const float* __restrict__ sg2, float rot_scale,
+// (signs sg2, the FWHT, the scale; or R₂'s matrix m2), stage-2 codes after stage 1's; returns
+// (n₁, n₂).
+__device__ __forceinline__ float2 rvq_row_warp(float* v, u8* row, const float* __restrict__ sg2,
+                                               const float* __restrict__ m2, float rot_scale,
                                                const float* __restrict__ thresholds,
                                                const float* __restrict__ centroids, int lane) {
     float thr2[NTHR2];
@@ -21,7 +23,7 @@ __device__ __forceinline__ float2 rvq_row_warp(float* v, u8* row, const float* _
     const float inv2 = n2 > 0.0f ? 1.0f / n2 : 0.0f;
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = v[k] * inv2 * sg2[lane + 32 * k];
-    fwht_warp(v, lane);
+    rot_fwd_warp(v, m2, lane);
 #pragma unroll
     for (int k = 0; k < EPL; k++) code[k] = lloyd_code<NTHR2>(v[k] * rot_scale, thr2);
     pack_codes_warp<BITS2>(code, row + MSE_BYTES, lane);
@@ -31,7 +33,8 @@ __device__ __forceinline__ void encode_row_fmt(float* v, u8* page, int t, const 
                                                float rot_scale, const float* __restrict__ thresholds,
                                                const float* __restrict__ centroids, int lane) {
     u8* row = page + t * ROW_BYTES;
-    put_two_sides(page, t, rvq_row_warp(v, row, sg + D, rot_scale, thresholds, centroids, lane), lane);
+    put_two_sides(page, t, rvq_row_warp(v, row, sg + D, DENSE_M(sg) + D * D, rot_scale, thresholds, centroids, lane),
+                  lane);
 }
 // n₁·(ŷ₁ + n₂·R₂ᵀ·ẑ) (turboquant_rvq.rs decode_page), still in R₁'s domain.
 __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const float* __restrict__ sg, float rot_scale,
@@ -50,7 +53,7 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
             if (o + BITS2 > 32) cz |= w[wi + 1] << (32 - o);
             z[k] = cen[(1 << BITS) + (cz & ((1u << BITS2) - 1u))];
         }
-        fwht_warp(z, lane);
+        rot_inv_warp(z, DENSE_M(sg) + D * D, lane);
         const float n12 = h2f(side[t]) * h2f(side[T + t]);
 #pragma unroll
         for (int k = 0; k < EPL; k++) v[k] += n12 * (z[k] * rot_scale * sg2[lane + 32 * k]);
@@ -126,13 +129,13 @@ __device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, 
 #endif
 
 #if FMT_QUERY && KRVQ
-#define KTW (2 * D)
+#define KTW (2 * D + KDENSE_W)
 #define QUERY_FMT 1
-// R₁·q for stage 1, then R₂·R₁·q for stage 2 (kt: R₁'s signs, then R₂'s).
+// R₁·q for stage 1, then R₂·R₁·q for stage 2 (kt: R₁'s signs, then R₂'s; dense: then R₁, R₂).
 __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, size_t at, size_t second,
                                           const float* __restrict__ kt, float krot_scale, float* s, int tid) {
     qprep[at] = x;
-    __syncthreads();  // fwht_block's last reads of s
-    qprep[at + second] = fwht_block(x * kt[D + tid], s, tid) * krot_scale;
+    __syncthreads();  // the rotation's last reads of s
+    qprep[at + second] = rot_block<KDENSE_W, false>(x * kt[D + tid], s, tid, kt + 2 * D + D * D) * krot_scale;
 }
 #endif

@@ -338,6 +338,7 @@ pub fn kv_defines(cfg: &GpuCacheConfig, fmt: &GpuFormat, row_mode: bool) -> Vec<
         ("NKV", cfg.n_kv_heads as i64),
         ("NSINK", cfg.sink as i64),
         ("RING", cfg.ring_cap(row_mode) as i64),
+        ("DENSE_W", fmt.dense.len() as i64),
     ]
 }
 
