@@ -1387,11 +1387,13 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     }
     __syncthreads();  // every warp's (m, l) is in; every warp is done with what macc overlays
     constexpr int NV = 4 * KS;  // accumulators per lane
+    // Value i of lane l at slot i ^ (l mod NV); NV not a power of two (d = 96): (i + l) mod NV.
+#define MSWZ(i, l) ((NV & (NV - 1)) == 0 ? ((i) ^ ((l) % NV)) : (((i) + (l)) % NV))
     float* const mrow = &macc[0][0][0] + (warp * 32 + lane) * NV;
 #pragma unroll
     for (int mt = 0; mt < KS; mt++) {
 #pragma unroll
-        for (int c = 0; c < 4; c++) mrow[(4 * mt + c) ^ (lane % NV)] = acc[mt][c];
+        for (int c = 0; c < 4; c++) mrow[MSWZ(4 * mt + c, lane)] = acc[mt][c];
     }
     // Each warp's weight per head, 2^(m_w − M), and the merged (M, L).
     __shared__ float wsc[NWARPS][8];
@@ -1417,7 +1419,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         const int ln = k / NV, i = k % NV;
         const int hh = 2 * (ln & 3) + (i & 1);
         if (hh >= G) continue;
-        const float* src = &macc[0][0][0] + ln * NV + (i ^ (ln % NV));
+        const float* src = &macc[0][0][0] + ln * NV + MSWZ(i, ln);
         float A = 0.0f;
 #pragma unroll
         for (int w = 0; w < NWARPS; w++) A += src[w * 32 * NV] * wsc[w][hh];

@@ -65,7 +65,8 @@ __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* 
 #if FMT_DECODE && VK == 2
 // One value row's dims [g*VC, (g+1)*VC) as VC/2 f16x2 pairs (2m, 2m+1).
 __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
-    const u8* base = vr + 18 * ((g * VC) / 32);  // VC ≤ 32: within one block
+#if 32 % VC == 0
+    const u8* base = vr + 18 * ((g * VC) / 32);  // VC divides 32: within one block
     u32 s2 = *(const u16*)base;
     s2 |= s2 << 16;
 #pragma unroll
@@ -74,6 +75,16 @@ __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* 
         const int o = (g * VC) % 32 + 2 * m;
         out[m] = u4x2_h2(prmt(*(const u16*)(base + 2 + o % 16), 0u, 0x4140u) >> ((o / 16) * 4), s2);
     }
+#else
+    // d = 96 (VC = 12): the dims may cross a block; each pair (even first dim) lies in one.
+#pragma unroll
+    for (int m = 0; m < VC / 2; m++) {
+        const int dim = g * VC + 2 * m, o = dim % 32;
+        const u8* base = vr + 18 * (dim / 32);
+        out[m] = u4x2_h2(prmt(*(const u16*)(base + 2 + o % 16), 0u, 0x4140u) >> ((o / 16) * 4),
+                         (u32)*(const u16*)base * 0x10001u);
+    }
+#endif
 }
 #endif
 

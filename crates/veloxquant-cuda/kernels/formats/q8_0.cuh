@@ -47,13 +47,23 @@ __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* 
 #if FMT_DECODE && VK == 1
 // One value row's dims [g*VC, (g+1)*VC) as VC/2 f16x2 pairs (2m, 2m+1).
 __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
-    int blk = (g * VC) / 32, off = (g * VC) % 32;  // VC ≤ 32: within one block
+#if 32 % VC == 0
+    int blk = (g * VC) / 32, off = (g * VC) % 32;  // VC divides 32: within one block
     const u8* base = vr + 34 * blk;
     u32 s2 = *(const u16*)base;
     s2 |= s2 << 16;
     const u16* qv = (const u16*)(base + 2 + off);
 #pragma unroll
     for (int m = 0; m < VC / 2; m++) out[m] = i8x2_h2(qv[m], s2);
+#else
+    // d = 96 (VC = 12): the dims may cross a block; each pair (even first dim) lies in one.
+#pragma unroll
+    for (int m = 0; m < VC / 2; m++) {
+        const int dim = g * VC + 2 * m;
+        const u8* base = vr + 34 * (dim / 32);
+        out[m] = i8x2_h2(*(const u16*)(base + 2 + dim % 32), (u32)*(const u16*)base * 0x10001u);
+    }
+#endif
 }
 #endif
 
