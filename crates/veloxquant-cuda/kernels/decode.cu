@@ -214,6 +214,24 @@ __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16
     }
 }
 
+// codes_to_h2 for rows at any byte alignment (d = 80 and 112: rows of D·BITS/8 bytes need not
+// start on a word boundary): code by code from its one or two bytes.
+template <int BITS, int N>
+__device__ __forceinline__ void codes_to_h2_bytes(const u8* row, int first, const u16* tab, u32* out) {
+#pragma unroll
+    for (int c = 0; c < N; c += 2) {
+        u32 cc[2];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const int bit = (first + c + e) * BITS, by = bit >> 3, o = bit & 7;
+            u32 x = row[by];
+            if (o + BITS > 8) x |= (u32)row[by + 1] << 8;
+            cc[e] = (x >> o) & ((1u << BITS) - 1u);
+        }
+        out[c / 2] = (u32)tab[cc[0]] | ((u32)tab[cc[1]] << 16);
+    }
+}
+
 // int8 pair (low 16 bits of w) -> f16x2(q0·s, q1·s); s2 = scale in both halves.
 __device__ __forceinline__ u32 i8x2_h2(u32 w, u32 s2) {
     u32 t = prmt(w, 0u, 0x4140u) ^ 0x00800080u;  // (q + 128) as u8 in each half

@@ -60,7 +60,7 @@ extern "C" __global__ void ENCODE_ROWS_BOUNDS encode_rows(
 #pragma unroll
         for (int r = 0; r < RPW; r++) {
 #pragma unroll
-            for (int k = 0; k < EPL; k++) v[r][k] = load_in(x, (size_t)(r0 + r) * D + lane + 32 * k);
+            for (int k = 0; k < EPL; k++) v[r][k] = LIVE(k, lane) ? load_in(x, (size_t)(r0 + r) * D + lane + 32 * k) : 0.0f;
             rotate_warp(v[r], sg, rot_scale, lane);
         }
         encode_rows_fmt(v, pool + (size_t)page_idx[job] * PAGE_BYTES, r0 % T, sg, thresholds, centroids,
@@ -73,7 +73,7 @@ extern "C" __global__ void ENCODE_ROWS_BOUNDS encode_rows(
     int job = row_id / T, t = row_id % T;
     float v[EPL];
 #pragma unroll
-    for (int k = 0; k < EPL; k++) v[k] = load_in(x, (size_t)row_id * D + lane + 32 * k);
+    for (int k = 0; k < EPL; k++) v[k] = LIVE(k, lane) ? load_in(x, (size_t)row_id * D + lane + 32 * k) : 0.0f;
     encode_row_warp(v, pool + (size_t)page_idx[job] * PAGE_BYTES, t, signs + (size_t)head_idx[job] * TW, rot_scale,
                     thresholds, centroids, lane);
 #endif

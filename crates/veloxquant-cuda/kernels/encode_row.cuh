@@ -4,7 +4,11 @@
 // KIND: the format's id (format.rs KernelKind); each format's row encoder and decoder are in
 // formats/, spliced in below at the marker. BITS2 and MSE_BYTES: a row's second code segment
 // (turboquant_prod, turboquant_rvq); GRP and PERCH: kivi's groups.
-#define EPL (D / 32)
+#define EPL ((D + 31) / 32)
+// Whether the lane's element lane + 32k exists: d = 80 and 112 end in a partial chunk, whose
+// missing elements the lanes hold as 0 and never store (a canonical partial sum starts at +0,
+// so adding them would change nothing; they are skipped where a product reads memory).
+#define LIVE(k, lane) (D % 32 == 0 || (k) < D / 32 || (lane) < D % 32)
 #define NTHR ((1 << BITS) - 1)
 #ifndef BITS2
 #define BITS2 1
@@ -63,11 +67,17 @@ __device__ __forceinline__ float warp_sum_canonical(float acc) {
 // order from 0, then the xor butterfly, whose result every lane holds (a + b = b + a).
 __device__ __forceinline__ void dense_warp(float* v, const float* __restrict__ m, int lane) {
     float out[EPL];
+#if D % 32 != 0
+#pragma unroll
+    for (int k = 0; k < EPL; k++) out[k] = 0.0f;  // a partial chunk's missing elements stay 0
+#endif
 #pragma unroll
     for (int i = 0; i < D; i++) {
         float p = 0.0f;
 #pragma unroll
-        for (int k = 0; k < EPL; k++) p = p + m[(size_t)i * D + lane + 32 * k] * v[k];
+        for (int k = 0; k < EPL; k++) {
+            if (LIVE(k, lane)) p = p + m[(size_t)i * D + lane + 32 * k] * v[k];
+        }
         p = warp_sum_canonical(p);
         if ((i & 31) == lane) out[i >> 5] = p;
     }
@@ -87,7 +97,9 @@ __device__ __forceinline__ void dense_inv_warp(float* v, const float* __restrict
         for (int k = 0; k < EPL; k++) vi = (i >> 5) == k ? v[k] : vi;
         vi = __shfl_sync(FULL_MASK, vi, i & 31);
 #pragma unroll
-        for (int k = 0; k < EPL; k++) out[k] += m[(size_t)i * D + lane + 32 * k] * vi;
+        for (int k = 0; k < EPL; k++) {
+            if (LIVE(k, lane)) out[k] += m[(size_t)i * D + lane + 32 * k] * vi;
+        }
     }
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = out[k];
@@ -126,9 +138,19 @@ __device__ __forceinline__ float norm_warp(const float* v) {
 // at bits c·NB − 32w, a 3-bit code straddling two words gives each its part): one warp
 // OR-reduction (redux.sync, sm_80+) per word: NB per chunk, where gathering the codes by
 // shuffles took 32/NB + 2 (and their shifts), which bound kivi's encode.
+// d = 80 and 112: the last chunk's missing codes count as 0, and the words are stored a byte
+// at a time, none past the segment's D·NB/8 bytes (rows, and second segments, need not start
+// on a word boundary there).
 template <int NB>
-__device__ __forceinline__ void pack_codes_warp(const u32* code, u8* row, int lane) {
+__device__ __forceinline__ void pack_codes_warp(const u32* codes, u8* row, int lane) {
+#if D % 32 == 0
     u32* words = (u32*)row;
+    const u32* code = codes;
+#else
+    u32 code[EPL];
+#pragma unroll
+    for (int k = 0; k < EPL; k++) code[k] = LIVE(k, lane) ? codes[k] : 0u;
+#endif
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
         u32 mine = 0;
@@ -141,8 +163,28 @@ __device__ __forceinline__ void pack_codes_warp(const u32* code, u8* row, int la
             const u32 word = __reduce_or_sync(FULL_MASK, part);
             if (lane == w) mine = word;
         }
+#if D % 32 == 0
         if (lane < NB) words[k * NB + lane] = mine;
+#else
+        if (lane < NB) {
+            const int at = 4 * (k * NB + lane);
+#pragma unroll
+            for (int b = 0; b < 4; b++) {
+                if (at + b < D * NB / 8) row[at + b] = (u8)(mine >> (8 * b));
+            }
+        }
+#endif
     }
+}
+
+// Code i (NB bits at bit i·NB) of a packed segment at any byte alignment: d = 80 and 112,
+// whose rows need not start on a word boundary. NB ≤ 4: within two bytes.
+template <int NB>
+__device__ __forceinline__ u32 code_at_bytes(const u8* seg, int i) {
+    const int bit = i * NB, by = bit >> 3, o = bit & 7;
+    u32 x = seg[by];
+    if (o + NB > 8) x |= (u32)seg[by + 1] << 8;
+    return (x >> o) & ((1u << NB) - 1u);
 }
 
 // Lloyd-Max codes of the warp's row (the CPU's quantize: the count of thresholds strictly
@@ -190,7 +232,7 @@ __device__ __forceinline__ float stage1_warp(float* v, u8* row, const float* __r
         const float y = v[k] * inv;
         const u32 c = lloyd_code<NTHR>(y, thr);
         code[k] = c;
-        v[k] = norm > 0.0f ? y - centroids[c] : 0.0f;
+        v[k] = norm > 0.0f && LIVE(k, lane) ? y - centroids[c] : 0.0f;
     }
     pack_codes_warp<BITS>(code, row, lane);
     return norm;

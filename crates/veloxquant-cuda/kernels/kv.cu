@@ -31,11 +31,11 @@ __device__ __forceinline__ void load_exact_or_new(const AppendRow& r, int j, int
     if (j >= r.pos0) {
         const float* s = src + (size_t)(r.src_row + j - r.pos0) * src_stride + h * D;
 #pragma unroll
-        for (int k = 0; k < EPL; k++) v[k] = h2f(f2h(s[lane + 32 * k]));
+        for (int k = 0; k < EPL; k++) v[k] = LIVE(k, lane) ? h2f(f2h(s[lane + 32 * k])) : 0.0f;
     } else {
         const u16* x = exact + ((size_t)(r.slot * NKV + h) * XS + xslot(j)) * D;
 #pragma unroll
-        for (int k = 0; k < EPL; k++) v[k] = h2f(x[lane + 32 * k]);
+        for (int k = 0; k < EPL; k++) v[k] = LIVE(k, lane) ? h2f(x[lane + 32 * k]) : 0.0f;
     }
 }
 
@@ -67,7 +67,9 @@ __device__ __forceinline__ void write_exact(const AppendRow& r, int j, int h, co
     const float* s = src + (size_t)(r.src_row + j - r.pos0) * src_stride + h * D;
     u16* x = exact + ((size_t)(r.slot * NKV + h) * XS + xslot(j)) * D;
 #pragma unroll
-    for (int k = 0; k < EPL; k++) x[lane + 32 * k] = f2h(s[lane + 32 * k]);
+    for (int k = 0; k < EPL; k++) {
+        if (LIVE(k, lane)) x[lane + 32 * k] = f2h(s[lane + 32 * k]);
+    }
 }
 
 // phase 0: encode the leaving tokens; phase 1: write the new exact tokens. Grid: (⌈items /
@@ -119,7 +121,9 @@ extern "C" __global__ void kv_dense(int slot, int n_end, int coded, const u16* _
     if (c < 0 || c >= coded) {
         const u16* x = exact + ((size_t)(slot * NKV + h) * XS + xslot(j)) * D;
 #pragma unroll
-        for (int k = 0; k < EPL; k++) o[lane + 32 * k] = x[lane + 32 * k];
+        for (int k = 0; k < EPL; k++) {
+            if (LIVE(k, lane)) o[lane + 32 * k] = x[lane + 32 * k];
+        }
         return;
     }
     const int phys = page_table[(size_t)(slot * NKV + h) * max_pages + c / T];
@@ -140,7 +144,9 @@ extern "C" __global__ void kv_dense(int slot, int n_end, int coded, const u16* _
     row_post_fmt(v, signs + (size_t)h * TW, lane);
 #endif
 #pragma unroll
-    for (int k = 0; k < EPL; k++) o[lane + 32 * k] = f2h(v[k]);
+    for (int k = 0; k < EPL; k++) {
+        if (LIVE(k, lane)) o[lane + 32 * k] = f2h(v[k]);
+    }
 }
 
 // The exact fp16 values of positions [S + coded0, pos0 + n) of one append — the window before
@@ -160,5 +166,7 @@ extern "C" __global__ void kv_window(const AppendRow* __restrict__ rows, const f
     load_exact_or_new(r, j, h, src, src_stride, exact, lane, v);
     u16* o = out + ((size_t)h * ld + i) * D;
 #pragma unroll
-    for (int k = 0; k < EPL; k++) o[lane + 32 * k] = f2h(v[k]);
+    for (int k = 0; k < EPL; k++) {
+        if (LIVE(k, lane)) o[lane + 32 * k] = f2h(v[k]);
+    }
 }

@@ -275,13 +275,18 @@ impl GpuFormat {
         // turboquant_frac: (state, wide codebook, narrow codebook).
         let mut frac: Option<(FracState, ScaledCodebook, ScaledCodebook)> = None;
         let mut vq: Option<VqState> = None;
-        if !matches!(d, 64 | 96 | 128 | 256) {
-            return Err(unsupported("head size must be 64, 96, 128 or 256 on the GPU"));
+        if !matches!(d, 64 | 80 | 96 | 112 | 128 | 256) {
+            return Err(unsupported("head size must be 64, 80, 96, 112, 128 or 256 on the GPU"));
         }
-        // d = 96: the warp-per-row encoders, the generic decode path and a dense rotation;
-        // kivi's page layout, turboquant_frac's and vecinfer's are built for powers of two.
+        // Other than powers of two: the warp-per-row encoders, the generic decode path and a
+        // dense rotation; kivi's page layout, turboquant_frac's and vecinfer's are built for
+        // powers of two. d = 80 and 112 (a partial last chunk of 32 elements, rows off word
+        // boundaries): the formats whose kernels mask the chunk and read rows by bytes.
         if !d.is_power_of_two() && matches!(spec.name, "kivi" | "turboquant_frac" | "vecinfer") {
             return Err(unsupported("on the GPU this format needs a head size of 64, 128 or 256"));
+        }
+        if !d.is_multiple_of(32) && !matches!(spec.name, "fp16" | "turboquant_mse" | "turboquant_rvq") {
+            return Err(unsupported("at d = 80 and 112 the GPU runs fp16, turboquant_mse and turboquant_rvq"));
         }
         let (kind, row_kind, rotate) = match spec.name {
             "fp16" => (KernelKind::F16, RowKind::F16, false),

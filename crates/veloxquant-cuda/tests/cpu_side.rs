@@ -52,11 +52,34 @@ fn gpu_layouts_match_cpu_page_sizes() {
             }
         }
     }
-    // Head sizes the kernels do not take, and d = 96 where a format's layout needs a power of
-    // two: refused, typed.
-    for (s, d) in
-        [("fp16", 80), ("turboquant_mse:4", 112), ("kivi:4", 96), ("turboquant_frac:3", 96), ("vecinfer:8", 96)]
-    {
+    // d = 80 and 112: the formats the GPU runs there.
+    for s in [
+        "fp16",
+        "turboquant_mse:1",
+        "turboquant_mse:3",
+        "turboquant_mse:4:eden",
+        "turboquant_rvq:3:1",
+        "turboquant_rvq:2:2",
+    ] {
+        let spec = FormatSpec::parse(s).unwrap();
+        for d in [80, 112] {
+            let cpu = spec.build(&FormatCtx::new(d, 32, Stream::Keys, 9)).unwrap();
+            let g = GpuFormat::new(&spec, d, 32, 9).unwrap();
+            assert_eq!((g.page_bytes, g.state_bytes()), (cpu.page_bytes(), cpu.state_bytes()), "{s} d={d}");
+        }
+    }
+    // Head sizes the kernels do not take, and formats whose layouts need a power of two (or a
+    // multiple of 32): refused, typed.
+    for (s, d) in [
+        ("fp16", 72),
+        ("turboquant_mse:4", 48),
+        ("qjl", 80),
+        ("rabitq", 112),
+        ("turboquant_prod:3", 80),
+        ("kivi:4", 96),
+        ("turboquant_frac:3", 96),
+        ("vecinfer:8", 96),
+    ] {
         let r = GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 1);
         assert!(matches!(r, Err(veloxquant_cuda::CudaError::UnsupportedFormat { .. })), "{s} d={d}");
     }
@@ -525,12 +548,13 @@ fn every_kernel_configuration_compiles() {
                 }
             }
         }
-        // d = 96 (a dense rotation; sm_80's choices stand for sm_86/89's): the formats the GPU
-        // runs there, their encoders, cache modules and prefill, and decode with themselves
-        // (codes) or beside turboquant_mse:2 values (key-only formats).
+        // Head sizes that are not powers of two (a dense rotation; sm_80's choices stand for
+        // sm_86/89's): the formats the GPU runs there, their encoders, cache modules and
+        // prefill, and decode with themselves (value formats) or beside turboquant_mse:2
+        // values (key-only formats). d = 80 and 112 also mask a partial chunk and read rows
+        // by bytes.
         if matches!(cc, (8, 0) | (9, 0)) {
-            let d = 96;
-            let ninety_six = [
+            let ninety_six: &[&str] = &[
                 "fp16",
                 "q8_0",
                 "q8_0:rot",
@@ -543,31 +567,32 @@ fn every_kernel_configuration_compiles() {
                 "rabitq",
                 "turboquant_rvq:2:2",
             ];
-            let fmts: Vec<GpuFormat> =
-                ninety_six.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();
-            for f in &fmts {
-                assert!(
-                    !has_page_kernel(f, &veloxquant_cuda::Tuning::default()),
-                    "{}: d = 96 takes encode_rows",
-                    f.spec
-                );
-                for (defs, _) in encoder_modules(f) {
-                    compile(Family::Encode, defs);
+            let odd: &[&str] =
+                &["fp16", "turboquant_mse:1", "turboquant_mse:3", "turboquant_mse:4:eden", "turboquant_rvq:3:1"];
+            for (d, names) in [(96, ninety_six), (80, odd), (112, odd)] {
+                let fmts: Vec<GpuFormat> =
+                    names.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();
+                let mse2 = GpuFormat::new(&FormatSpec::parse("turboquant_mse:2").unwrap(), d, 32, 3).unwrap();
+                for f in fmts.iter().chain([&mse2]) {
+                    assert!(!has_page_kernel(f, &veloxquant_cuda::Tuning::default()), "{} d={d}: encode_rows", f.spec);
+                    for (defs, _) in encoder_modules(f) {
+                        compile(Family::Encode, defs);
+                    }
+                    for (sink, recent, rows) in [(0, 0, true), (4, 8, true), (0, 32, false)] {
+                        let mut cpu = CacheConfig::new(1, 2, d, f.spec.clone(), f.spec.clone());
+                        (cpu.sink, cpu.recent) = (sink, recent);
+                        let cfg = GpuCacheConfig::from_cpu(&cpu, 2, 1024, 2048);
+                        compile(Family::Kv, owned(&kv_defines(&cfg, f, rows)));
+                        compile(Family::Prefill, owned(&prefill_defines(&cfg, 3, rows)));
+                    }
                 }
-                for (sink, recent, rows) in [(0, 0, true), (4, 8, true), (0, 32, false)] {
-                    let mut cpu = CacheConfig::new(1, 2, d, f.spec.clone(), f.spec.clone());
-                    (cpu.sink, cpu.recent) = (sink, recent);
-                    let cfg = GpuCacheConfig::from_cpu(&cpu, 2, 1024, 2048);
-                    compile(Family::Kv, owned(&kv_defines(&cfg, f, rows)));
-                    compile(Family::Prefill, owned(&prefill_defines(&cfg, 3, rows)));
-                }
-            }
-            let mse2 = &fmts[4];
-            for (i, kf) in fmts.iter().enumerate() {
-                let vf = if i >= 7 { mse2 } else { kf };
-                for g in [1, 3, 4] {
-                    for (fam, defs) in veloxquant_cuda::attn::decode_modules(kf, vf, g, cc) {
-                        compile(fam, defs);
+                for kf in &fmts {
+                    let key_only = matches!(kf.spec.name, "qjl" | "turboquant_prod" | "rabitq" | "turboquant_rvq");
+                    let vf = if key_only { &mse2 } else { kf };
+                    for g in [1, 3, 4] {
+                        for (fam, defs) in veloxquant_cuda::attn::decode_modules(kf, vf, g, cc) {
+                            compile(fam, defs);
+                        }
                     }
                 }
             }

@@ -143,8 +143,9 @@ fn encode_f16_input_bit_identical_to_cpu() {
     let per_spec = par_cases(&specs, |dev, spec| {
         let (mut checked, mut failures) = (0, Vec::new());
         let one = if spec.desc().for_values { Stream::Values } else { Stream::Keys };
-        for (d, stream) in
-            [64usize, 96, 128, 256].into_iter().flat_map(|d| streams(spec, one).into_iter().map(move |s| (d, s)))
+        for (d, stream) in [64usize, 80, 96, 112, 128, 256]
+            .into_iter()
+            .flat_map(|d| streams(spec, one).into_iter().map(move |s| (d, s)))
         {
             let seed = 0x4321 + d as u64;
             let gf = match GpuFormat::for_stream(spec, d, t, seed, stream) {
@@ -191,8 +192,9 @@ fn encode_bit_identical_to_cpu() {
     let per_spec = par_cases(&specs, |dev, spec| {
         let (mut checked, mut failures) = (0, Vec::new());
         let one = Stream::Keys;
-        for (d, stream) in
-            [64usize, 96, 128, 256].into_iter().flat_map(|d| streams(spec, one).into_iter().map(move |s| (d, s)))
+        for (d, stream) in [64usize, 80, 96, 112, 128, 256]
+            .into_iter()
+            .flat_map(|d| streams(spec, one).into_iter().map(move |s| (d, s)))
         {
             let seed = 0x1234 + d as u64;
             let gf = match GpuFormat::for_stream(spec, d, t, seed, stream) {
@@ -1149,6 +1151,40 @@ fn decode_d96_matches_cpu_reference() {
     });
     let (worst, bad) = worst_and_failures(per_pair.into_iter().flatten());
     eprintln!("decode parity, d = 96: worst rel err {worst:.2e}, failures {}", bad.len());
+    assert!(bad.is_empty(), "decode failures: {bad:#?}");
+}
+
+/// d = 80 and 112 (a dense rotation, a partial last chunk of 32 elements, rows off word
+/// boundaries) for the formats the GPU runs there, as decode_d96_matches_cpu_reference checks
+/// d = 96: 3-bit rows (30 and 42 bytes) and rvq's second segment start mid-word.
+#[test]
+fn decode_d80_d112_match_cpu_reference() {
+    if device().is_none() {
+        return;
+    }
+    let pairs: Vec<(usize, (usize, &str, &str))> = [80usize, 112]
+        .into_iter()
+        .flat_map(|d| {
+            [
+                ("fp16", "fp16"),
+                ("turboquant_mse:4", "turboquant_mse:3"),
+                ("turboquant_mse:3:eden", "turboquant_mse:2"),
+                ("turboquant_mse:2", "turboquant_mse:4"),
+                ("turboquant_rvq:3:1", "turboquant_mse:3"),
+                ("turboquant_rvq:2:2", "fp16"),
+            ]
+            .map(|(k, v)| (d, k, v))
+        })
+        .enumerate()
+        .collect();
+    let per_pair = par_cases(&pairs, |dev, &(pi, (d, k, v))| {
+        [(1, false), (3, true), (4, false)].map(|(gqa, page_mode)| {
+            let c = Case { k, v, d, gqa, recent: 8, sink: 4, page_mode, lens: &[300, 33, 1] };
+            (format!("d={d} {k}/{v} g={gqa} page_mode={page_mode}"), run_case(dev, &c, (pi * 10 + gqa) as u64))
+        })
+    });
+    let (worst, bad) = worst_and_failures(per_pair.into_iter().flatten());
+    eprintln!("decode parity, d = 80 and 112: worst rel err {worst:.2e}, failures {}", bad.len());
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 

@@ -5,13 +5,15 @@ __device__ __forceinline__ void encode_row_fmt(float* v, u8* page, int t, const 
                                                const float* __restrict__ centroids, int lane) {
     u8* row = page + t * ROW_BYTES;
 #pragma unroll
-    for (int k = 0; k < EPL; k++) ((u16*)row)[lane + 32 * k] = f2h(v[k]);
+    for (int k = 0; k < EPL; k++) {
+        if (LIVE(k, lane)) ((u16*)row)[lane + 32 * k] = f2h(v[k]);
+    }
 }
 __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const float* __restrict__ sg, float rot_scale,
                                                const float* __restrict__ cen, int lane, float* v) {
     const u8* row = page + t * ROW_BYTES;
 #pragma unroll
-    for (int k = 0; k < EPL; k++) v[k] = h2f(((const u16*)row)[lane + 32 * k]);
+    for (int k = 0; k < EPL; k++) v[k] = LIVE(k, lane) ? h2f(((const u16*)row)[lane + 32 * k]) : 0.0f;
 }
 #endif
 

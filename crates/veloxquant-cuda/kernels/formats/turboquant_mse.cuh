@@ -7,8 +7,9 @@
 __device__ __forceinline__ void codes_row_decode(const u8* page, int t, const float* __restrict__ cen, int lane,
                                                  float* v) {
     const u8* row = page + t * ROW_BYTES;
-    const u32* w = (const u32*)row;
     const float s = h2f(((const u16*)(page + T * ROW_BYTES))[t]);
+#if D % 32 == 0
+    const u32* w = (const u32*)row;
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
         const int bit = (lane + 32 * k) * BITS, wi = bit >> 5, o = bit & 31;
@@ -16,6 +17,10 @@ __device__ __forceinline__ void codes_row_decode(const u8* page, int t, const fl
         if (o + BITS > 32) c |= w[wi + 1] << (32 - o);
         v[k] = cen[c & ((1u << BITS) - 1u)] * s;
     }
+#else
+#pragma unroll
+    for (int k = 0; k < EPL; k++) v[k] = LIVE(k, lane) ? cen[code_at_bytes<BITS>(row, lane + 32 * k)] * s : 0.0f;
+#endif
 }
 #endif
 #if FMT_ROW && KIND == 3
@@ -66,13 +71,21 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 #if FMT_DECODE && KK == 3
 // One key row's quarter for thread t: KS*2 f16x2 = (slots j0,j1), (j2,j3) per k-step.
 __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* out) {
+#if D % 32 == 0
     codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)kr, t * QD, tab, out);
+#else
+    codes_to_h2_bytes<KB, QD>(kr, t * QD, tab, out);
+#endif
 }
 #endif
 #if FMT_DECODE && VK == 3
 // One value row's dims [g*VC, (g+1)*VC) as VC/2 f16x2 pairs (2m, 2m+1).
 __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
+#if D % 32 == 0
     codes_to_h2<VB, VC, V_ROW_BYTES / 4>((const u32*)vr, g * VC, tab, out);
+#else
+    codes_to_h2_bytes<VB, VC>(vr, g * VC, tab, out);
+#endif
 }
 #endif
 

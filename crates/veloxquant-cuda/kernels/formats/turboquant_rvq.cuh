@@ -43,9 +43,10 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
     const u16* side = (const u16*)(page + T * ROW_BYTES);
     codes_row_decode(page, t, cen, lane, v);
     {
-        const u32* w = (const u32*)(row + MSE_BYTES);
         const float* sg2 = sg + D;
         float z[EPL];
+#if D % 32 == 0
+        const u32* w = (const u32*)(row + MSE_BYTES);
 #pragma unroll
         for (int k = 0; k < EPL; k++) {
             const int bit = (lane + 32 * k) * BITS2, wi = bit >> 5, o = bit & 31;
@@ -53,6 +54,11 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
             if (o + BITS2 > 32) cz |= w[wi + 1] << (32 - o);
             z[k] = cen[(1 << BITS) + (cz & ((1u << BITS2) - 1u))];
         }
+#else
+#pragma unroll
+        for (int k = 0; k < EPL; k++)
+            z[k] = LIVE(k, lane) ? cen[(1 << BITS) + code_at_bytes<BITS2>(row + MSE_BYTES, lane + 32 * k)] : 0.0f;
+#endif
         rot_inv_warp(z, DENSE_M(sg) + D * D, lane);
         const float n12 = h2f(side[t]) * h2f(side[T + t]);
 #pragma unroll
