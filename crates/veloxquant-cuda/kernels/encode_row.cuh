@@ -132,19 +132,44 @@ __device__ __forceinline__ float norm_warp(const float* v) {
 }
 #endif
 
+// Word i of a packed segment of D·NB bits (bits 32i..32i+31): stored, and read, as a word
+// where D is a multiple of 32; else (d = 80 and 112, whose rows and second segments need not
+// start on a word boundary) a byte at a time, none past the segment's D·NB/8 bytes.
+template <int NB>
+__device__ __forceinline__ void put_packed_word(u8* seg, int i, u32 w) {
+#if D % 32 == 0
+    ((u32*)seg)[i] = w;
+#else
+#pragma unroll
+    for (int b = 0; b < 4; b++) {
+        if (4 * i + b < D * NB / 8) seg[4 * i + b] = (u8)(w >> (8 * b));
+    }
+#endif
+}
+template <int NB>
+__device__ __forceinline__ u32 packed_word(const u8* seg, int i) {
+#if D % 32 == 0
+    return ((const u32*)seg)[i];
+#else
+    u32 w = 0;
+#pragma unroll
+    for (int b = 0; b < 4; b++) {
+        if (4 * i + b < D * NB / 8) w |= (u32)seg[4 * i + b] << (8 * b);
+    }
+    return w;
+#endif
+}
+
 #if KIND == 3 || KIND == 5 || KIND == 7 || KIND == 8 || KIND == 9
 // The warp's codes (lane l: codes l, l+32, …) packed into `row`: chunk k (codes 32k..32k+31)
 // is exactly words k*NB .. k*NB+NB-1. Word w is the OR of each lane's part of it (code c sits
 // at bits c·NB − 32w, a 3-bit code straddling two words gives each its part): one warp
 // OR-reduction (redux.sync, sm_80+) per word: NB per chunk, where gathering the codes by
 // shuffles took 32/NB + 2 (and their shifts), which bound kivi's encode.
-// d = 80 and 112: the last chunk's missing codes count as 0, and the words are stored a byte
-// at a time, none past the segment's D·NB/8 bytes (rows, and second segments, need not start
-// on a word boundary there).
+// d = 80 and 112: the last chunk's missing codes count as 0 (put_packed_word stores by bytes).
 template <int NB>
 __device__ __forceinline__ void pack_codes_warp(const u32* codes, u8* row, int lane) {
 #if D % 32 == 0
-    u32* words = (u32*)row;
     const u32* code = codes;
 #else
     u32 code[EPL];
@@ -163,17 +188,7 @@ __device__ __forceinline__ void pack_codes_warp(const u32* codes, u8* row, int l
             const u32 word = __reduce_or_sync(FULL_MASK, part);
             if (lane == w) mine = word;
         }
-#if D % 32 == 0
-        if (lane < NB) words[k * NB + lane] = mine;
-#else
-        if (lane < NB) {
-            const int at = 4 * (k * NB + lane);
-#pragma unroll
-            for (int b = 0; b < 4; b++) {
-                if (at + b < D * NB / 8) row[at + b] = (u8)(mine >> (8 * b));
-            }
-        }
-#endif
+        if (lane < NB) put_packed_word<NB>(row, k * NB + lane, mine);
     }
 }
 

@@ -285,8 +285,12 @@ impl GpuFormat {
         if !d.is_power_of_two() && matches!(spec.name, "kivi" | "turboquant_frac" | "vecinfer") {
             return Err(unsupported("on the GPU this format needs a head size of 64, 128 or 256"));
         }
-        if !d.is_multiple_of(32) && !matches!(spec.name, "fp16" | "turboquant_mse" | "turboquant_rvq") {
-            return Err(unsupported("at d = 80 and 112 the GPU runs fp16, turboquant_mse and turboquant_rvq"));
+        if !d.is_multiple_of(32)
+            && !matches!(spec.name, "fp16" | "turboquant_mse" | "qjl" | "turboquant_prod" | "rabitq" | "turboquant_rvq")
+        {
+            return Err(unsupported(
+                "at d = 80 and 112 the GPU runs fp16, turboquant_mse, qjl, turboquant_prod, rabitq and turboquant_rvq",
+            ));
         }
         let (kind, row_kind, rotate) = match spec.name {
             "fp16" => (KernelKind::F16, RowKind::F16, false),
@@ -536,6 +540,8 @@ impl GpuFormat {
     /// where it divides the page, else 1.
     pub fn encode_rows_per_warp(&self) -> usize {
         let rows = match self.kind {
+            // d = 80, 112: a row per warp (sketch_signs_rows reads whole chunks of 32).
+            KernelKind::Sketch | KernelKind::Prod if !self.d.is_multiple_of(32) => 1,
             KernelKind::Sketch | KernelKind::Prod if self.d > 128 => 4,
             KernelKind::Sketch | KernelKind::Prod => 8,
             // vecinfer: 1024/d rows, 32·d/1024 lanes each (formats/vecinfer.cuh encode_rows_own).

@@ -58,6 +58,9 @@ fn gpu_layouts_match_cpu_page_sizes() {
         "turboquant_mse:1",
         "turboquant_mse:3",
         "turboquant_mse:4:eden",
+        "qjl",
+        "turboquant_prod:3",
+        "rabitq",
         "turboquant_rvq:3:1",
         "turboquant_rvq:2:2",
     ] {
@@ -73,9 +76,9 @@ fn gpu_layouts_match_cpu_page_sizes() {
     for (s, d) in [
         ("fp16", 72),
         ("turboquant_mse:4", 48),
-        ("qjl", 80),
-        ("rabitq", 112),
-        ("turboquant_prod:3", 80),
+        ("q8_0", 80),
+        ("q4_0:rot", 112),
+        ("kivi:4", 80),
         ("kivi:4", 96),
         ("turboquant_frac:3", 96),
         ("vecinfer:8", 96),
@@ -567,8 +570,16 @@ fn every_kernel_configuration_compiles() {
                 "rabitq",
                 "turboquant_rvq:2:2",
             ];
-            let odd: &[&str] =
-                &["fp16", "turboquant_mse:1", "turboquant_mse:3", "turboquant_mse:4:eden", "turboquant_rvq:3:1"];
+            let odd: &[&str] = &[
+                "fp16",
+                "turboquant_mse:1",
+                "turboquant_mse:3",
+                "turboquant_mse:4:eden",
+                "qjl",
+                "turboquant_prod:3",
+                "rabitq",
+                "turboquant_rvq:3:1",
+            ];
             for (d, names) in [(96, ninety_six), (80, odd), (112, odd)] {
                 let fmts: Vec<GpuFormat> =
                     names.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();

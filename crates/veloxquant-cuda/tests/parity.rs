@@ -1123,8 +1123,9 @@ fn decode_d256_matches_cpu_reference() {
 /// encoders; the generic decode path) for every format the GPU runs there, keys and values,
 /// G ∈ {1, 3, 4}, the window and sinks, ragged lengths, row and page mode: the cache's pages
 /// byte-identical to the CPU's (run_case), decode within 2e-3 of the CPU reference. d = 80
-/// and 112 also end in a partial chunk of 32 elements, and their 3-bit rows (30 and 42 bytes)
-/// and rvq's second segments start mid-word.
+/// and 112 also end in a partial chunk of 32 elements (a partial warp in the query's block
+/// reductions), and their 3-bit rows (30 and 42 bytes), sign rows (10 and 14) and second
+/// segments start mid-word.
 #[test]
 fn decode_dense_rotation_sizes_match_cpu_reference() {
     if device().is_none() {
@@ -1149,6 +1150,10 @@ fn decode_dense_rotation_sizes_match_cpu_reference() {
             ("turboquant_mse:4", "turboquant_mse:3"),
             ("turboquant_mse:3:eden", "turboquant_mse:2"),
             ("turboquant_mse:2", "turboquant_mse:4"),
+            ("qjl", "turboquant_mse:2"),
+            ("turboquant_prod:3", "turboquant_mse:3"),
+            ("turboquant_prod:2", "fp16"),
+            ("rabitq", "turboquant_mse:2"),
             ("turboquant_rvq:3:1", "turboquant_mse:3"),
             ("turboquant_rvq:2:2", "fp16"),
         ]

@@ -22,19 +22,24 @@ __device__ __forceinline__ void sketch_signs_warp(const float* v, u8* row, const
 #pragma unroll 8
         for (int l = 0; l < 32; l++) {
             const int e = 32 * kb + l;
+#if D % 32 != 0
+            if (e >= D) break;  // d = 80, 112: the partial chunk's last input (warp-uniform)
+#endif
             const float xe = __shfl_sync(FULL_MASK, v[kb], l);
             const float* se = st + (size_t)e * D + lane;
 #pragma unroll
             for (int k = 0; k < EPL; k++) {
-                const float prod = se[32 * k] * xe;
-                p[k] = p[k] + prod;
+                if (LIVE(k, lane)) {
+                    const float prod = se[32 * k] * xe;
+                    p[k] = p[k] + prod;
+                }
             }
         }
     }
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
         const u32 w = __ballot_sync(FULL_MASK, p[k] >= 0.0f);
-        if (lane == 0) ((u32*)row)[k] = w;
+        if (lane == 0) put_packed_word<1>(row, k, w);
     }
 }
 #endif
@@ -131,18 +136,23 @@ __device__ __forceinline__ void encode_rows_fmt(float (*v)[EPL], u8* page, int t
 // back-projection (sketch.rs add_back_projection; summed in another order, so equal within
 // rounding). Per e the warp sums its lanes' ±S[i][e] (one coalesced row of Sᵀ) and lane
 // e mod 32 keeps it.
-__device__ __forceinline__ void sketch_back_warp(const u32* w, float s, const float* __restrict__ st, int lane,
+__device__ __forceinline__ void sketch_back_warp(const u8* bits, float s, const float* __restrict__ st, int lane,
                                                  float* v) {
     float sgn[EPL];
 #pragma unroll
-    for (int k = 0; k < EPL; k++) sgn[k] = (w[k] >> lane) & 1u ? s : -s;
+    for (int k = 0; k < EPL; k++) sgn[k] = (packed_word<1>(bits, k) >> lane) & 1u ? s : -s;
 #pragma unroll
     for (int kb = 0; kb < EPL; kb++) {
         for (int l = 0; l < 32; l++) {
+#if D % 32 != 0
+            if (32 * kb + l >= D) break;  // d = 80, 112: past the partial chunk (warp-uniform)
+#endif
             const float* se = st + (size_t)(32 * kb + l) * D + lane;
             float a = 0.0f;
 #pragma unroll
-            for (int k = 0; k < EPL; k++) a += sgn[k] * se[32 * k];
+            for (int k = 0; k < EPL; k++) {
+                if (LIVE(k, lane)) a += sgn[k] * se[32 * k];
+            }
             a = warp_sum_canonical(a);
             if (lane == l) v[kb] += a;
         }
@@ -166,7 +176,7 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
     const u16* side = (const u16*)(page + T * ROW_BYTES);
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = 0.0f;
-    sketch_back_warp((const u32*)row, rot_scale * h2f(side[t]), sg, lane, v);
+    sketch_back_warp(row, rot_scale * h2f(side[t]), sg, lane, v);
 }
 #endif
 

@@ -10,9 +10,9 @@ __device__ __forceinline__ float2 rabitq_row_warp(const float* v, u8* row, int l
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
         const u32 w = __ballot_sync(FULL_MASK, v[k] >= 0.0f);
-        if (lane == 0) ((u32*)row)[k] = w;
+        if (lane == 0) put_packed_word<1>(row, k, w);
     }
-    const float norm = norm_warp(v);
+    const float norm = norm_warp(v);  // d = 80, 112: the partial chunk's missing elements are 0
     double l1 = 0.0;
 #pragma unroll
     for (int k = 0; k < EPL; k++) {
@@ -35,7 +35,7 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
     const float x0 = h2f(side[T + t]);
     const float w = x0 > 0.0f ? h2f(side[t]) / x0 * (1.0f / sqrtf((float)D)) : 0.0f;
 #pragma unroll
-    for (int k = 0; k < EPL; k++) v[k] = ((((const u32*)row)[k] >> lane) & 1u) ? w : -w;
+    for (int k = 0; k < EPL; k++) v[k] = LIVE(k, lane) ? (((packed_word<1>(row, k) >> lane) & 1u) ? w : -w) : 0.0f;
 }
 #endif
 
@@ -68,18 +68,32 @@ __device__ __forceinline__ bool page_row(const PageCodec& pc, float* v, u32* W, 
 // rabitq.rs quantize_query on this thread's element r of R·q: lo, hi over the block's D
 // values, Δ = (hi − lo)/15, u = round((r − lo)/Δ) clamped to [0, 15], returns lo + Δ·u (every
 // operation rounded as the CPU's: no contraction).
+// d = 80 and 112: the block's last warp has 16 threads, which reduce among themselves.
 __device__ __forceinline__ float rabitq_query_block(float r, int tid) {
-    __shared__ float mm[2][D / 32];
+    constexpr int NW = (D + 31) / 32;
+    __shared__ float mm[2][NW];
     float lo = r, hi = r;
+#if D % 32 == 0
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
         lo = fminf(lo, __shfl_xor_sync(FULL_MASK, lo, off));
         hi = fmaxf(hi, __shfl_xor_sync(FULL_MASK, hi, off));
     }
+#else
+    static_assert(D % 32 == 16, "a partial warp of 16 threads");
+    const bool part = (tid >> 5) == D / 32;
+    const u32 mask = part ? 0xffffu : FULL_MASK;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        if (part && off == 16) continue;  // warp-uniform
+        lo = fminf(lo, __shfl_xor_sync(mask, lo, off));
+        hi = fmaxf(hi, __shfl_xor_sync(mask, hi, off));
+    }
+#endif
     if ((tid & 31) == 0) { mm[0][tid >> 5] = lo; mm[1][tid >> 5] = hi; }
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < D / 32; w++) { lo = fminf(lo, mm[0][w]); hi = fmaxf(hi, mm[1][w]); }
+    for (int w = 0; w < NW; w++) { lo = fminf(lo, mm[0][w]); hi = fmaxf(hi, mm[1][w]); }
     const float delta = __fdiv_rn(__fsub_rn(hi, lo), 15.0f);
     const float u = delta > 0.0f ? fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(r, lo), delta)), 0.0f), 15.0f) : 0.0f;
     return __fadd_rn(lo, __fmul_rn(delta, u));

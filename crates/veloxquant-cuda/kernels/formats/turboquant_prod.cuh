@@ -26,7 +26,7 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
     const u8* row = page + t * ROW_BYTES;
     const u16* side = (const u16*)(page + T * ROW_BYTES);
     codes_row_decode(page, t, cen, lane, v);
-    sketch_back_warp((const u32*)(row + MSE_BYTES), SKETCH_C(D) * h2f(side[T + t]) * h2f(side[t]), sg + D, lane, v);
+    sketch_back_warp(row + MSE_BYTES, SKETCH_C(D) * h2f(side[T + t]) * h2f(side[t]), sg + D, lane, v);
 }
 #endif
 
