@@ -3,6 +3,19 @@
 use veloxquant::format::{FormatCtx, FormatSpec, Stream};
 use veloxquant_cuda::{libraries_present, GpuDevice, GpuFormat};
 
+/// Formats (one variant of each) the GPU runs at head sizes 80 and 112: the layout and the
+/// kernel-compile tests share them.
+const AT_D80_D112: &[&str] = &[
+    "fp16",
+    "turboquant_mse:1",
+    "turboquant_mse:3",
+    "turboquant_mse:4:eden",
+    "qjl",
+    "turboquant_prod:3",
+    "rabitq",
+    "turboquant_rvq:3:1",
+];
+
 #[test]
 fn gpu_layouts_match_cpu_page_sizes() {
     for s in [
@@ -53,17 +66,7 @@ fn gpu_layouts_match_cpu_page_sizes() {
         }
     }
     // d = 80 and 112: the formats the GPU runs there.
-    for s in [
-        "fp16",
-        "turboquant_mse:1",
-        "turboquant_mse:3",
-        "turboquant_mse:4:eden",
-        "qjl",
-        "turboquant_prod:3",
-        "rabitq",
-        "turboquant_rvq:3:1",
-        "turboquant_rvq:2:2",
-    ] {
+    for s in AT_D80_D112.iter().chain(&["turboquant_rvq:2:2"]) {
         let spec = FormatSpec::parse(s).unwrap();
         for d in [80, 112] {
             let cpu = spec.build(&FormatCtx::new(d, 32, Stream::Keys, 9)).unwrap();
@@ -570,17 +573,7 @@ fn every_kernel_configuration_compiles() {
                 "rabitq",
                 "turboquant_rvq:2:2",
             ];
-            let odd: &[&str] = &[
-                "fp16",
-                "turboquant_mse:1",
-                "turboquant_mse:3",
-                "turboquant_mse:4:eden",
-                "qjl",
-                "turboquant_prod:3",
-                "rabitq",
-                "turboquant_rvq:3:1",
-            ];
-            for (d, names) in [(96, ninety_six), (80, odd), (112, odd)] {
+            for (d, names) in [(96, ninety_six), (80, AT_D80_D112), (112, AT_D80_D112)] {
                 let fmts: Vec<GpuFormat> =
                     names.iter().map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap()).collect();
                 let mse2 = GpuFormat::new(&FormatSpec::parse("turboquant_mse:2").unwrap(), d, 32, 3).unwrap();
