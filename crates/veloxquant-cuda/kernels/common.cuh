@@ -56,3 +56,13 @@ __device__ __forceinline__ float bf2f(u16 b) { return __uint_as_float(((u32)b) <
 #ifndef VDENSE_W
 #define VDENSE_W 0
 #endif
+
+// Code i (NB bits at bit i·NB) of a packed segment at any byte alignment: d = 80 and 112,
+// whose rows need not start on a word boundary. NB ≤ 4: within two bytes.
+template <int NB>
+__device__ __forceinline__ u32 code_at_bytes(const u8* seg, int i) {
+    const int bit = i * NB, by = bit >> 3, o = bit & 7;
+    u32 x = seg[by];
+    if (o + NB > 8) x |= (u32)seg[by + 1] << 8;
+    return (x >> o) & ((1u << NB) - 1u);
+}

@@ -215,20 +215,12 @@ __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16
 }
 
 // codes_to_h2 for rows at any byte alignment (d = 80 and 112: rows of D·BITS/8 bytes need not
-// start on a word boundary): code by code from its one or two bytes.
+// start on a word boundary): code by code (code_at_bytes).
 template <int BITS, int N>
 __device__ __forceinline__ void codes_to_h2_bytes(const u8* row, int first, const u16* tab, u32* out) {
 #pragma unroll
     for (int c = 0; c < N; c += 2) {
-        u32 cc[2];
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const int bit = (first + c + e) * BITS, by = bit >> 3, o = bit & 7;
-            u32 x = row[by];
-            if (o + BITS > 8) x |= (u32)row[by + 1] << 8;
-            cc[e] = (x >> o) & ((1u << BITS) - 1u);
-        }
-        out[c / 2] = (u32)tab[cc[0]] | ((u32)tab[cc[1]] << 16);
+        out[c / 2] = (u32)tab[code_at_bytes<BITS>(row, first + c)] | ((u32)tab[code_at_bytes<BITS>(row, first + c + 1)] << 16);
     }
 }
 

@@ -192,16 +192,6 @@ __device__ __forceinline__ void pack_codes_warp(const u32* codes, u8* row, int l
     }
 }
 
-// Code i (NB bits at bit i·NB) of a packed segment at any byte alignment: d = 80 and 112,
-// whose rows need not start on a word boundary. NB ≤ 4: within two bytes.
-template <int NB>
-__device__ __forceinline__ u32 code_at_bytes(const u8* seg, int i) {
-    const int bit = i * NB, by = bit >> 3, o = bit & 7;
-    u32 x = seg[by];
-    if (o + NB > 8) x |= (u32)seg[by + 1] << 8;
-    return (x >> o) & ((1u << NB) - 1u);
-}
-
 // Lloyd-Max codes of the warp's row (the CPU's quantize: the count of thresholds strictly
 // below y), NT thresholds.
 template <int NT>
