@@ -1,11 +1,11 @@
 //! Fused encode on the GPU: norm → rotation → quantize → pack → side info, bit-identical to
 //! the CPU's `encode_page`. Pages of 32 tokens (the default) of q8_0, q4_0, rabitq,
-//! turboquant_rvq, turboquant_frac (rows of whole words; behind `Tuning::encode_frac_pages`) and
+//! turboquant_rvq, turboquant_frac (rows of whole words; `Tuning::encode_frac_pages`) and
 //! turboquant_mse codes use the thread-per-row kernels (`encode_pages_tpr`:
 //! one warp per page, one lane per row, all in registers; two lanes per row for the codes);
 //! fp16 and other page sizes use one warp per row (`encode_rows`), qjl and turboquant_prod one
 //! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all; with f16
-//! input at d = 64 and 128 their sketch on tensor cores behind `Tuning::encode_sketch_mma`), kivi one
+//! input at d = 64 and 128 their sketch on tensor cores, `Tuning::encode_sketch_mma`), kivi one
 //! warp per page (the same kernel, launched with a warp per page), vecinfer a warp per row
 //! (the nearest centroids by the CPU's f64 distances).
 
