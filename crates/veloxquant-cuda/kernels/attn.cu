@@ -5,7 +5,7 @@
 // combine: merge the split partials (16 per L2 round trip, no block barrier), one
 // inverse value rotation on the merged accumulator,
 // then the exact fp16 sinks and window, then normalize. Defines: D, G, KROT, KSKETCH, KPROD, KRVQ,
-// KRABITQ, KFRAC, KCENTER, KVQ/KVQB, VROT, VFRAC, VCENTER, VVQ/VVQB, PDL (combine launched
+// KRABITQ, KFRAC, KCENTER, KVQ/KVQB, VROT, VRVQ, VFRAC, VCENTER, VVQ/VVQB, PDL (combine launched
 // as a programmatic dependent of decode_pages: it scores the tail while decode_pages runs).
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -13,7 +13,8 @@
 // (default D, rotation signs); query_pre_fmt (QUERY_PRE_FMT), a step before the rotation;
 // query_fmt (QUERY_FMT), which stores the query prepared after the scale and the rotation, or
 // prep_query_fmt (PREP_QUERY_FMT), a preparation of its own; and the value format's
-// value_post_fmt (VALUE_POST_FMT), combine's step on the merged accumulator (for the rotation).
+// value_post_fmt (VALUE_POST_FMT), combine's step on the merged accumulator (for the rotation;
+// VACC2: two accumulators per head, turboquant_rvq's two domains, merged alike).
 // @formats FMT_QUERY
 #ifndef KTW
 #define KTW (D + KDENSE_W)
@@ -30,6 +31,10 @@
 #ifndef VALUE_POST_FMT
 #define VALUE_POST_FMT 0
 #endif
+#ifndef VACC2
+#define VACC2 0
+#endif
+#define VW (VACC2 ? 2 * D : D)  // floats per head of a partial's accumulator
 
 #if (KSKETCH || KPROD) && D <= 128
 // The sketched query's D loads per thread all in flight at once (sketch_query_block): ptxas
@@ -165,13 +170,22 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
     const size_t base = (size_t)(part_rows ? part_rows[2 * row] : row * n_splits) * G + gi;
     const int CH = 16;
     float M = NEG_INF, L = 0.0f, A = 0.0f;
+#if VACC2
+    float A2 = 0.0f;
+#endif
     for (int c0 = 0; c0 < n_parts; c0 += CH) {
         float a[CH], m[CH], l[CH];
+#if VACC2
+        float a2[CH];
+#endif
 #pragma unroll
         for (int i = 0; i < CH; i++) {
             const bool on = c0 + i < n_parts;
             const size_t o = base + (size_t)(c0 + i) * G;
-            a[i] = on ? part_acc[o * D + tid] : 0.0f;
+            a[i] = on ? part_acc[o * VW + tid] : 0.0f;
+#if VACC2
+            a2[i] = on ? part_acc[o * VW + D + tid] : 0.0f;
+#endif
             m[i] = on ? part_ml[o * 2] : NEG_INF;
             l[i] = on ? part_ml[o * 2 + 1] : 0.0f;
         }
@@ -182,12 +196,18 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
         const float sc = M == NEG_INF ? 0.0f : exp2f(M - mc);
         L *= sc;
         A *= sc;
+#if VACC2
+        A2 *= sc;
+#endif
 #pragma unroll
         for (int i = 0; i < CH; i++) {
             if (m[i] != NEG_INF) {
                 const float w = exp2f(m[i] - mc);
                 L += l[i] * w;
                 A += a[i] * w;
+#if VACC2
+                A2 += a2[i] * w;
+#endif
             }
         }
         M = mc;
@@ -208,7 +228,9 @@ extern "C" __global__ void combine(const float* __restrict__ part_acc, const flo
         if (M != NEG_INF) M += aux * (LOG2E / sqrtf((float)D));
     }
 #endif
-#if VALUE_POST_FMT
+#if VALUE_POST_FMT && VACC2
+    A = value_post_fmt(A, A2, vsigns, vrot_scale, s, hkv, tid);
+#elif VALUE_POST_FMT
     A = value_post_fmt(A, vsigns, vrot_scale, s, hkv, tid);
 #elif VFRAC
     // turboquant_frac values: the accumulator is in storage order and unit scale — times the

@@ -12,7 +12,8 @@
 // turboquant_frac; 10 vecinfer with KG/VG its sub-vector size; KK 5 two
 // segments per key row: turboquant_prod's codes then sign bits, turboquant_rvq's stage-1 then
 // stage-2 codes, K_MSE_BYTES the first's bytes, K2B the second's bits, K2SAME when the second
-// segment has the first's bits and table), KB/VB (code bits), KRATIO (rabitq: the key scale
+// segment has the first's bits and table; VK 5: turboquant_rvq values, V_MSE_BYTES and V2B
+// likewise, accumulated in two domains, see V2SEG), KB/VB (code bits), KRATIO (rabitq: the key scale
 // is ‖x‖/(x0·√d) from two sides), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
 // (STAGES, FUSEQ, SLACK, EXPFTZ, KROT, PDL, PMINB) as attn.rs sets them.
 // On the H200 the 4-bit path is bound by shared memory (lookups, page staging; ~88 % of the
@@ -49,6 +50,15 @@
 #define FAST 0
 #endif
 #define K3 (FAST && KB == 3)
+// V2SEG (VK 5, generic path): turboquant_rvq values accumulate in both stages' domains
+// (turboquant_rvq.rs accumulate): stage 1's codes weighted by n₁ into acc, stage 2's by n₁·n₂
+// into acc2; a partial holds both (VACC floats per head), and combine brings the second back
+// through R₂ᵀ before adding it and undoing R₁.
+#define V2SEG (VK == 5)
+#define VACC (V2SEG ? 2 * D : D)
+#if V2SEG && FAST
+#error "two-domain values take the generic path"
+#endif
 #define V3 (FAST && VB == 3)
 // Query hi and lo halves share one mma (columns [0,G) hi, [G,2G) lo) for G in {1, 2, 4}.
 #define QPACK (G == 1 || G == 2 || G == 4)
@@ -113,7 +123,7 @@
 // vs 7b29de4): q4_0 and 3-bit codes run best held to 4 blocks/SM (<= 128 registers, no
 // spills), fp16 with an explicit 1-block bound; q8_0 and the FAST 2/4-bit paths keep the
 // compiler's default bound.
-#if KK >= 2 && VK >= 2 && !FAST && D <= 128
+#if KK >= 2 && VK >= 2 && !FAST && D <= 128 && !V2SEG
 #define MINB 4
 #elif KK == 0 && VK == 0
 #define MINB 1
@@ -250,6 +260,9 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
 #endif
 #ifndef V_ROW
 #define V_ROW(vp, row, g, tab, out) v_row((vp) + (row) * V_ROW_BYTES, g, tab, out)
+#endif
+#if V2SEG
+#define V_SECOND(vp, row, g, tab, out) v_second((vp) + (row) * V_ROW_BYTES, g, tab, out)
 #endif
 #if !KRATIO && !defined(KSCALE_FMT)
 // Token i's key scale from the page's sides kn: ‖x‖ (codes, qjl, both two-segment formats).
@@ -681,8 +694,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #if KK == 5 || KK == 9
     __shared__ u16 k2tab[16];  // the second segment's table (turboquant_frac: the narrow codes')
 #endif
-#if VK == 9
-    __shared__ u16 v2tab[16];
+#if VK == 5 || VK == 9
+    __shared__ u16 v2tab[16];  // the second segment's table (turboquant_rvq's stage 2)
 #endif
 #if STREAMK
     __shared__ float qw[NWARPS][FUSEQ ? D : 1];  // FUSEQ: each warp's query row being rotated
@@ -886,7 +899,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         }
         k2tab[tid] = k2x;
 #endif
-#if VK == 9
+#if VK == 5 || VK == 9
         u16 v2x = 0;
 #pragma unroll
         for (int i = 0; i < 16; i++) {
@@ -1028,6 +1041,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     float acc[KS][4];
 #pragma unroll
     for (int i = 0; i < KS; i++) { acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f; }
+#if V2SEG
+    float acc2[KS][4];
+#pragma unroll
+    for (int i = 0; i < KS; i++) { acc2[i][0] = acc2[i][1] = acc2[i][2] = acc2[i][3] = 0.0f; }
+#endif
 
 #if FAST
     // This lane reads value-token pairs (2t, 2t+1) in swapped order when t >= 2: offsets of its
@@ -1233,6 +1251,10 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             l0 *= a0; l1 *= a1;
 #pragma unroll
             for (int i = 0; i < KS; i++) { acc[i][0] *= a0; acc[i][1] *= a1; acc[i][2] *= a0; acc[i][3] *= a1; }
+#if V2SEG
+#pragma unroll
+            for (int i = 0; i < KS; i++) { acc2[i][0] *= a0; acc2[i][1] *= a1; acc2[i][2] *= a0; acc2[i][3] *= a1; }
+#endif
         }
 #pragma unroll
         for (int mt = 0; mt < 2; mt++) {
@@ -1361,7 +1383,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             }
 #endif
 #else
-#if VK == 3 || VK == 9
+#if VK == 3 || VK == 9 || V2SEG
             const u16* vn = (const u16*)(vp + T * V_ROW_BYTES);
             wA *= vscale(vn, tA); wB *= vscale(vn, tA + 1); wC *= vscale(vn, tA + 8); wD *= vscale(vn, tA + 9);
 #endif
@@ -1376,6 +1398,22 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                 mma16816(acc[mt], prmt(xa[mt], xb[mt], 0x5410), prmt(xa[mt], xb[mt], 0x7632),
                          prmt(xc[mt], xd[mt], 0x5410), prmt(xc[mt], xd[mt], 0x7632), b0, b1);
             }
+#if V2SEG
+            {
+                // Stage 2: the weights (already times n₁) times n₂, the codes through v2tab.
+                const u32 c0 = pack_h2(wA * h2f(vn[T + tA]), wB * h2f(vn[T + tA + 1]));
+                const u32 c1 = pack_h2(wC * h2f(vn[T + tA + 8]), wD * h2f(vn[T + tA + 9]));
+                V_SECOND(vp, tA, g, v2tab, xa);
+                V_SECOND(vp, tA + 1, g, v2tab, xb);
+                V_SECOND(vp, tA + 8, g, v2tab, xc);
+                V_SECOND(vp, tA + 9, g, v2tab, xd);
+#pragma unroll
+                for (int mt = 0; mt < KS; mt++) {
+                    mma16816(acc2[mt], prmt(xa[mt], xb[mt], 0x5410), prmt(xa[mt], xb[mt], 0x7632),
+                             prmt(xc[mt], xd[mt], 0x5410), prmt(xc[mt], xd[mt], 0x7632), c0, c1);
+                }
+            }
+#endif
 #endif
         }
     }
@@ -1423,17 +1461,32 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
         part_ml[(o0 + tid) * 2 + 1] = L;
     }
     __syncthreads();
+    // The warps' accumulators in macc, weighted, into the partial's floats [at, at + D) per head.
     // Value i of lane ln: acc[i / 4][i % 4] = (dim vdim(ln / 4, i / 4, i % 4 / 2), head
     // 2·(ln % 4) + i % 2).
-    for (int k = tid; k < 32 * NV; k += NWARPS * 32) {
-        const int ln = k / NV, i = k % NV;
-        const int hh = 2 * (ln & 3) + (i & 1);
-        if (hh >= G) continue;
-        const float* src = &macc[0][0][0] + ln * NV + MSWZ(i, ln);
-        float A = 0.0f;
+    auto merge_into = [&](int at) {
+        for (int k = tid; k < 32 * NV; k += NWARPS * 32) {
+            const int ln = k / NV, i = k % NV;
+            const int hh = 2 * (ln & 3) + (i & 1);
+            if (hh >= G) continue;
+            const float* src = &macc[0][0][0] + ln * NV + MSWZ(i, ln);
+            float A = 0.0f;
 #pragma unroll
-        for (int w = 0; w < NWARPS; w++) A += src[w * 32 * NV] * wsc[w][hh];
-        part_acc[(o0 + hh) * D + vdim(ln >> 2, i >> 2, (i >> 1) & 1)] = A;
+            for (int w = 0; w < NWARPS; w++) A += src[w * 32 * NV] * wsc[w][hh];
+            part_acc[(o0 + hh) * VACC + at + vdim(ln >> 2, i >> 2, (i >> 1) & 1)] = A;
+        }
+    };
+    merge_into(0);
+#if V2SEG
+    // The second domain's accumulators the same way, into floats [D, 2D).
+    __syncthreads();  // every thread's reads of the first are done
+#pragma unroll
+    for (int mt = 0; mt < KS; mt++) {
+#pragma unroll
+        for (int c = 0; c < 4; c++) mrow[MSWZ(4 * mt + c, lane)] = acc2[mt][c];
     }
+    __syncthreads();
+    merge_into(D);
+#endif
 #endif
 }

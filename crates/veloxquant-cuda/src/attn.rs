@@ -199,6 +199,11 @@ fn decode_defines(
         defs.push(("K2B".into(), kf.bits2 as i64));
         defs.push(("K2SAME".into(), second_like_first(kf) as i64));
     }
+    // turboquant_rvq values: stage 2's codes after V_MSE_BYTES, V2B bits each.
+    if vf.kind == KernelKind::Rvq {
+        defs.push(("V_MSE_BYTES".into(), vf.mse_bytes as i64));
+        defs.push(("V2B".into(), vf.bits2 as i64));
+    }
     defs.push(("KRATIO".into(), (kf.kind == KernelKind::Rabitq) as i64));
     // turboquant_frac: the wide channels' count and the narrow ones' bits (KB/VB: the wide).
     for (p, f) in [('K', kf), ('V', vf)] {
@@ -279,6 +284,7 @@ fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(Str
         ("KPROD", (kf.kind == KernelKind::Prod) as i64),
         ("KRVQ", (kf.kind == KernelKind::Rvq) as i64),
         ("KRABITQ", (kf.kind == KernelKind::Rabitq) as i64),
+        ("VRVQ", (vf.kind == KernelKind::Rvq) as i64),
         ("KFRAC", (kf.kind == KernelKind::Frac) as i64),
         ("KCENTER", (kf.kind == KernelKind::Frac && kf.spec.center) as i64),
         ("VROT", vf.rotation.is_some() as i64),
@@ -615,7 +621,8 @@ impl PlanCore {
             cache_id: cache.id,
             // turboquant_prod, turboquant_rvq: a second prepared query after the first.
             qprep: s.alloc_zeros(if cache.k.fmt.two_queries() { 2 * nq } else { nq }).map_err(drv("alloc"))?,
-            part_acc: s.alloc_zeros(n_parts * g * d).map_err(drv("alloc"))?,
+            // turboquant_rvq values: both domains' accumulators per head (decode.cu VACC).
+            part_acc: s.alloc_zeros(n_parts * g * cache.v.fmt.value_acc_width()).map_err(drv("alloc"))?,
             part_ml: s.alloc_zeros(n_parts * g * 2).map_err(drv("alloc"))?,
             f_prep,
             f_decode,

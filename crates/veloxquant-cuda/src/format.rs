@@ -679,9 +679,13 @@ impl GpuFormat {
         )
     }
 
-    /// Whether the GPU decodes this format as values (turboquant_rvq's two-domain value
-    /// accumulation is CPU-only).
-    pub fn gpu_values(&self) -> bool {
-        self.kind != KernelKind::Rvq
+    /// Floats per query head of the value accumulator (decode's partials): turboquant_rvq
+    /// accumulates in both stages' domains (turboquant_rvq.rs `acc_width`), the others in one.
+    pub fn value_acc_width(&self) -> usize {
+        if self.kind == KernelKind::Rvq {
+            2 * self.d
+        } else {
+            self.d
+        }
     }
 }

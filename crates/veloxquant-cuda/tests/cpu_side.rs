@@ -465,9 +465,11 @@ fn every_kernel_configuration_compiles() {
                 }
             }
             // Decode: every same-format pair and the mixed pairs the engine's methods use.
-            // (qjl, turboquant_prod, rabitq and, on the GPU, turboquant_rvq are keys only:
-            // paired with value formats.)
+            // (qjl, turboquant_prod and rabitq are keys only: paired with value formats.)
             let mut pairs: Vec<(usize, usize)> = (0..11).map(|i| (i, i)).collect();
+            // turboquant_rvq values (two accumulators, generic path): with itself at each
+            // stage-2 width, and beside other keys.
+            pairs.extend([(17, 17), (18, 18), (19, 19), (21, 21), (20, 20), (7, 17), (0, 20), (14, 18)]);
             // turboquant_frac: keys 3.5 / values 2.5 (the README's method), whole and byte-row
             // widths with themselves, beside turboquant_mse:3 either way (~1.4 s a module).
             pairs.extend([(22, 23), (24, 24), (25, 25), (22, 7), (7, 23)]);
@@ -557,7 +559,7 @@ fn every_kernel_configuration_compiles() {
         // Head sizes that are not powers of two (a dense rotation; sm_80's choices stand for
         // sm_86/89's): the formats the GPU runs there, their encoders, cache modules and
         // prefill, and decode with themselves (value formats) or beside turboquant_mse:2
-        // values (key-only formats). d = 80 and 112 also mask a partial chunk and read rows
+        // values (key-only formats, and turboquant_rvq as well). d = 80 and 112 also mask a partial chunk and read rows
         // by bytes.
         if matches!(cc, (8, 0) | (9, 0)) {
             let ninety_six: &[&str] = &[
@@ -591,9 +593,13 @@ fn every_kernel_configuration_compiles() {
                     }
                 }
                 for kf in &fmts {
-                    let key_only = matches!(kf.spec.name, "qjl" | "turboquant_prod" | "rabitq" | "turboquant_rvq");
-                    let vf = if key_only { &mse2 } else { kf };
-                    for g in [1, 3, 4] {
+                    // Key-only formats beside turboquant_mse:2 values; turboquant_rvq both ways.
+                    let vfs: &[&GpuFormat] = match kf.spec.name {
+                        "qjl" | "turboquant_prod" | "rabitq" => &[&mse2],
+                        "turboquant_rvq" => &[&mse2, kf],
+                        _ => &[kf],
+                    };
+                    for (vf, g) in vfs.iter().flat_map(|vf| [1, 3, 4].map(|g| (vf, g))) {
                         for (fam, defs) in veloxquant_cuda::attn::decode_modules(kf, vf, g, cc) {
                             compile(fam, defs);
                         }
@@ -887,9 +893,8 @@ fn sign_and_two_segment_pages_score_as_the_cpu_with_the_gpu_reading() {
             }
         }
     }
-    // A key-only format as the value stream is refused before anything is allocated, as are
-    // turboquant_rvq values (CPU-only).
-    for k in ["qjl", "turboquant_prod:3", "rabitq", "turboquant_rvq:2:2"] {
+    // A key-only format as the value stream is refused before anything is allocated.
+    for k in ["qjl", "turboquant_prod:3", "rabitq"] {
         let spec = FormatSpec::parse(k).unwrap();
         let mut cpu = veloxquant::CacheConfig::new(1, 2, 64, spec.clone(), spec);
         cpu.recent = 0;
@@ -899,6 +904,71 @@ fn sign_and_two_segment_pages_score_as_the_cpu_with_the_gpu_reading() {
     }
     let two = FormatSpec::parse("qjl:2x").unwrap();
     assert!(matches!(GpuFormat::new(&two, 128, 32, 1), Err(veloxquant_cuda::CudaError::UnsupportedFormat { .. })));
+}
+
+/// turboquant_rvq values as decode.cu reads them (V2SEG): stage 1's codes through the f16
+/// table weighted by w·n₁ into one accumulator, stage 2's (at `mse_bytes`) through the second
+/// f16 table weighted by w·n₁·n₂ into another, then combine's finish R₁ᵀ·(a₁ + R₂ᵀ·a₂) with
+/// the uploaded transform (both rotations' signs, or the dense matrices after them). The
+/// result equals the CPU's accumulate + finish on the same page within the f16 tables'
+/// rounding (no GPU needed).
+#[test]
+fn rvq_value_pages_accumulate_as_the_cpu_with_the_gpu_reading() {
+    use veloxquant::rng::SplitMix64;
+    use veloxquant::rotate::Rotation;
+    for name in
+        ["turboquant_rvq:1:1", "turboquant_rvq:2:2", "turboquant_rvq:3:1", "turboquant_rvq:4:2", "turboquant_rvq:2:4"]
+    {
+        let spec = FormatSpec::parse(name).unwrap();
+        for d in [64usize, 80, 96, 128, 256] {
+            let (t, seed) = (32, 40 + d as u64);
+            let cpu = spec.build(&FormatCtx::new(d, t, Stream::Values, seed)).unwrap();
+            let g = GpuFormat::for_stream(&spec, d, t, seed, Stream::Values).unwrap();
+            assert_eq!((g.page_bytes, g.value_acc_width()), (cpu.page_bytes(), cpu.acc_width()), "{name} d={d}");
+            let mut rng = SplitMix64::new(seed);
+            let x = rng.gaussian_vec(t * d);
+            let mut page = vec![0u8; cpu.page_bytes()];
+            cpu.encode_page(&x, &mut page).unwrap();
+            let w: Vec<f32> = (0..t).map(|_| rng.next_f64() as f32).collect();
+            let mut want = vec![0f32; cpu.acc_width()];
+            cpu.accumulate(&w, 1, &page, &mut want);
+            cpu.finish(&mut want, 1);
+            // The GPU's reading: codes LSB first from each segment, sides n₁ then n₂.
+            let code = |seg: &[u8], j: usize, b: usize| {
+                (0..b).map(|k| (((seg[(j * b + k) / 8] >> ((j * b + k) % 8)) & 1) as usize) << k).sum::<usize>()
+            };
+            let side = |k: usize, i: usize| {
+                let at = t * g.row_bytes + 2 * (k * t + i);
+                half::f16::from_le_bytes([page[at], page[at + 1]]).to_f64()
+            };
+            let tab = |tb: &[u16; 16], c: usize| half::f16::from_bits(tb[c]).to_f64();
+            let (mut a1, mut a2) = (vec![0f64; d], vec![0f64; d]);
+            for (i, &wi) in w.iter().enumerate() {
+                let row = &page[i * g.row_bytes..(i + 1) * g.row_bytes];
+                let w1 = wi as f64 * side(0, i);
+                let w2 = w1 * side(1, i);
+                for j in 0..d {
+                    a1[j] += w1 * tab(&g.table_f16, code(row, j, g.bits as usize));
+                    a2[j] += w2 * tab(&g.table2_f16, code(&row[g.mse_bytes..], j, g.bits2 as usize));
+                }
+            }
+            let (tr, scale) = g.transform();
+            let rot = |k: usize| {
+                if g.dense.is_empty() {
+                    Rotation::Hadamard { signs: tr[k * d..(k + 1) * d].to_vec(), scale }
+                } else {
+                    Rotation::Dense { d, m: tr[2 * d + k * d * d..2 * d + (k + 1) * d * d].to_vec() }
+                }
+            };
+            let mut a2f: Vec<f32> = a2.iter().map(|&v| v as f32).collect();
+            rot(1).apply_inverse(&mut a2f);
+            let mut got: Vec<f32> = a1.iter().zip(&a2f).map(|(&a, &b)| a as f32 + b).collect();
+            rot(0).apply_inverse(&mut got);
+            let norm = want[..d].iter().map(|v| v * v).sum::<f32>().sqrt();
+            let err = got.iter().zip(&want[..d]).map(|(a, b)| (a - b) * (a - b)).sum::<f32>().sqrt();
+            assert!(err <= 2e-3 * norm, "{name} d={d}: |got − want| = {err} vs |want| = {norm}");
+        }
+    }
 }
 
 /// The GPU's reading of kivi pages (decode.cu `k_row_kivi`, `v_row_kivi`), on the CPU's bytes:

@@ -1174,6 +1174,41 @@ fn decode_dense_rotation_sizes_match_cpu_reference() {
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
+/// turboquant_rvq values (decode.cu V2SEG: both stages' accumulators, combine's
+/// R₁ᵀ·(a₁ + R₂ᵀ·a₂)) at every stage-2 width, with rvq and other keys, d ∈ {64, 80, 96, 112,
+/// 128, 256} (dense rotations and byte-read rows included), G ∈ {1, 2, 3, 4, 8}, the window
+/// and sinks, ragged lengths, row and page mode: pages byte-identical to the CPU's (run_case),
+/// decode within 2e-3 of the CPU reference.
+#[test]
+fn decode_rvq_values_match_cpu_reference() {
+    if device().is_none() {
+        return;
+    }
+    let pairs = [
+        (64, "turboquant_rvq:2:2", "turboquant_rvq:2:2"),
+        (64, "turboquant_mse:3", "turboquant_rvq:3:1"),
+        (128, "turboquant_rvq:2:2", "turboquant_rvq:2:2"),
+        (128, "fp16", "turboquant_rvq:4:2"),
+        (128, "q8_0", "turboquant_rvq:1:1"),
+        (128, "turboquant_prod:3", "turboquant_rvq:3:3"),
+        (128, "turboquant_mse:4", "turboquant_rvq:2:4"),
+        (256, "turboquant_rvq:2:2", "turboquant_rvq:2:2"),
+        (96, "turboquant_mse:2", "turboquant_rvq:2:2"),
+        (80, "turboquant_rvq:3:1", "turboquant_rvq:3:1"),
+        (112, "fp16", "turboquant_rvq:2:2"),
+    ];
+    let pairs: Vec<(usize, (usize, &str, &str))> = pairs.into_iter().enumerate().collect();
+    let per_pair = par_cases(&pairs, |dev, &(pi, (d, k, v))| {
+        [(1, false), (2, true), (3, false), (4, true), (8, false)].map(|(gqa, page_mode)| {
+            let c = Case { k, v, d, gqa, recent: 8, sink: 4, page_mode, lens: &[300, 33, 1] };
+            (format!("d={d} {k}/{v} g={gqa} page_mode={page_mode}"), run_case(dev, &c, (pi * 10 + gqa) as u64))
+        })
+    });
+    let (worst, bad) = worst_and_failures(per_pair.into_iter().flatten());
+    eprintln!("decode parity, turboquant_rvq values: worst rel err {worst:.2e}, failures {}", bad.len());
+    assert!(bad.is_empty(), "decode failures: {bad:#?}");
+}
+
 /// The pipelined 1/2/3/4-bit path over long ragged rows: 8 rows of up to ~90 pages in splits of 16,
 /// sequences ending inside a split or before it starts (warps and blocks with no pages), G = 8;
 /// split-K blocks (the default stream grid is checked by the other decode tests), dealt by the

@@ -1,7 +1,9 @@
 // turboquant_rvq (turboquant_rvq.rs, two-stage residual VQ): per row stage 1's (BITS)-bit
 // codes of y = R₁·x/n₁, then at MSE_BYTES stage 2's (BITS2)-bit codes of
 // R₂·(y − ŷ₁)/n₂; per token n₁ and n₂. The transform argument is both rotations' signs
-// (TW = 2D); thresholds and centroids are stage 1's then stage 2's.
+// (TW = 2D); thresholds and centroids are stage 1's then stage 2's. Keys decode as
+// turboquant_prod's two segments (formats/turboquant_prod.cuh); values (VK = 5) by the
+// readers below into decode.cu's two accumulators (V2SEG), finished by value_post_fmt.
 #if FMT_ROW && KIND == 7
 #define PAGE_CODEC 1  // encode_pages_tpr (FMT_PAGE below)
 #define PAGE_STATE 1  // its own PageCodec and page_codec
@@ -143,5 +145,37 @@ __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, si
     qprep[at] = x;
     __syncthreads();  // the rotation's last reads of s
     qprep[at + second] = rot_block<KDENSE_W, false>(x * kt[D + tid], s, tid, kt + 2 * D + D * D) * krot_scale;
+}
+#endif
+
+#if FMT_DECODE && VK == 5
+// A value row's dims [g*VC, (g+1)*VC) of stage 1 (v_row, through vtab) and of stage 2
+// (v_second, at V_MSE_BYTES through v2tab) as VC/2 f16x2 pairs (2m, 2m+1).
+__device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
+#if D % 32 == 0
+    codes_to_h2<VB, VC, V_MSE_BYTES / 4>((const u32*)vr, g * VC, tab, out);
+#else
+    codes_to_h2_bytes<VB, VC>(vr, g * VC, tab, out);
+#endif
+}
+__device__ __forceinline__ void v_second(const u8* vr, int g, const u16* v2t, u32* out) {
+#if D % 32 == 0
+    codes_to_h2<V2B, VC, (V_ROW_BYTES - V_MSE_BYTES) / 4>((const u32*)(vr + V_MSE_BYTES), g * VC, v2t, out);
+#else
+    codes_to_h2_bytes<V2B, VC>(vr + V_MSE_BYTES, g * VC, v2t, out);
+#endif
+}
+#endif
+
+#if FMT_QUERY && VRVQ
+#define VALUE_POST_FMT 1
+#define VACC2 1
+// combine's merged accumulators a (stage 1's domain) and a2 (stage 2's) to R₁ᵀ·(a + R₂ᵀ·a2)
+// (turboquant_rvq.rs finish); vt: R₁'s signs, R₂'s, then (dense) R₁'s and R₂'s matrices.
+__device__ __forceinline__ float value_post_fmt(float a, float a2, const float* __restrict__ vsigns, float vrot_scale,
+                                                float* s, int hkv, int tid) {
+    const float* const vt = vsigns + (size_t)hkv * (2 * D + VDENSE_W);
+    a2 = rot_block<VDENSE_W, true>(a2, s, tid, vt + 2 * D + D * D) * (vt[D + tid] * vrot_scale);
+    return rot_block<VDENSE_W, true>(a + a2, s, tid, vt + 2 * D) * (vt[tid] * vrot_scale);
 }
 #endif

@@ -119,12 +119,6 @@ impl GpuCacheConfig {
                 return Err(CudaError::UnsupportedFormat { format: spec.to_string(), why });
             }
         }
-        if !GpuFormat::for_stream(&self.v, self.head_dim, self.page_tokens, 0, StreamKind::Values)?.gpu_values() {
-            return Err(CudaError::UnsupportedFormat {
-                format: self.v.to_string(),
-                why: "turboquant_rvq values are CPU-only (their two-domain accumulation has no GPU kernel)",
-            });
-        }
         if self.sink + self.recent + self.page_tokens > MAX_EXACT_TOKENS {
             return bad("cache config: S + R + T exact tokens", MAX_EXACT_TOKENS, self.sink + self.recent + 32);
         }
