@@ -12,7 +12,8 @@
 // turboquant_frac; 10 vecinfer with KG/VG its sub-vector size; KK 5 two
 // segments per key row: turboquant_prod's codes then sign bits, turboquant_rvq's stage-1 then
 // stage-2 codes, K_MSE_BYTES the first's bytes, K2B the second's bits, K2SAME when the second
-// segment has the first's bits and table; VK 5: turboquant_rvq values, V_MSE_BYTES and V2B
+// segment has the first's bits and table, K2ONE when it has no weight of its own: qjl:2x's
+// second block of signs; VK 5: turboquant_rvq values, V_MSE_BYTES and V2B
 // likewise, accumulated in two domains, see V2SEG), KB/VB (code bits), KRATIO (rabitq: the key scale
 // is ‖x‖/(x0·√d) from two sides), K_ROW_BYTES, V_ROW_BYTES, K_PAGE_BYTES, V_PAGE_BYTES, NWARPS; the variants below
 // (STAGES, FUSEQ, SLACK, EXPFTZ, KROT, PDL, PMINB) as attn.rs sets them.
@@ -43,6 +44,9 @@
 #endif
 #ifndef KRATIO
 #define KRATIO 0
+#endif
+#ifndef K2ONE
+#define K2ONE 0  // KK 5: the second segment unweighted (qjl:2x's second block of signs)
 #endif
 #if !NOFAST && (D == 64 || D == 128) && (KK == 3 || KK == 5) && VK == 3 && ((KB >= 2 && KB <= 4) || (KB == 1 && K1SYM)) && (VB >= 2 && VB <= 4) && (KB != 4 || VB != 4 || KVSAME) && (KK != 5 || K2SAME || K2B == 1)
 #define FAST 1
@@ -1185,7 +1189,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #endif
                 float c2[4];
                 score_tile(ka, kb, qh2, ql2, t, c2);
+#if K2ONE
+                const float g0 = 1.0f, g1 = 1.0f;  // qjl:2x: one side, both halves alike
+#else
                 const float g0 = h2f(knp[T + 16 * mt + g]), g1 = h2f(knp[T + 16 * mt + g + 8]);
+#endif
                 c[0] += g0 * c2[0]; c[1] += g0 * c2[1]; c[2] += g1 * c2[2]; c[3] += g1 * c2[3];
             }
 #endif
@@ -1223,7 +1231,11 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                 score_tile(ka, kb, qh2, ql2, t, c2);
                 const u16* kn = (const u16*)(kp + T * K_ROW_BYTES);
                 const float n0 = h2f(kn[16 * mt + g]), n1 = h2f(kn[16 * mt + g + 8]);
+#if K2ONE
+                const float g0 = 1.0f, g1 = 1.0f;
+#else
                 const float g0 = h2f(kn[T + 16 * mt + g]), g1 = h2f(kn[T + 16 * mt + g + 8]);
+#endif
                 c[0] = (c[0] + g0 * c2[0]) * n0; c[1] = (c[1] + g0 * c2[1]) * n0;
                 c[2] = (c[2] + g1 * c2[2]) * n1; c[3] = (c[3] + g1 * c2[3]) * n1;
             }

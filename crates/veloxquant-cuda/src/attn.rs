@@ -42,7 +42,7 @@ fn splits_for_waves(rows: usize, target: usize, max_splits: usize) -> usize {
 /// must agree with decode.cu's `FAST`.
 fn fast_path(kf: &GpuFormat, vf: &GpuFormat) -> bool {
     matches!(kf.d, 64 | 128)
-        && matches!(kf.kind.decode_id(), 3 | 5)
+        && matches!(kf.decode_kind(), 3 | 5)
         && vf.kind == KernelKind::Codes
         && (matches!(kf.bits, 2..=4) || (kf.bits == 1 && symmetric_1bit(kf)))
         && (!kf.two_queries() || second_like_first(kf) || (kf.bits2 == 1 && symmetric_1bit_table(&kf.table2_f16)))
@@ -198,6 +198,9 @@ fn decode_defines(
         defs.push(("K_MSE_BYTES".into(), kf.mse_bytes as i64));
         defs.push(("K2B".into(), kf.bits2 as i64));
         defs.push(("K2SAME".into(), second_like_first(kf) as i64));
+        if kf.kind == KernelKind::Sketch {
+            defs.push(("K2ONE".into(), 1)); // qjl:2x: no second side, both halves weighted alike
+        }
     }
     // turboquant_rvq values: stage 2's codes after V_MSE_BYTES, V2B bits each.
     if vf.kind == KernelKind::Rvq {
@@ -280,7 +283,8 @@ fn attn_defines(kf: &GpuFormat, vf: &GpuFormat, g: usize, pdl: bool) -> Vec<(Str
         ("D", kf.d as i64),
         ("G", g as i64),
         ("KROT", kf.rotation.is_some() as i64),
-        ("KSKETCH", (kf.kind == KernelKind::Sketch) as i64),
+        // qjl: the sketch's blocks of d rows (2 at m = 2d: a second prepared query).
+        ("KSKETCH", if kf.kind == KernelKind::Sketch { kf.sketch_halves() as i64 } else { 0 }),
         ("KPROD", (kf.kind == KernelKind::Prod) as i64),
         ("KRVQ", (kf.kind == KernelKind::Rvq) as i64),
         ("KRABITQ", (kf.kind == KernelKind::Rabitq) as i64),
@@ -505,7 +509,7 @@ pub enum DecodeOut<'a, 'b> {
 
 fn kind_defines(prefix: char, f: &GpuFormat) -> [(String, i64); 4] {
     [
-        (format!("{prefix}K"), f.kind.decode_id()),
+        (format!("{prefix}K"), f.decode_kind()),
         (format!("{prefix}B"), f.bits.max(1) as i64),
         (format!("{}_ROW_BYTES", prefix), f.row_bytes as i64),
         (format!("{}_PAGE_BYTES", prefix), f.page_bytes as i64),

@@ -84,6 +84,7 @@ pub fn has_page_kernel(fmt: &GpuFormat, t: &Tuning) -> bool {
 /// qjl or turboquant_prod, pages of 32, d 64 or 128, f16 input, sm_80+, and the tuning asks.
 pub fn has_sketch_mma(fmt: &GpuFormat, input: InputKind, dev: &GpuDevice) -> bool {
     matches!(fmt.kind, KernelKind::Sketch | KernelKind::Prod)
+        && fmt.sketch_halves() == 1
         && fmt.t == 32
         && matches!(fmt.d, 64 | 128)
         && input == InputKind::F16

@@ -301,10 +301,13 @@ impl GpuFormat {
                 (KernelKind::Codes, RowKind::Codes { bits: spec.bits, table }, true)
             }
             "qjl" => {
-                if spec.mult != 1 {
-                    return Err(unsupported("qjl on the GPU needs m = d (:1x)"));
+                // m = 2d: whole words per segment, and d ≤ 128 (at 256 its decode failed the
+                // parity test on an H100, 2026-12-07: not run there until that is found).
+                if spec.mult > 2 || (spec.mult == 2 && !matches!(d, 64 | 96 | 128)) {
+                    return Err(unsupported("qjl on the GPU needs m = d, or m = 2d at head size 64, 96 or 128"));
                 }
-                // The sign rows have the 1-bit codes' layout: ⌈m/32⌉ words, then ‖k‖ in f16.
+                // The sign rows have the 1-bit codes' layout: ⌈m/32⌉ words, then ‖k‖ in f16;
+                // m = 2d as two segments of d signs (below).
                 let mut table = [0f32; 16];
                 table[..2].copy_from_slice(&[-1.0, 1.0]);
                 (KernelKind::Sketch, RowKind::Codes { bits: 1, table }, false)
@@ -383,8 +386,11 @@ impl GpuFormat {
         // Second segments (sketch.rs TokenLayout: rows of both segments, two f16 sides):
         // turboquant_prod's d sign bits, turboquant_rvq's stage-2 codes.
         // turboquant_frac: the narrow channels are the second segment.
+        // qjl:2x: the second d sign bits (of S's rows d..2d).
+        let sketch2 = kind == KernelKind::Sketch && spec.mult == 2;
         let bits2 = match kind {
             KernelKind::Prod => 1,
+            KernelKind::Sketch if sketch2 => 1,
             KernelKind::Rvq => spec.bits2,
             KernelKind::Frac => spec.bits,
             _ => 0,
@@ -393,6 +399,11 @@ impl GpuFormat {
             KernelKind::Prod | KernelKind::Rvq => {
                 let rb = layout.row_bytes + pack::packed_bytes(d, bits2);
                 (layout.row_bytes, rb, (t * rb + 4 * t).div_ceil(4) * 4)
+            }
+            // qjl:2x: both halves' signs, then ‖k‖ (d % 32 = 0: whole words).
+            KernelKind::Sketch if sketch2 => {
+                let rb = 2 * layout.row_bytes;
+                (layout.row_bytes, rb, (t * rb + 2 * t).div_ceil(4) * 4)
             }
             // rabitq: the 1-bit rows, then ‖R·x‖ and x0.
             KernelKind::Rabitq => (0, layout.row_bytes, (t * layout.row_bytes + 4 * t).div_ceil(4) * 4),
@@ -425,14 +436,16 @@ impl GpuFormat {
         // first's (1 for both when dense).
         let rotation2 = if kind == KernelKind::Rvq { Some(rotation_of(derive_seed(seed, &[0x52]))?.0) } else { None };
         let sketch = if matches!(kind, KernelKind::Sketch | KernelKind::Prod) {
-            // The CPU's builds: qjl's Sketch::new(kind, m, d, seed) with m = d; prod's m = d
-            // sketch of the residual under a derived seed.
+            // The CPU's builds: qjl's Sketch::new(kind, m, d, seed) with m = mult·d; prod's
+            // m = d sketch of the residual under a derived seed. Sᵀ of each d rows of S in
+            // turn (qjl:2x: the second segment's block after the first's).
             let sseed = if kind == KernelKind::Prod { derive_seed(seed, &[0x51]) } else { seed };
-            let sk = Sketch::new(spec.sketch, d, d, sseed);
-            let mut st = vec![0f32; d * d];
+            let m = if sketch2 { 2 * d } else { d };
+            let sk = Sketch::new(spec.sketch, m, d, sseed);
+            let mut st = vec![0f32; m * d];
             for (i, row) in sk.rows.chunks_exact(d).enumerate() {
                 for (e, &v) in row.iter().enumerate() {
-                    st[e * d + i] = v;
+                    st[(i / d) * d * d + e * d + i % d] = v;
                 }
             }
             Some((st, sk.scale()))
@@ -473,6 +486,7 @@ impl GpuFormat {
         let table_f16 = f16_table(&centroids[..n_first]);
         let table2_f16 = match kind {
             KernelKind::Prod => f16_table(&[-1.0, 1.0]),
+            KernelKind::Sketch if sketch2 => f16_table(&[-1.0, 1.0]),
             KernelKind::Rvq | KernelKind::Frac => f16_table(&centroids[1 << bits..]),
             _ => [0; 16],
         };
@@ -634,7 +648,7 @@ impl GpuFormat {
         }
     }
 
-    /// Floats per head of [`Self::transform`]: d, d·d for qjl's sketch, d + d·d for
+    /// Floats per head of [`Self::transform`]: d, d·d for qjl's sketch (2d·d at m = 2d), d + d·d for
     /// turboquant_prod, 2d for turboquant_rvq, 3d + 4 for turboquant_frac, (2 + 2^b)·d for
     /// vecinfer (kernels: `TW`); plus the dense matrices' d² (turboquant_rvq: 2d²) floats.
     pub fn transform_words(&self) -> usize {
@@ -654,7 +668,7 @@ impl GpuFormat {
         }
         match (&self.rotation, &self.sketch) {
             (Some(_), Some(_)) => self.d + self.d * self.d,
-            (None, Some(_)) => self.d * self.d,
+            (None, Some(_)) => self.sketch_halves() * self.d * self.d,
             _ => self.d,
         }
     }
@@ -665,9 +679,29 @@ impl GpuFormat {
         self.frac.as_ref().is_none_or(|f| f.calibrated) && self.vq.as_ref().is_none_or(|v| v.calibrated)
     }
 
-    /// Whether decode needs the second prepared query (turboquant_prod, turboquant_rvq).
+    /// Whether decode needs the second prepared query (turboquant_prod, turboquant_rvq,
+    /// qjl:2x).
     pub fn two_queries(&self) -> bool {
-        self.kind.decode_id() == KernelKind::Prod as i64
+        self.decode_kind() == KernelKind::Prod as i64
+    }
+
+    /// The decode kernels' id (`KK`/`VK`): the kind's, except that qjl:2x reads as two
+    /// segments of signs (KK = 5, the second weighted by 1: `K2ONE`).
+    pub fn decode_kind(&self) -> i64 {
+        if self.sketch_halves() == 2 {
+            KernelKind::Prod as i64
+        } else {
+            self.kind.decode_id()
+        }
+    }
+
+    /// qjl's sketch blocks of d rows: 2 for m = 2d (qjl:2x), else 1.
+    pub fn sketch_halves(&self) -> usize {
+        if self.kind == KernelKind::Sketch && self.bits2 == 1 {
+            2
+        } else {
+            1
+        }
     }
 
     /// Whether the query is prepared by the rotation alone (what decode's fused preparation

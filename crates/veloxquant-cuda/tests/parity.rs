@@ -86,6 +86,11 @@ fn all_specs() -> Vec<FormatSpec> {
             if desc.has_sketch {
                 out.push(FormatSpec::parse(&format!("{base}:orth")).unwrap());
             }
+            // Wider sketches (qjl:2x), plain and orthogonalized.
+            for m in desc.mults.iter().filter(|&&m| m != 1) {
+                out.push(FormatSpec::parse(&format!("{base}:{m}x")).unwrap());
+                out.push(FormatSpec::parse(&format!("{base}:{m}x:orth")).unwrap());
+            }
             for g in desc.groups.iter().filter(|&&g| g != desc.default_group) {
                 out.push(FormatSpec::parse(&format!("{base}:g{g}")).unwrap());
             }
@@ -1176,11 +1181,13 @@ fn decode_dense_rotation_sizes_match_cpu_reference() {
 
 /// turboquant_rvq values (decode.cu V2SEG: both stages' accumulators, combine's
 /// R₁ᵀ·(a₁ + R₂ᵀ·a₂)) at every stage-2 width, with rvq and other keys, d ∈ {64, 80, 96, 112,
-/// 128, 256} (dense rotations and byte-read rows included), G ∈ {1, 2, 3, 4, 8}, the window
-/// and sinks, ragged lengths, row and page mode: pages byte-identical to the CPU's (run_case),
-/// decode within 2e-3 of the CPU reference.
+/// 128, 256} (dense rotations and byte-read rows included), and qjl:2x keys at d ≤ 128 (two
+/// segments of signs against two prepared queries; the FAST path at d = 64 and 128 beside
+/// 2–4-bit codes),
+/// G ∈ {1, 2, 3, 4, 8}, the window and sinks, ragged lengths, row and page mode: pages
+/// byte-identical to the CPU's (run_case), decode within 2e-3 of the CPU reference.
 #[test]
-fn decode_rvq_values_match_cpu_reference() {
+fn decode_rvq_values_and_qjl_2x_match_cpu_reference() {
     if device().is_none() {
         return;
     }
@@ -1196,6 +1203,12 @@ fn decode_rvq_values_match_cpu_reference() {
         (96, "turboquant_mse:2", "turboquant_rvq:2:2"),
         (80, "turboquant_rvq:3:1", "turboquant_rvq:3:1"),
         (112, "fp16", "turboquant_rvq:2:2"),
+        (64, "qjl:2x", "turboquant_mse:2"),
+        (128, "qjl:2x", "turboquant_mse:3"),
+        (128, "qjl:2x:orth", "turboquant_mse:4"),
+        (128, "qjl:2x", "fp16"),
+        (96, "qjl:2x", "turboquant_mse:2"),
+        (128, "qjl:2x:orth", "turboquant_rvq:2:2"),
     ];
     let pairs: Vec<(usize, (usize, &str, &str))> = pairs.into_iter().enumerate().collect();
     let per_pair = par_cases(&pairs, |dev, &(pi, (d, k, v))| {
@@ -1205,7 +1218,10 @@ fn decode_rvq_values_match_cpu_reference() {
         })
     });
     let (worst, bad) = worst_and_failures(per_pair.into_iter().flatten());
-    eprintln!("decode parity, turboquant_rvq values: worst rel err {worst:.2e}, failures {}", bad.len());
+    eprintln!(
+        "decode parity, turboquant_rvq values and qjl:2x keys: worst rel err {worst:.2e}, failures {}",
+        bad.len()
+    );
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 

@@ -1,11 +1,14 @@
 // qjl (qjl.rs over sketch.rs, m = d): per row the sign bits of S·x (1-bit codes for decode,
 // with the table {−1, +1}), then ‖x‖ in f16. The transform argument is Sᵀ (S[i][e] at
 // [e·D + i]) instead of rotation signs; turboquant_prod sketches its residual with the same
-// helpers.
+// helpers. m = 2d (qjl:2x, MSE_BYTES = d/8): S's rows d..2d as a second block (its Sᵀ after
+// the first's), their signs at MSE_BYTES; decode reads the row as two segments of signs (KK 5
+// with K2ONE) against two prepared queries (KSKETCH 2).
 #if FMT_ROW && KIND == 4
-#define TW (D * D)
+#define SKM (MSE_BYTES ? 2 : 1)  // the sketch's blocks of d rows
+#define TW (SKM * D * D)
 #endif
-#if FMT_ROW && (KIND == 4 || KIND == 5) && T == 32 && (D == 64 || D == 128) && IN_KIND == 1
+#if FMT_ROW && (KIND == 4 || KIND == 5) && T == 32 && (D == 64 || D == 128) && IN_KIND == 1 && (KIND == 5 || SKM == 1)
 #define PAGE_MMA 1  // encode_sketch_mma (FMT_PAGE below)
 #endif
 #if FMT_ROW && (KIND == 4 || KIND == 5)
@@ -126,6 +129,9 @@ __device__ __forceinline__ void encode_rows_fmt(float (*v)[EPL], u8* page, int t
 #pragma unroll
     for (int r = 0; r < RPW; r++) nrm[r] = norm_warp(v[r]);
     sketch_signs_rows(v, nrm, page, t0, 0, xs, sg, lane);
+#if SKM == 2
+    sketch_signs_rows(v, nrm, page, t0, MSE_BYTES, xs, sg + D * D, lane);
+#endif
 #pragma unroll
     for (int r = 0; r < RPW; r++) put_sides(page, t0 + r, nrm[r], 1, lane);
 }
@@ -167,6 +173,9 @@ __device__ __forceinline__ void encode_row_fmt(float* v, u8* page, int t, const 
     u8* row = page + t * ROW_BYTES;
     const float scale = norm_warp(v);
     sketch_signs_warp(v, row, sg, lane);
+#if SKM == 2
+    sketch_signs_warp(v, row + MSE_BYTES, sg + D * D, lane);
+#endif
     put_sides(page, t, scale, 1, lane);
 }
 // k̂ = c·‖k‖·Sᵀ·sign (qjl.rs decode_page); rot_scale is c.
@@ -177,6 +186,9 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 #pragma unroll
     for (int k = 0; k < EPL; k++) v[k] = 0.0f;
     sketch_back_warp(row, rot_scale * h2f(side[t]), sg, lane, v);
+#if SKM == 2
+    sketch_back_warp(row + MSE_BYTES, rot_scale * h2f(side[t]), sg + D * D, lane, v);
+#endif
 }
 #endif
 
@@ -215,12 +227,17 @@ __device__ __forceinline__ float sketch_query_block(float x, float* s, const flo
 }
 #endif
 #if FMT_QUERY && KSKETCH
-#define KTW (D * D)
+#define KTW (KSKETCH * D * D)
 #define QUERY_FMT 1
-// qjl: c·S·q (kt: Sᵀ; krot_scale: c).
+// qjl: c·S·q (kt: Sᵀ; krot_scale: c); m = 2d (KSKETCH 2): the second block's c·S·q as the
+// second prepared query.
 __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, size_t at, size_t second,
                                           const float* __restrict__ kt, float krot_scale, float* s, int tid) {
     qprep[at] = sketch_query_block(x, s, kt, krot_scale, tid);
+#if KSKETCH == 2
+    __syncthreads();  // the first block's last reads of s
+    qprep[at + second] = sketch_query_block(x, s, kt + D * D, krot_scale, tid);
+#endif
 }
 #endif
 

@@ -49,8 +49,8 @@ __device__ __forceinline__ void encode_rows_fmt(float (*v)[EPL], u8* page, int t
 #endif
 
 #if FMT_DECODE && KK == 5
-// Two-segment key rows (turboquant_prod; turboquant_rvq reads as them): the first segment's
-// codes, then the second's through its own table (k_second).
+// Two-segment key rows (turboquant_prod; turboquant_rvq and qjl:2x read as them): the first
+// segment's codes, then the second's through its own table (k_second).
 // One key row's quarter for thread t: KS*2 f16x2 = (slots j0,j1), (j2,j3) per k-step.
 __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* out) {
 #if D % 32 == 0
