@@ -106,21 +106,24 @@ impl Case {
 const FORMATS: [&str; 6] = ["fp16", "q8_0", "q4_0", "turboquant_mse:4", "turboquant_mse:3", "turboquant_mse:2"];
 /// Decode rows beyond FORMATS: `K/V` pairs for key-only formats; the calibrated formats
 /// (random calibration vectors: their speed, not their quality).
-const KV_PAIRS: [&str; 8] = [
+const KV_PAIRS: [&str; 10] = [
     "qjl/turboquant_mse:2",
+    "qjl:2x/turboquant_mse:2",
     "turboquant_prod:3/turboquant_mse:2",
     "rabitq/turboquant_mse:2",
     "turboquant_rvq:2:2/turboquant_mse:2",
+    "turboquant_mse:2/turboquant_rvq:2:2",
     "kivi:2",
     "kivi:4",
     "turboquant_frac:3.5:center:eden/turboquant_frac:2.5:center:eden",
     "vecinfer:8",
 ];
 /// Encode rows beyond FORMATS.
-const ENCODE_EXTRA: [&str; 9] = [
+const ENCODE_EXTRA: [&str; 10] = [
     "turboquant_mse:4:eden",
     "qjl",
     "qjl:orth",
+    "qjl:2x",
     "turboquant_prod:3",
     "rabitq",
     "turboquant_rvq:2:2",
