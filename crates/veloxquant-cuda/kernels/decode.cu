@@ -238,6 +238,17 @@ __device__ __forceinline__ void codes_to_h2_bytes(const u8* row, int first, cons
     }
 }
 
+// Codes [first, first + N) of a row segment of ROWW words: codes_to_h2 where rows are whole
+// words (D % 32 = 0), else codes_to_h2_bytes. The formats' code readers all go through it.
+template <int BITS, int N, int ROWW>
+__device__ __forceinline__ void seg_codes_to_h2(const u8* seg, int first, const u16* tab, u32* out) {
+#if D % 32 == 0
+    codes_to_h2<BITS, N, ROWW>((const u32*)seg, first, tab, out);
+#else
+    codes_to_h2_bytes<BITS, N>(seg, first, tab, out);
+#endif
+}
+
 // int8 pair (low 16 bits of w) -> f16x2(q0·s, q1·s); s2 = scale in both halves.
 __device__ __forceinline__ u32 i8x2_h2(u32 w, u32 s2) {
     u32 t = prmt(w, 0u, 0x4140u) ^ 0x00800080u;  // (q + 128) as u8 in each half

@@ -71,21 +71,13 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 #if FMT_DECODE && KK == 3
 // One key row's quarter for thread t: KS*2 f16x2 = (slots j0,j1), (j2,j3) per k-step.
 __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* out) {
-#if D % 32 == 0
-    codes_to_h2<KB, QD, K_ROW_BYTES / 4>((const u32*)kr, t * QD, tab, out);
-#else
-    codes_to_h2_bytes<KB, QD>(kr, t * QD, tab, out);
-#endif
+    seg_codes_to_h2<KB, QD, K_ROW_BYTES / 4>(kr, t * QD, tab, out);
 }
 #endif
 #if FMT_DECODE && VK == 3
 // One value row's dims [g*VC, (g+1)*VC) as VC/2 f16x2 pairs (2m, 2m+1).
 __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
-#if D % 32 == 0
-    codes_to_h2<VB, VC, V_ROW_BYTES / 4>((const u32*)vr, g * VC, tab, out);
-#else
-    codes_to_h2_bytes<VB, VC>(vr, g * VC, tab, out);
-#endif
+    seg_codes_to_h2<VB, VC, V_ROW_BYTES / 4>(vr, g * VC, tab, out);
 }
 #endif
 

@@ -53,20 +53,12 @@ __device__ __forceinline__ void encode_rows_fmt(float (*v)[EPL], u8* page, int t
 // segment's codes, then the second's through its own table (k_second).
 // One key row's quarter for thread t: KS*2 f16x2 = (slots j0,j1), (j2,j3) per k-step.
 __device__ __forceinline__ void k_row(const u8* kr, int t, const u16* tab, u32* out) {
-#if D % 32 == 0
-    codes_to_h2<KB, QD, K_MSE_BYTES / 4>((const u32*)kr, t * QD, tab, out);
-#else
-    codes_to_h2_bytes<KB, QD>(kr, t * QD, tab, out);
-#endif
+    seg_codes_to_h2<KB, QD, K_MSE_BYTES / 4>(kr, t * QD, tab, out);
 }
 // A key row's second segment (turboquant_prod's signs with the table {−1, +1}, turboquant_rvq's
 // stage-2 codes) through its table k2t, in k_row's order.
 __device__ __forceinline__ void k_second(const u8* kr, int t, const u16* k2t, u32* out) {
-#if D % 32 == 0
-    codes_to_h2<K2B, QD, (K_ROW_BYTES - K_MSE_BYTES) / 4>((const u32*)(kr + K_MSE_BYTES), t * QD, k2t, out);
-#else
-    codes_to_h2_bytes<K2B, QD>(kr + K_MSE_BYTES, t * QD, k2t, out);
-#endif
+    seg_codes_to_h2<K2B, QD, (K_ROW_BYTES - K_MSE_BYTES) / 4>(kr + K_MSE_BYTES, t * QD, k2t, out);
 }
 #endif
 

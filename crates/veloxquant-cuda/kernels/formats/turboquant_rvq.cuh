@@ -152,18 +152,10 @@ __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, si
 // A value row's dims [g*VC, (g+1)*VC) of stage 1 (v_row, through vtab) and of stage 2
 // (v_second, at V_MSE_BYTES through v2tab) as VC/2 f16x2 pairs (2m, 2m+1).
 __device__ __forceinline__ void v_row(const u8* vr, int g, const u16* tab, u32* out) {
-#if D % 32 == 0
-    codes_to_h2<VB, VC, V_MSE_BYTES / 4>((const u32*)vr, g * VC, tab, out);
-#else
-    codes_to_h2_bytes<VB, VC>(vr, g * VC, tab, out);
-#endif
+    seg_codes_to_h2<VB, VC, V_MSE_BYTES / 4>(vr, g * VC, tab, out);
 }
 __device__ __forceinline__ void v_second(const u8* vr, int g, const u16* v2t, u32* out) {
-#if D % 32 == 0
-    codes_to_h2<V2B, VC, (V_ROW_BYTES - V_MSE_BYTES) / 4>((const u32*)(vr + V_MSE_BYTES), g * VC, v2t, out);
-#else
-    codes_to_h2_bytes<V2B, VC>(vr + V_MSE_BYTES, g * VC, v2t, out);
-#endif
+    seg_codes_to_h2<V2B, VC, (V_ROW_BYTES - V_MSE_BYTES) / 4>(vr + V_MSE_BYTES, g * VC, v2t, out);
 }
 #endif
 
