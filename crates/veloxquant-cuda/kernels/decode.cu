@@ -103,8 +103,9 @@
 #ifndef EXPFTZ
 #define EXPFTZ 0
 #endif
-// FAST: the softmax weights reach the PV mma's B operand in registers (packed per 8-token
-// half-tile, transposed by movmatrix); the other paths pass them through shared memory (pbuf).
+// The softmax weights reach the PV mma's B operand in registers (packed per 8-token half-tile,
+// transposed by movmatrix); turboquant_rvq values (V2SEG, two weightings) pass them through
+// shared memory (pbuf).
 // SLACK: see the softmax update.
 #ifndef SLACK
 #define SLACK 0
@@ -265,9 +266,25 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
     return r;
 }
 
+// NB bytes at p (2, 4, 8 or 16, aligned to their size) as words, by one load.
+template <int NB>
+__device__ __forceinline__ void ldraw(const u8* p, u32* w) {
+    if (NB >= 16) {
+        vec4u v = *(const vec4u*)p;
+        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
+    } else if (NB == 8) {
+        vec2u v = *(const vec2u*)p;
+        w[0] = v.x; w[1] = v.y;
+    } else if (NB == 4) {
+        w[0] = *(const u32*)p;
+    } else {
+        w[0] = *(const u16*)p;
+    }
+}
+
 // Each format's readers (FMT_DECODE): k_row (thread t's quarter of a key row as KS*2 f16x2)
 // and v_row (dims [g*VC, (g+1)*VC) of a value row as VC/2 f16x2), or K_ROW / V_ROW for
-// page-level layouts (kivi); a key layout of its own by kdim_fmt (KDIM_FMT), a key scale of its
+// page-level layouts (kivi; V_TILE: the PV operands of two token pairs at once); a key layout of its own by kdim_fmt (KDIM_FMT), a key scale of its
 // own by kscale (KRATIO).
 // @formats FMT_DECODE
 #ifndef K_ROW
@@ -310,20 +327,6 @@ __device__ __forceinline__ int kdim(int t, int ks, int j) {
 #endif
 }
 
-template <int NB>
-__device__ __forceinline__ void ldraw(const u8* p, u32* w) {
-    if (NB >= 16) {
-        vec4u v = *(const vec4u*)p;
-        w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-    } else if (NB == 8) {
-        vec2u v = *(const vec2u*)p;
-        w[0] = v.x; w[1] = v.y;
-    } else if (NB == 4) {
-        w[0] = *(const u32*)p;
-    } else {
-        w[0] = *(const u16*)p;
-    }
-}
 #if FAST
 // Table entry for byte k of w; lb = the table's shared address (low 16 bits zero) + the
 // lane's offset (lane·4, + 128 for V).
@@ -719,8 +722,8 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     __shared__ int ctot[SKMAXB / 32];
 #elif FAST
     __shared__ float qstage[G * D];  // FUSEQ: the group's prepared queries
-#else
-    __shared__ float pbuf[NWARPS][32][9];  // softmax weights
+#elif V2SEG
+    __shared__ float pbuf[NWARPS][32][9];  // softmax weights (turboquant_rvq values: two domains)
 #endif
 #if !STREAMK
     __shared__ float mml[NWARPS][8][2];
@@ -1299,6 +1302,21 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             pb[mt][0] = rot16(pb[mt][0], vn_rot);  // this lane's token pairs in swapped order
             pb[mt][1] = rot16(pb[mt][1], vn_rot);
         }
+#elif !V2SEG
+        // The generic path's B operand the same way (times the value scales where the format has
+        // them): the weights never pass through shared memory.
+        u32 pb[2][2];
+#pragma unroll
+        for (int mt = 0; mt < 2; mt++) {
+#if VK == 3 || VK == 9
+            const u16* vn = (const u16*)(vp + T * V_ROW_BYTES);
+            const float n0 = vscale(vn, 16 * mt + g), n1 = vscale(vn, 16 * mt + g + 8);
+#else
+            const float n0 = 1.0f, n1 = 1.0f;
+#endif
+            pb[mt][0] = movt(pack_h2(s[mt][0] * n0, s[mt][1] * n0));
+            pb[mt][1] = movt(pack_h2(s[mt][2] * n1, s[mt][3] * n1));
+        }
 #else
         __syncwarp();
 #pragma unroll
@@ -1314,7 +1332,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
 #pragma unroll
         for (int kk = 0; kk < 2; kk++) {
             const int tA = 16 * kk + 2 * t;
-#if !FAST
+#if !FAST && V2SEG
             float wA = pbuf[warp][tA][g], wB = pbuf[warp][tA + 1][g];
             float wC = pbuf[warp][tA + 8][g], wD = pbuf[warp][tA + 9][g];
 #endif
@@ -1406,11 +1424,20 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
             }
 #endif
 #else
-#if VK == 3 || VK == 9 || V2SEG
+#if V2SEG
             const u16* vn = (const u16*)(vp + T * V_ROW_BYTES);
             wA *= vscale(vn, tA); wB *= vscale(vn, tA + 1); wC *= vscale(vn, tA + 8); wD *= vscale(vn, tA + 9);
-#endif
             const u32 b0 = pack_h2(wA, wB), b1 = pack_h2(wC, wD);
+#else
+            const u32 b0 = pb[kk][0], b1 = pb[kk][1];
+#endif
+#ifdef V_TILE
+            // The format builds the A operands (dim, token pair) itself (kivi).
+            u32 va[KS][4];
+            V_TILE(vp, tA, g, va);
+#pragma unroll
+            for (int mt = 0; mt < KS; mt++) mma16816(acc[mt], va[mt][0], va[mt][1], va[mt][2], va[mt][3], b0, b1);
+#else
             u32 xa[VC / 2], xb[VC / 2], xc[VC / 2], xd[VC / 2];
             V_ROW(vp, tA, g, vtab, xa);
             V_ROW(vp, tA + 1, g, vtab, xb);
@@ -1421,6 +1448,7 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
                 mma16816(acc[mt], prmt(xa[mt], xb[mt], 0x5410), prmt(xa[mt], xb[mt], 0x7632),
                          prmt(xc[mt], xd[mt], 0x5410), prmt(xc[mt], xd[mt], 0x7632), b0, b1);
             }
+#endif
 #if V2SEG
             {
                 // Stage 2: the weights (already times n₁) times n₂, the codes through v2tab.

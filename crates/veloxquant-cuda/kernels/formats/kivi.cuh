@@ -225,42 +225,91 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 #endif
 #if FMT_DECODE && KK == 8
 // kivi keys (kivi.rs): row `row` of page kp as k_row's quarter for thread t, k = s·u + z with
-// (s, z) of each channel's token group; adjacent channels' f16 pairs are one word each.
-// The codes are integers (the magic, no lookups); a group as long as the page is the same for
-// every row, so its scales and zeros are loaded once a page.
+// (s, z) of each channel's token group. An f16x2 slot pairs codes c and c + KHW of a code
+// word (KHW: half a word's codes), 16 bits apart: one shift and one mask put both at a half's
+// low bits, OR-ed into 1024's f16 (1024 + u exactly), then − 1024 and s·u + z as f16x2 — the
+// values the per-element reading gave, in four instructions a pair. A group as long as the
+// page is the same for every row: its scales and zeros load once a page.
+#define KCPW (32 / KB)  // codes per word
+#define KHW (KCPW / 2)
+#define KDIM_FMT 1
+__device__ __forceinline__ int kdim_fmt(int t, int ks, int j) {
+    const int p = 2 * ks + (j >> 1);  // the thread's f16x2 slot
+    return t * QD + KCPW * (p / KHW) + p % KHW + KHW * (j & 1);
+}
 __device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u16* tab, u32* out) {
-    codes_to_h2<KB, QD, K_ROW_BYTES / 4, true>((const u32*)(kp + row * K_ROW_BYTES), t * QD, tab, out);
+    constexpr int NW = QD * KB / 32;  // the thread's code words (QD·KB is a multiple of 32)
+    u32 w[NW];
+    ldraw<NW * 4 >= 16 ? 16 : NW * 4>(kp + row * K_ROW_BYTES + t * NW * 4, w);
+    if (NW == 8) ldraw<16>(kp + row * K_ROW_BYTES + t * NW * 4 + 16, w + (NW == 8 ? 4 : 0));
     const int grp = KG >= T ? 0 : row / KG;
     const u32* s2 = (const u32*)(kp + T * K_ROW_BYTES) + (grp * D + t * QD) / 2;
     const u32* z2 = s2 + (T * D / KG) / 2;
+    u32 sw[QD / 2], zw[QD / 2];
 #if K_PAGE_BYTES % 16 == 0 && (T * K_ROW_BYTES) % 16 == 0 && QD % 8 == 0 && (T * D / KG) % 8 == 0
     // 16-byte loads: pages and their scales start 16-byte aligned, and so do the thread's QD
     // channels and the zeros.
 #pragma unroll
     for (int i = 0; i < QD / 8; i++) {
         const vec4u s = ((const vec4u*)s2)[i], z = ((const vec4u*)z2)[i];
-        out[4 * i] = hfma2(out[4 * i], s.x, z.x);
-        out[4 * i + 1] = hfma2(out[4 * i + 1], s.y, z.y);
-        out[4 * i + 2] = hfma2(out[4 * i + 2], s.z, z.z);
-        out[4 * i + 3] = hfma2(out[4 * i + 3], s.w, z.w);
+        sw[4 * i] = s.x; sw[4 * i + 1] = s.y; sw[4 * i + 2] = s.z; sw[4 * i + 3] = s.w;
+        zw[4 * i] = z.x; zw[4 * i + 1] = z.y; zw[4 * i + 2] = z.z; zw[4 * i + 3] = z.w;
     }
 #else
 #pragma unroll
-    for (int i = 0; i < QD / 2; i++) out[i] = hfma2(out[i], s2[i], z2[i]);
+    for (int i = 0; i < QD / 2; i++) { sw[i] = s2[i]; zw[i] = z2[i]; }
 #endif
+    constexpr u32 M2 = ((1u << KB) - 1u) * 0x10001u;
+#pragma unroll
+    for (int p = 0; p < QD / 2; p++) {
+        const int wi = p / KHW, c = p % KHW, lo = KCPW * wi + c;  // dims lo and lo + KHW (same parity)
+        const u32 sel = (c & 1) ? 0x7632u : 0x5410u;
+        const u32 x = ((w[wi] >> (KB * c)) & M2) | 0x64006400u;
+        out[p] = hfma2(hsub2(x, 0x64006400u), prmt(sw[lo / 2], sw[(lo + KHW) / 2], sel),
+                       prmt(zw[lo / 2], zw[(lo + KHW) / 2], sel));
+    }
 }
 #define K_ROW(kp, row, t, tab, out) k_row_kivi(kp, row, t, tab, out)
 #endif
 #if FMT_DECODE && VK == 8
-// kivi values: row `row` of page vp as v_row's dims for thread row-group g (within one group of
-// VG ≥ VC channels), v = s·u + z.
-__device__ __forceinline__ void v_row_kivi(const u8* vp, int row, int g, const u16* tab, u32* out) {
-    codes_to_h2<VB, VC, V_ROW_BYTES / 4, true>((const u32*)(vp + row * V_ROW_BYTES), g * VC, tab, out);
-    const u16* sz = (const u16*)(vp + T * V_ROW_BYTES);
-    const int p = row * (D / VG) + (g * VC) / VG;
-    const u32 s2 = (u32)sz[p] * 0x10001u, z2 = (u32)sz[T * D / VG + p] * 0x10001u;
+// kivi values (v = s·u + z, (s, z) per token and group of VG ≥ VC channels): the PV mma's A
+// operands for the tokens (tA, tA + 1) and (tA + 8, tA + 9) at once (V_TILE). Two tokens'
+// 16-bit chunks of codes side by side (one prmt) hold each dim's two codes 16 bits apart, so
+// an operand (one dim, two tokens) is one shift and mask, the 1024-magic and s·u + z by the
+// tokens' (s, z) pairs: the bits of the per-row reading, without its per-element shifts and the
+// transposing prmt.
+__device__ __forceinline__ void v_tile_kivi(const u8* vp, int tA, int g, u32 (*va)[4]) {
+    constexpr int NB = VC * VB / 8;  // the thread's code bytes per row (2 to 16)
+    constexpr int NWR = NB >= 4 ? NB / 4 : 1;
+    constexpr int CPC = 16 / VB;     // codes per 16-bit chunk
+    constexpr u32 M2 = ((1u << VB) - 1u) * 0x10001u;
+    const int tok[4] = {tA, tA + 1, tA + 8, tA + 9};
+    u32 w[4][NWR];
 #pragma unroll
-    for (int m = 0; m < VC / 2; m++) out[m] = hfma2(out[m], s2, z2);
+    for (int r = 0; r < 4; r++) ldraw<NB>(vp + tok[r] * V_ROW_BYTES + g * NB, w[r]);
+    const u16* sz = (const u16*)(vp + T * V_ROW_BYTES);
+    const int gp = (g * VC) / VG;
+    u32 sp[2], zp[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        const int p0 = tok[2 * h] * (D / VG) + gp, p1 = tok[2 * h + 1] * (D / VG) + gp;
+        sp[h] = (u32)sz[p0] | ((u32)sz[p1] << 16);
+        zp[h] = (u32)sz[T * D / VG + p0] | ((u32)sz[T * D / VG + p1] << 16);
+    }
+#pragma unroll
+    for (int mt = 0; mt < KS; mt++) {
+        const int i = (2 * mt) / CPC, l = (2 * mt) % CPC;  // chunk, code within it
+        const u32 sel = (i & 1) ? 0x7632u : 0x5410u;
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const u32 u = prmt(w[2 * h][i / 2], w[2 * h + 1][i / 2], sel);
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const u32 x = ((u >> (VB * (l + e))) & M2) | 0x64006400u;
+                va[mt][2 * h + e] = hfma2(hsub2(x, 0x64006400u), sp[h], zp[h]);
+            }
+        }
+    }
 }
-#define V_ROW(vp, row, g, tab, out) v_row_kivi(vp, row, g, tab, out)
+#define V_TILE(vp, tA, g, va) v_tile_kivi(vp, tA, g, va)
 #endif
