@@ -31,8 +31,17 @@ extern "C" __global__ void ENCODE_ROWS_BOUNDS encode_rows(
         const int job = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5);
         if (job >= n_rows / T) return;
         const size_t row0 = (size_t)job * T;
+#if (D & (D - 1)) == 0
         auto load = [&](int i, float* v) { kivi_load_blk(x, row0 + i, lane, v); };
         kivi_page_warp<true>(load, pool + (size_t)page_idx[job] * PAGE_BYTES, lane);
+#else
+        // d = 96: lane l holds channels l + 32k (its EPL codes are not whole bytes).
+        auto load = [&](int i, float* v) {
+#pragma unroll
+            for (int k = 0; k < EPL; k++) v[k] = load_in(x, (row0 + i) * D + lane + 32 * k);
+        };
+        kivi_page_warp<false>(load, pool + (size_t)page_idx[job] * PAGE_BYTES, lane);
+#endif
         return;
     }
 #endif

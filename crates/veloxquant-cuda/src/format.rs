@@ -279,10 +279,11 @@ impl GpuFormat {
             return Err(unsupported("head size must be 64, 80, 96, 112, 128 or 256 on the GPU"));
         }
         // Other than powers of two: the warp-per-row encoders, the generic decode path and a
-        // dense rotation; kivi's page layout, turboquant_frac's and vecinfer's are built for
-        // powers of two. d = 80 and 112 (a partial last chunk of 32 elements, rows off word
+        // dense rotation (kivi at d = 96: its page encoder's strided layout and code-by-code
+        // decode readers); turboquant_frac's and vecinfer's layouts are built for powers of
+        // two. d = 80 and 112 (a partial last chunk of 32 elements, rows off word
         // boundaries): the formats whose kernels mask the chunk and read rows by bytes.
-        if !d.is_power_of_two() && matches!(spec.name, "kivi" | "turboquant_frac" | "vecinfer") {
+        if !d.is_power_of_two() && matches!(spec.name, "turboquant_frac" | "vecinfer") {
             return Err(unsupported("on the GPU this format needs a head size of 64, 128 or 256"));
         }
         if !d.is_multiple_of(32)

@@ -55,7 +55,7 @@ fn gpu_layouts_match_cpu_page_sizes() {
     // kivi: one layout per stream.
     for s in ["kivi:2", "kivi:4", "kivi:2:g16", "kivi:4:g16"] {
         let spec = FormatSpec::parse(s).unwrap();
-        for d in [64, 128, 256] {
+        for d in [64, 96, 128, 256] {
             for stream in [Stream::Keys, Stream::Values] {
                 let cpu = spec.build(&FormatCtx::new(d, 32, stream, 9)).unwrap();
                 let g = match GpuFormat::for_stream(&spec, d, 32, 9, stream) {
@@ -87,7 +87,6 @@ fn gpu_layouts_match_cpu_page_sizes() {
         ("q8_0", 80),
         ("q4_0:rot", 112),
         ("kivi:4", 80),
-        ("kivi:4", 96),
         ("turboquant_frac:3", 96),
         ("vecinfer:8", 96),
     ] {
@@ -542,7 +541,13 @@ fn every_kernel_configuration_compiles() {
                     }
                 }
             }
-            // kivi: a layout per stream (keys grouped per channel, values per token), page mode.
+        }
+        // kivi: a layout per stream (keys grouped per channel, values per token), page mode;
+        // d = 96 too (its strided encoder and code-by-code readers), sm_80's choices for sm_86/89.
+        let kivi_ds: Vec<usize> = ds.iter().copied().chain(matches!(cc, (8, 0) | (9, 0)).then_some(96)).collect();
+        for d in kivi_ds {
+            let [mse3, mse4e] = ["turboquant_mse:3", "turboquant_mse:4:eden"]
+                .map(|s| GpuFormat::new(&FormatSpec::parse(s).unwrap(), d, 32, 3).unwrap());
             for s in ["kivi:2", "kivi:4", "kivi:2:g16", "kivi:4:g16"] {
                 if d == 256 && s.ends_with("g16") {
                     continue; // values need G ≥ d/8 (a typed error; keys alone tested below)
@@ -565,7 +570,7 @@ fn every_kernel_configuration_compiles() {
                     }
                 }
                 // With itself, and with the codes formats the default methods use on the other side.
-                for (kf, vf) in [(&kv[0], &kv[1]), (&kv[0], &fmts[7]), (&fmts[10], &kv[1])] {
+                for (kf, vf) in [(&kv[0], &kv[1]), (&kv[0], &mse3), (&mse4e, &kv[1])] {
                     for g in [1, 2, 3, 4, 8] {
                         for (fam, defs) in veloxquant_cuda::attn::decode_modules(kf, vf, g, cc) {
                             compile(fam, defs);
@@ -1010,18 +1015,21 @@ fn rvq_value_pages_accumulate_as_the_cpu_with_the_gpu_reading() {
     }
 }
 
-/// The GPU's reading of kivi pages (decode.cu `k_row_kivi`, `v_row_kivi`), on the CPU's bytes:
-/// thread t of a key row takes dims t·d/4 … in f16 pairs, each k = fma(u, s, z) in f16 with
-/// (s, z) at word ((row / G)·d + t·d/4)/2 of the scale and zero arrays; thread g of a value row
-/// takes dims g·d/8 … with the one (s, z) of parameter row·d/G + g·(d/8)/G. Scores and
-/// weighted value sums from that reading equal the CPU's within f16 rounding.
+/// The GPU's reading of kivi pages (kivi.cuh `k_row_kivi`, `v_tile_kivi`, `v_row_kivi`), on the
+/// CPU's bytes: thread t of a key row takes the d/4 dims from t·d/4, each k = fma(u, s, z) in
+/// f16 with (s, z) of its channel's group; where those codes are whole words, f16x2 slot p
+/// holds codes c and c + h of word p / h (h: half a word's codes), shifted out of the word as
+/// the kernel does. Thread g of a value row takes the d/8 dims from g·d/8: by 16-bit chunks,
+/// code l of chunk i being dim g·d/8 + i·16/b + l (the tile reading), or code by code with each
+/// pair's own group (d = 96). Every dim is read once; scores and weighted value sums from that
+/// reading equal the CPU's within f16 rounding.
 #[test]
 fn kivi_pages_read_as_the_cpu_with_the_gpu_indexing() {
     use half::f16;
     use veloxquant::rng::SplitMix64;
     for name in ["kivi:2", "kivi:4", "kivi:2:g16", "kivi:4:g16"] {
         let spec = FormatSpec::parse(name).unwrap();
-        for d in [64usize, 128] {
+        for d in [64usize, 96, 128, 256] {
             let t = 32;
             let mut rng = SplitMix64::new(d as u64 + 5);
             let x: Vec<f32> =
@@ -1037,36 +1045,68 @@ fn kivi_pages_read_as_the_cpu_with_the_gpu_indexing() {
                 let (rb, b, grp) = (g.row_bytes, g.bits as usize, g.group);
                 let half_at = |i: usize| f16::from_le_bytes([page[t * rb + 2 * i], page[t * rb + 2 * i + 1]]).to_f64();
                 let n_params = t * d / grp;
-                let code = |row: usize, j: usize| {
-                    let w = u32::from_le_bytes(page[row * rb + 4 * (j * b / 32)..][..4].try_into().unwrap());
-                    ((w >> (j * b % 32)) & ((1 << b) - 1)) as usize
-                };
+                let word =
+                    |row: usize, wi: usize| u32::from_le_bytes(page[row * rb + 4 * wi..][..4].try_into().unwrap());
+                let mask = (1u32 << b) - 1;
+                let code = |row: usize, j: usize| ((word(row, j * b / 32) >> (j * b % 32)) & mask) as usize;
                 let tab = |c: usize| f16::from_bits(g.table_f16[c]).to_f64();
                 let fma16 = |u: f64, s: f64, z: f64| f16::from_f64(u * s + z).to_f64();
-                // The dequantized page as the GPU threads read it.
-                let mut k = vec![0f64; t * d];
+                // The dequantized page as the GPU threads read it (NaN: not read yet).
+                let mut k = vec![f64::NAN; t * d];
+                let mut put = |row: usize, dim: usize, v: f64| {
+                    assert!(k[row * d + dim].is_nan(), "{name} d={d} {stream:?}: dim {dim} read twice");
+                    k[row * d + dim] = v;
+                };
                 for row in 0..t {
                     if stream == Stream::Keys {
                         let qd = d / 4;
+                        let (cpw, nw) = (32 / b, qd * b / 32);
                         for th in 0..4 {
-                            let s2 = (row / grp) * d + th * qd; // first half of the thread's words
-                            for j in 0..qd {
-                                let dim = th * qd + j;
-                                let e = tab(code(row, dim));
-                                k[row * d + dim] = fma16(e, half_at(s2 + j), half_at(n_params + s2 + j));
+                            let s2 = (row / grp) * d + th * qd; // the thread's first channel's group
+                            let read = |dim: usize, u: usize| {
+                                let c = dim - th * qd;
+                                fma16(tab(u), half_at(s2 + c), half_at(n_params + s2 + c))
+                            };
+                            if (qd * b) % 32 == 0 {
+                                for p in 0..qd / 2 {
+                                    let (wi, c, hw) = (p / (cpw / 2), p % (cpw / 2), cpw / 2);
+                                    for h in 0..2 {
+                                        let u = (word(row, th * nw + wi) >> (b * c + 16 * h)) & mask;
+                                        let dim = th * qd + cpw * wi + c + hw * h;
+                                        put(row, dim, read(dim, u as usize));
+                                    }
+                                }
+                            } else {
+                                for dim in th * qd..(th + 1) * qd {
+                                    put(row, dim, read(dim, code(row, dim)));
+                                }
                             }
                         }
                     } else {
                         let vc = d / 8;
                         for th in 0..8 {
-                            let p = row * (d / grp) + th * vc / grp;
-                            for j in 0..vc {
-                                let dim = th * vc + j;
-                                k[row * d + dim] = fma16(tab(code(row, dim)), half_at(p), half_at(n_params + p));
+                            if grp % vc == 0 && (vc * b) % 16 == 0 {
+                                let p = row * (d / grp) + th * vc / grp;
+                                let bit0 = th * vc * b;
+                                for i in 0..vc * b / 16 {
+                                    let bit = bit0 + 16 * i;
+                                    let chunk = (word(row, bit / 32) >> (bit % 32)) & 0xFFFF;
+                                    for l in 0..16 / b {
+                                        let u = (chunk >> (b * l)) & mask;
+                                        let v = fma16(tab(u as usize), half_at(p), half_at(n_params + p));
+                                        put(row, th * vc + i * (16 / b) + l, v);
+                                    }
+                                }
+                            } else {
+                                for dim in th * vc..(th + 1) * vc {
+                                    let p = row * (d / grp) + (dim & !1) / grp;
+                                    put(row, dim, fma16(tab(code(row, dim)), half_at(p), half_at(n_params + p)));
+                                }
                             }
                         }
                     }
                 }
+                assert!(k.iter().all(|v| !v.is_nan()), "{name} d={d} {stream:?}: a dim left unread");
                 // Tolerance: the f16 rounding of each dequantized element (≤ 2^-11 relative).
                 let q = rng.gaussian_vec(d);
                 if stream == Stream::Keys {

@@ -515,7 +515,7 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
     }
 }
 
-/// kivi's encoders (the blocked page kernel and the Markstein quotients) on many pages of
+/// kivi's encoders (the blocked page kernel, the strided one at d = 96, the Markstein quotients) on many pages of
 /// values on half-integer grids, where (x − z)/s lands on and beside the ties between codes,
 /// mixed with the awkward rows; f32 and f16 input, both streams, every bit width and group.
 #[test]
@@ -524,7 +524,8 @@ fn kivi_encode_bit_identical_on_grid_values() {
     let t = 32;
     let mut checked = 0;
     for spec in ["kivi:2", "kivi:4", "kivi:2:g16", "kivi:4:g16"].map(|s| FormatSpec::parse(s).unwrap()) {
-        for d in [64usize, 128, 256] {
+        // d = 96: the strided page encoder (a lane's codes are not whole bytes).
+        for d in [64usize, 96, 128, 256] {
             for stream in [Stream::Keys, Stream::Values] {
                 let Ok(gf) = GpuFormat::for_stream(&spec, d, t, 5, stream) else { continue };
                 let cpu = spec.build(&FormatCtx::new(d, t, stream, 5)).unwrap();
@@ -985,7 +986,8 @@ impl Sweep {
 }
 
 /// kivi keys (per-channel groups of 16 or 32 tokens) against the CPU reference: both group
-/// sizes and bit widths, d ∈ {64, 128, 256}, every G the engine uses (QPACK's column layouts
+/// sizes and bit widths, d ∈ {64, 96, 128, 256} (96: code-by-code readers beside the paired
+/// ones, value groups straddling a thread's dims), every G the engine uses (QPACK's column layouts
 /// and the rest), windows, sinks and ragged lengths.
 #[test]
 fn decode_kivi_keys_match_cpu_reference() {
@@ -999,7 +1001,7 @@ fn decode_kivi_keys_match_cpu_reference() {
             ("kivi:2:g16", "turboquant_mse:3"),
             ("kivi:4:g16", "fp16"),
         ],
-        ds: &[64, 128, 256],
+        ds: &[64, 96, 128, 256],
         gqas: &[1, 2, 3, 4, 8],
         windows: &[(0, 0, false), (8, 4, true)],
         lens: |gqa| if gqa % 2 == 0 { &[17, 97, 300] } else { &[33, 64, 1] },

@@ -230,18 +230,18 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 // low bits, OR-ed into 1024's f16 (1024 + u exactly), then − 1024 and s·u + z as f16x2 — the
 // values the per-element reading gave, in four instructions a pair. A group as long as the
 // page is the same for every row: its scales and zeros load once a page.
+// d = 96 at 2 bits (a thread's 24 codes are not whole words): code by code, contiguous slots.
 #define KCPW (32 / KB)  // codes per word
 #define KHW (KCPW / 2)
+#define KPAIRS ((QD * KB) % 32 == 0)
+#if KPAIRS
 #define KDIM_FMT 1
 __device__ __forceinline__ int kdim_fmt(int t, int ks, int j) {
     const int p = 2 * ks + (j >> 1);  // the thread's f16x2 slot
     return t * QD + KCPW * (p / KHW) + p % KHW + KHW * (j & 1);
 }
+#endif
 __device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u16* tab, u32* out) {
-    constexpr int NW = QD * KB / 32;  // the thread's code words (QD·KB is a multiple of 32)
-    u32 w[NW];
-    ldraw<NW * 4 >= 16 ? 16 : NW * 4>(kp + row * K_ROW_BYTES + t * NW * 4, w);
-    if (NW == 8) ldraw<16>(kp + row * K_ROW_BYTES + t * NW * 4 + 16, w + (NW == 8 ? 4 : 0));
     const int grp = KG >= T ? 0 : row / KG;
     const u32* s2 = (const u32*)(kp + T * K_ROW_BYTES) + (grp * D + t * QD) / 2;
     const u32* z2 = s2 + (T * D / KG) / 2;
@@ -259,6 +259,13 @@ __device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u
 #pragma unroll
     for (int i = 0; i < QD / 2; i++) { sw[i] = s2[i]; zw[i] = z2[i]; }
 #endif
+#if KPAIRS
+    constexpr int NW = QD * KB / 32;  // the thread's code words: 1 to 8, at a multiple of their size
+    const u32* wp = (const u32*)(kp + row * K_ROW_BYTES) + t * NW;
+    u32 w[NW];
+#pragma unroll
+    for (int i = 0; i < NW; i += (NW % 4 == 0 ? 4 : NW % 2 == 0 ? 2 : 1))
+        ldraw<NW % 4 == 0 ? 16 : NW % 2 == 0 ? 8 : 4>((const u8*)(wp + i), w + i);
     constexpr u32 M2 = ((1u << KB) - 1u) * 0x10001u;
 #pragma unroll
     for (int p = 0; p < QD / 2; p++) {
@@ -268,10 +275,16 @@ __device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u
         out[p] = hfma2(hsub2(x, 0x64006400u), prmt(sw[lo / 2], sw[(lo + KHW) / 2], sel),
                        prmt(zw[lo / 2], zw[(lo + KHW) / 2], sel));
     }
+#else
+    codes_to_h2<KB, QD, K_ROW_BYTES / 4, true>((const u32*)(kp + row * K_ROW_BYTES), t * QD, tab, out);
+#pragma unroll
+    for (int i = 0; i < QD / 2; i++) out[i] = hfma2(out[i], sw[i], zw[i]);
+#endif
 }
 #define K_ROW(kp, row, t, tab, out) k_row_kivi(kp, row, t, tab, out)
 #endif
 #if FMT_DECODE && VK == 8
+#if VG % VC == 0 && (VC * VB) % 16 == 0
 // kivi values (v = s·u + z, (s, z) per token and group of VG ≥ VC channels): the PV mma's A
 // operands for the tokens (tA, tA + 1) and (tA + 8, tA + 9) at once (V_TILE). Two tokens'
 // 16-bit chunks of codes side by side (one prmt) hold each dim's two codes 16 bits apart, so
@@ -312,4 +325,18 @@ __device__ __forceinline__ void v_tile_kivi(const u8* vp, int tA, int g, u32 (*v
     }
 }
 #define V_TILE(vp, tA, g, va) v_tile_kivi(vp, tA, g, va)
+#else
+// d = 96: a thread's VC = 12 dims need not be whole bytes nor lie in one group: row `row`'s
+// dims as f16x2 pairs (2m, 2m + 1), each pair's (s, z) by its own group.
+__device__ __forceinline__ void v_row_kivi(const u8* vp, int row, int g, const u16* tab, u32* out) {
+    codes_to_h2<VB, VC, V_ROW_BYTES / 4, true>((const u32*)(vp + row * V_ROW_BYTES), g * VC, tab, out);
+    const u16* sz = (const u16*)(vp + T * V_ROW_BYTES);
+#pragma unroll
+    for (int m = 0; m < VC / 2; m++) {
+        const int p = row * (D / VG) + (g * VC + 2 * m) / VG;
+        out[m] = hfma2(out[m], (u32)sz[p] * 0x10001u, (u32)sz[T * D / VG + p] * 0x10001u);
+    }
+}
+#define V_ROW(vp, row, g, tab, out) v_row_kivi(vp, row, g, tab, out)
+#endif
 #endif
