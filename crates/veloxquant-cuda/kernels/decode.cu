@@ -128,7 +128,11 @@
 // vs 7b29de4): q4_0 and 3-bit codes run best held to 4 blocks/SM (<= 128 registers, no
 // spills), fp16 with an explicit 1-block bound; q8_0 and the FAST 2/4-bit paths keep the
 // compiler's default bound.
-#if KK >= 2 && VK >= 2 && !FAST && D <= 128 && !V2SEG
+#if defined(VQSM) && VQSM
+// vecinfer's staged codebooks (VQSM) leave room for one block per SM: its registers uncapped
+// (held to 4 blocks' 64 a thread, the page loop spilled).
+#define MINB 1
+#elif KK >= 2 && VK >= 2 && !FAST && D <= 128 && !V2SEG
 #define MINB 4
 #elif KK == 0 && VK == 0
 #define MINB 1

@@ -211,6 +211,25 @@ __device__ __forceinline__ void decode_row_fmt(const u8* page, int t, const floa
 #define VQSM 0
 #endif
 #define VQ_TW(b) ((2 + (1 << (b))) * D)
+// Sub-vectors [s0, s0 + NS)'s indices of a row: one load where they are 2, 4, 8 or 16 whole
+// bytes (a thread's share of a row starts at a multiple of its size: rows of 4 (keys) or 8
+// (values) shares in pages of whole 16-byte units), else byte by byte — a load per index was
+// the generic path's busiest instruction.
+template <int B, int NS, bool WHOLE>
+__device__ __forceinline__ void vq_indices(const u8* row, int s0, u32* c) {
+    constexpr int NB = NS * B / 8;
+    if (WHOLE && (NB == 2 || NB == 4 || NB == 8 || NB == 16) && (NS * B) % 8 == 0) {
+        u32 w[NB >= 4 ? NB / 4 : 1];
+        ldraw<NB>(row + s0 * B / 8, w);
+#pragma unroll
+        for (int i = 0; i < NS; i++) c[i] = (w[i * B / 32] >> (i * B % 32)) & ((1u << B) - 1u);
+    } else {
+#pragma unroll
+        for (int i = 0; i < NS; i++) c[i] = vq_index<B>(row, s0 + i);
+    }
+}
+#define VQ_WHOLE(bytes) ((bytes) % 16 == 0)
+
 #if VQSM
 // VQSM: the block's codebooks staged once in dynamic shared memory as f16 (keys' then values',
 // 2^B·D halves each; the host sizes it, ≤ 128 KiB): a sub-vector's centroid is one 4-, 8- or
@@ -235,12 +254,14 @@ __device__ __forceinline__ void decode_setup_fmt(u8* smem, const float* __restri
 }
 // Dims [first, first + N) of a row of B-bit indices of GS-dim sub-vectors (first and N whole
 // sub-vectors) as N/2 f16x2: their centroids' values from the staged codebook cb.
-template <int B, int GS, int N>
+template <int B, int GS, int N, bool WHOLE>
 __device__ __forceinline__ void vq_to_h2(const u8* row, int first, const u16* cb, u32* out) {
+    u32 idx[N / GS];
+    vq_indices<B, N / GS, WHOLE>(row, first / GS, idx);
 #pragma unroll
     for (int i = 0; i < N / GS; i++) {
         const int s = first / GS + i;
-        const u32 c = vq_index<B>(row, s);
+        const u32 c = idx[i];
         const u16* const cen = cb + ((size_t)s * (1 << B) + c) * GS;
         if (GS == 2) {
             out[i] = *(const u32*)cen;
@@ -259,12 +280,14 @@ __device__ __forceinline__ void vq_to_h2(const u8* row, int first, const u16* cb
 #else
 // Codebooks too large to stage (d = 256, 8-bit keys and values): read as f32 from the
 // transforms (through L1), converted per use.
-template <int B, int GS, int N>
+template <int B, int GS, int N, bool WHOLE>
 __device__ __forceinline__ void vq_to_h2(const u8* row, int first, const float* __restrict__ cb, u32* out) {
+    u32 idx[N / GS];
+    vq_indices<B, N / GS, WHOLE>(row, first / GS, idx);
 #pragma unroll
     for (int i = 0; i < N / GS; i++) {
         const int s = first / GS + i;
-        const u32 c = vq_index<B>(row, s);
+        const u32 c = idx[i];
         // 8-byte aligned: transform rows of (2 + 2^B)·D floats, sub-vectors of an even GS.
         const float2* const cen = (const float2*)(cb + ((size_t)s * (1 << B) + c) * GS);
 #pragma unroll
@@ -280,10 +303,12 @@ __device__ __forceinline__ void vq_to_h2(const u8* row, int first, const float* 
 #endif
 #endif
 #if FMT_DECODE && KK == 10
-#define K_ROW(kp, row, t, tab, out) vq_to_h2<KB, KG, QD>((kp) + (row) * K_ROW_BYTES, (t) * QD, VQ_KCB, out)
+#define K_ROW(kp, row, t, tab, out) \
+    vq_to_h2<KB, KG, QD, VQ_WHOLE(K_PAGE_BYTES)>((kp) + (row) * K_ROW_BYTES, (t) * QD, VQ_KCB, out)
 #endif
 #if FMT_DECODE && VK == 10
-#define V_ROW(vp, row, g, tab, out) vq_to_h2<VB, VG, VC>((vp) + (row) * V_ROW_BYTES, (g) * VC, VQ_VCB, out)
+#define V_ROW(vp, row, g, tab, out) \
+    vq_to_h2<VB, VG, VC, VQ_WHOLE(V_PAGE_BYTES)>((vp) + (row) * V_ROW_BYTES, (g) * VC, VQ_VCB, out)
 #endif
 
 #if FMT_QUERY && KVQ
