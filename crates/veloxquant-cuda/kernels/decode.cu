@@ -97,7 +97,10 @@
 // codes stay on the prmt path, unless K and V share the centroids (V2L): then the value rows of
 // tokens A, B are zipped so that byte j holds (A, B) at two dims, and the same table gives the
 // PV operand's (A, B) pairs at both (dims 4j + 2h, + 1 for half h: the default vdim).
-#define K2L (FAST && KB == 2 && VB == 2)
+#ifndef NOLUT2
+#define NOLUT2 0
+#endif
+#define K2L (FAST && KB == 2 && VB == 2 && !NOLUT2)
 #define V2L (K2L && KVSAME)
 // EXPFTZ: softmax weights by ex2.approx.ftz (weights below 2^-126 flush to 0).
 #ifndef EXPFTZ

@@ -169,11 +169,13 @@ struct Variants {
     expftz: bool,
     /// Headroom of the running max (log2 units, 0 = off).
     slack: i64,
+    /// FAST 2-bit codes by byte lookups (Tuning::decode_lut2).
+    lut2: bool,
 }
 
 impl Variants {
     fn new(t: &Tuning) -> Self {
-        Self { expftz: t.decode_expftz, slack: t.decode_slack }
+        Self { expftz: t.decode_expftz, slack: t.decode_slack, lut2: t.decode_lut2 }
     }
 }
 
@@ -241,6 +243,9 @@ fn decode_defines(
         defs.push(("BALANCE".into(), 1));
     }
     if pipe.fast {
+        if !var.lut2 {
+            defs.push(("NOLUT2".into(), 1));
+        }
         defs.push(("STAGES".into(), pipe.stages as i64));
         if pipe.minb > 0 {
             defs.push(("PMINB".into(), pipe.minb));

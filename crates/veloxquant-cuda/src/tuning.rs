@@ -23,6 +23,9 @@ pub struct Tuning {
     /// FAST decode: a persistent grid, each warp one equal run of all rows' pages (decode.cu
     /// STREAMK), instead of split-K blocks of (sequence, KV head, split).
     pub decode_stream: bool,
+    /// FAST decode, 2-bit keys and values: codes by byte lookups in shared memory (decode.cu
+    /// K2L/V2L) rather than selected from registers by prmt.
+    pub decode_lut2: bool,
     /// Split-K blocks dealt to the sequences by the pages they hold at each step (decode.cu
     /// BALANCE), not by the plan's longest: ragged batches and sequences shorter than the plan
     /// keep every block busy.
@@ -72,6 +75,7 @@ impl Default for Tuning {
             decode_slack: 8,
             decode_pdl: true,
             decode_stream: true,
+            decode_lut2: true,
             decode_balance: true,
             encode_warps: 4,
             encode_lockstep: false,
