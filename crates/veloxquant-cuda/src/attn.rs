@@ -169,13 +169,14 @@ struct Variants {
     expftz: bool,
     /// Headroom of the running max (log2 units, 0 = off).
     slack: i64,
-    /// FAST 2-bit codes by byte lookups (Tuning::decode_lut2).
+    /// FAST 2-bit codes by byte lookups (Tuning::decode_lut2, decode_lut1v).
     lut2: bool,
+    lut1v: bool,
 }
 
 impl Variants {
     fn new(t: &Tuning) -> Self {
-        Self { expftz: t.decode_expftz, slack: t.decode_slack, lut2: t.decode_lut2 }
+        Self { expftz: t.decode_expftz, slack: t.decode_slack, lut2: t.decode_lut2, lut1v: t.decode_lut1v }
     }
 }
 
@@ -246,6 +247,9 @@ fn decode_defines(
         if !var.lut2 {
             defs.push(("NOLUT2".into(), 1));
         }
+        if var.lut1v && kf.bits == 1 && vf.bits == 2 {
+            defs.push(("LUT1V".into(), 1));
+        }
         defs.push(("STAGES".into(), pipe.stages as i64));
         if pipe.minb > 0 {
             defs.push(("PMINB".into(), pipe.minb));
@@ -254,8 +258,8 @@ fn decode_defines(
     defs
 }
 
-/// Every module a decode plan for `kf`/`vf` and group `g` compiles: (family, defines,
-/// kernel names), for compile-only checks (CPU-side test).
+/// Every module a decode plan for `kf`/`vf` and group `g` compiles, and the benchmark's
+/// lookup variants: (family, defines), for compile-only checks (CPU-side test).
 pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) -> Vec<(Family, Vec<(String, i64)>)> {
     let t = Tuning::default();
     let pipe = Pipe::new(kf, vf, cc, false, false, &t);
@@ -276,6 +280,14 @@ pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) 
     }
     for p in pipes {
         let defs = decode_defines(kf, vf, g, &p, &var, pdl);
+        if !m.iter().any(|(_, d)| *d == defs) {
+            m.push((Family::Decode, defs));
+        }
+    }
+    // The benchmark's code-path variants of the FAST 2-bit lookups (Tuning::decode_lut2,
+    // decode_lut1v), so that they compile wherever the defaults do.
+    for v in [Variants { lut2: false, ..var }, Variants { lut1v: true, ..var }] {
+        let defs = decode_defines(kf, vf, g, &pipe, &v, pdl);
         if !m.iter().any(|(_, d)| *d == defs) {
             m.push((Family::Decode, defs));
         }

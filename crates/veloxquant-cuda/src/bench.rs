@@ -157,7 +157,7 @@ fn bench_format(spec: &FormatSpec, t: usize, seed: u64) -> Result<GpuFormat> {
 const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
-/// EXPFTZ,SLACK,PDL,STREAM,BALANCE,LUT2}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}` and
+/// EXPFTZ,SLACK,PDL,STREAM,BALANCE,LUT2,LUT1V}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,WARPS2,MINB2}` and
 /// `VELOXQUANT_PREFILL_WARPS`,
 /// PTX kept in `VELOXQUANT_PTX_DIR` (A/B runs of variants; the library reads none of these).
 pub fn bench_device() -> Result<Arc<GpuDevice>> {
@@ -176,6 +176,7 @@ pub fn bench_device() -> Result<Arc<GpuDevice>> {
         decode_stream: knob("DECODE_STREAM", d.decode_stream as i64) != 0,
         decode_balance: knob("DECODE_BALANCE", d.decode_balance as i64) != 0,
         decode_lut2: knob("DECODE_LUT2", d.decode_lut2 as i64) != 0,
+        decode_lut1v: knob("DECODE_LUT1V", d.decode_lut1v as i64) != 0,
         encode_warps: knob("ENCODE_WARPS", d.encode_warps as i64) as usize,
         encode_lockstep: knob("ENCODE_LOCKSTEP", d.encode_lockstep as i64) != 0,
         encode_minb: knob("ENCODE_MINB", d.encode_minb),

@@ -26,6 +26,9 @@ pub struct Tuning {
     /// FAST decode, 2-bit keys and values: codes by byte lookups in shared memory (decode.cu
     /// K2L/V2L) rather than selected from registers by prmt.
     pub decode_lut2: bool,
+    /// FAST decode, 1-bit keys beside 2-bit values: the values' codes by byte lookups in the
+    /// table the keys leave free (decode.cu V1L). Off: not yet measured on a GPU.
+    pub decode_lut1v: bool,
     /// Split-K blocks dealt to the sequences by the pages they hold at each step (decode.cu
     /// BALANCE), not by the plan's longest: ragged batches and sequences shorter than the plan
     /// keep every block busy.
@@ -76,6 +79,7 @@ impl Default for Tuning {
             decode_pdl: true,
             decode_stream: true,
             decode_lut2: true,
+            decode_lut1v: false,
             decode_balance: true,
             encode_warps: 4,
             encode_lockstep: false,
