@@ -183,6 +183,9 @@ __device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
+// Two integer codes at the low bits of each half of x (the rest zero) as f16x2, exactly: OR-ed
+// into 1024's f16 (1024 + u), then − 1024 (kivi's codes, no table).
+__device__ __forceinline__ u32 ints_h2(u32 x) { return hsub2(x | 0x64006400u, 0x64006400u); }
 // Codes [first, first + N) of a packed row (ROWW words of BITS-bit codes) -> N/2 f16x2 of
 // table values. When N·BITS is a whole number of words the window is word-aligned for every
 // thread (first is a multiple of N) and is read with the widest aligned vector loads.
@@ -232,7 +235,7 @@ __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16
             const int bit = c * BITS;
             const u32 m = (1u << BITS) - 1u, b = (sw[bit >> 5] >> (bit & 31)) & (m | (m << BITS));
             const u32 x = (b * (1u + (1u << (16 - BITS)))) & (m | (m << 16));
-            out[c / 2] = hsub2(x | 0x64006400u, 0x64006400u);  // 1024 + u − 1024 = u exactly
+            out[c / 2] = ints_h2(x);
             continue;
         }
         u32 cc[2];

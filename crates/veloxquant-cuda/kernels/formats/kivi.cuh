@@ -271,8 +271,7 @@ __device__ __forceinline__ void k_row_kivi(const u8* kp, int row, int t, const u
     for (int p = 0; p < QD / 2; p++) {
         const int wi = p / KHW, c = p % KHW, lo = KCPW * wi + c;  // dims lo and lo + KHW (same parity)
         const u32 sel = (c & 1) ? 0x7632u : 0x5410u;
-        const u32 x = ((w[wi] >> (KB * c)) & M2) | 0x64006400u;
-        out[p] = hfma2(hsub2(x, 0x64006400u), prmt(sw[lo / 2], sw[(lo + KHW) / 2], sel),
+        out[p] = hfma2(ints_h2((w[wi] >> (KB * c)) & M2), prmt(sw[lo / 2], sw[(lo + KHW) / 2], sel),
                        prmt(zw[lo / 2], zw[(lo + KHW) / 2], sel));
     }
 #else
@@ -317,10 +316,7 @@ __device__ __forceinline__ void v_tile_kivi(const u8* vp, int tA, int g, u32 (*v
         for (int h = 0; h < 2; h++) {
             const u32 u = prmt(w[2 * h][i / 2], w[2 * h + 1][i / 2], sel);
 #pragma unroll
-            for (int e = 0; e < 2; e++) {
-                const u32 x = ((u >> (VB * (l + e))) & M2) | 0x64006400u;
-                va[mt][2 * h + e] = hfma2(hsub2(x, 0x64006400u), sp[h], zp[h]);
-            }
+            for (int e = 0; e < 2; e++) va[mt][2 * h + e] = hfma2(ints_h2((u >> (VB * (l + e))) & M2), sp[h], zp[h]);
         }
     }
 }
