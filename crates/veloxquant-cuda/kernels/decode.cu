@@ -101,9 +101,9 @@
 #define NOLUT2 0
 #endif
 #define K2L (FAST && KB == 2 && VB == 2 && !NOLUT2)
-// V1L (1-bit keys beside 2-bit values; LUT1V, Tuning::decode_lut1v, off by default until
-// measured): keys need no table (sign flips), so it holds the values' entries in K2L's layout
-// and the values take V2L's path.
+// V1L (1-bit keys beside 2-bit values; LUT1V, Tuning::decode_lut1v): keys need no table (sign
+// flips), so it holds the values' entries in K2L's layout and the values take V2L's path
+// (H100, (8, 32k): qjl and rabitq keys 10–14 % faster than by prmt).
 #ifndef LUT1V
 #define LUT1V 0
 #endif

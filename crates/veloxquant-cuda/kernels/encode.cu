@@ -9,6 +9,7 @@
 // - encode_pages_tpr2: two lanes per row (turboquant_mse codes; formats/turboquant_mse.cuh).
 // - encode_sketch_mma: qjl and turboquant_prod pages of f16 input, the sketch on tensor cores
 //   (formats/qjl.cuh; PAGE_MMA).
+// - encode_vq_pages: vecinfer, a block per page, a lane per row (formats/vecinfer.cuh; FMT_OWN).
 // Defines: D, T, KIND (0 fp16, 1 q8_0, 2 q4_0, 3 codes, 4 qjl signs, 5 turboquant_prod, 6 rabitq, 7
 // turboquant_rvq, 8 kivi, 9 turboquant_frac, 10 vecinfer: 4-5 and 8-10 encode_rows only;
 // vecinfer's RPW rows per warp by its own encode_rows_own), BITS, BITS2, GRP, PERCH, ROT, EDEN, IN_KIND
@@ -413,6 +414,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MINB) encode_pages_tpr(
 }
 #endif  // PAGE_CODEC
 #endif
+
+// Formats' own page kernels for any page size and d (FMT_OWN: vecinfer's encode_vq_pages).
+// @formats FMT_OWN
 
 // Read bandwidth probe and a hashed N(0,1) generator (f16) for benchmarks.
 extern "C" __global__ void read_probe(const vec4u* __restrict__ p, unsigned long long n, u32* out) {

@@ -286,7 +286,7 @@ pub fn decode_modules(kf: &GpuFormat, vf: &GpuFormat, g: usize, cc: (i32, i32)) 
     }
     // The benchmark's code-path variants of the FAST 2-bit lookups (Tuning::decode_lut2,
     // decode_lut1v), so that they compile wherever the defaults do.
-    for v in [Variants { lut2: false, ..var }, Variants { lut1v: true, ..var }] {
+    for v in [Variants { lut2: false, ..var }, Variants { lut1v: false, ..var }] {
         let defs = decode_defines(kf, vf, g, &pipe, &v, pdl);
         if !m.iter().any(|(_, d)| *d == defs) {
             m.push((Family::Decode, defs));

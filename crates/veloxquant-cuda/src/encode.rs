@@ -6,8 +6,9 @@
 //! fp16 and other page sizes use one warp per row (`encode_rows`), qjl and turboquant_prod one
 //! warp per 8 rows of a page (4 at d = 256: each load of the sketch serves them all; with f16
 //! input at d = 64 and 128 their sketch on tensor cores, `Tuning::encode_sketch_mma`), kivi one
-//! warp per page (the same kernel, launched with a warp per page), vecinfer a warp per row
-//! (the nearest centroids by the CPU's f64 distances).
+//! warp per page (the same kernel, launched with a warp per page), vecinfer a block per page
+//! (`encode_vq_pages`: a lane per row, f32 ranking checked against a bound, the CPU's f64
+//! distances where it cannot decide; the warp-per-row kernel where shared memory is short).
 
 use std::sync::Arc;
 
@@ -163,13 +164,53 @@ impl PageSmem {
     }
 }
 
-/// The sketch's tensor-core page kernel (`encode_sketch_mma`, kernels/formats/qjl.cuh; qjl and
-/// turboquant_prod) as set up: dynamic shared bytes, warps (pages) per block, grid cap.
-struct SketchMma {
+/// A format's own page kernel as set up: the sketch on tensor cores (`encode_sketch_mma`,
+/// kernels/formats/qjl.cuh; qjl and turboquant_prod: a page per warp) or vecinfer's block per
+/// page (`encode_vq_pages`, kernels/formats/vecinfer.cuh). Both take encode_rows' arguments
+/// with the page count, loop over pages by the grid and check their dynamic shared memory.
+struct PagesKernel {
     f: CudaFunction,
+    name: &'static str,
+    /// What `GpuEncoder::kernel` reports.
+    label: &'static str,
     smem: u32,
     warps: usize,
+    pages_per_block: usize,
     max_grid: u32,
+}
+
+impl PagesKernel {
+    /// `f` with as many warps (up to `max_warps`) as shared memory holds beside its static
+    /// part: `smem` = (bytes a block, bytes a warp); a page per warp or per block. `None`
+    /// where not even one warp fits.
+    fn new(
+        dev: &GpuDevice,
+        f: CudaFunction,
+        (name, label): (&'static str, &'static str),
+        (base, per_warp): (usize, usize),
+        max_warps: usize,
+        page_per_warp: bool,
+    ) -> Result<Option<Self>> {
+        let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
+        let warps = max_warps.min(dev.max_smem_optin.saturating_sub(static_bytes + base) / per_warp);
+        let smem = base + warps * per_warp;
+        if warps == 0
+            || f.set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )
+            .is_err()
+        {
+            return Ok(None);
+        }
+        let per_sm = f
+            .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem, None)
+            .map_err(drv("occupancy"))?
+            .max(1);
+        let max_grid = per_sm * dev.sm_count as u32;
+        let pages_per_block = if page_per_warp { warps } else { 1 };
+        Ok(Some(Self { f, name, label, smem: smem as u32, warps, pages_per_block, max_grid }))
+    }
 }
 
 pub struct GpuEncoder {
@@ -182,7 +223,7 @@ pub struct GpuEncoder {
     /// Thread-per-row kernel, its cell table, dynamic shared bytes, grid cap, warps per block
     /// and warp work units per page (1, or 2 for the two-threads-per-row kernel).
     tpr: Option<(CudaFunction, CudaSlice<u32>, u32, u32, usize, usize)>,
-    sketch: Option<SketchMma>,
+    pages: Option<PagesKernel>,
 }
 
 impl GpuEncoder {
@@ -197,8 +238,7 @@ impl GpuEncoder {
         let tpr = if has_page_kernel(fmt, &dev.tuning) { Self::page_kernel(dev, fmt, input, pf)? } else { None };
         let tuning = tpr.as_ref().map_or(dev.tuning, |p| p.1);
         let func = dev.function(Family::Encode, &encode_defines(fmt, input, pf, &tuning), "encode_rows")?;
-        let sketch =
-            if has_sketch_mma(fmt, input, dev) { Self::sketch_kernel(dev, fmt, input, pf, &tuning)? } else { None };
+        let pages = Self::pages_kernel(dev, fmt, input, pf, &tuning)?;
         let s = &dev.stream;
         let tpr = match tpr {
             Some((PageKernel { f, smem, warps, units_per_job }, _)) => {
@@ -220,39 +260,31 @@ impl GpuEncoder {
             thresholds: s.clone_htod(&fmt.thresholds).map_err(drv("htod"))?,
             centroids: s.clone_htod(&fmt.centroids).map_err(drv("htod"))?,
             tpr,
-            sketch,
+            pages,
         })
     }
 
-    /// The sketch's tensor-core kernel with as many of the tuning's warps as shared memory holds
-    /// beside the block's S' (kernels/formats/qjl.cuh: SK_S, SK_WARP); `None` where none fits.
-    fn sketch_kernel(
+    /// The format's own page kernel, if it has one, with as many warps as shared memory
+    /// holds: the sketch on tensor cores (up to the tuning's warps, a page each, beside the
+    /// block's S': kernels/formats/qjl.cuh SK_S, SK_WARP) or vecinfer's block per page (up to
+    /// 8 warps, each a sub-vector's codebook staged at a time). `None` where none fits (then
+    /// the warp-per-row kernel encodes).
+    fn pages_kernel(
         dev: &Arc<GpuDevice>,
         fmt: &GpuFormat,
         input: InputKind,
         pf: i64,
         tuning: &Tuning,
-    ) -> Result<Option<SketchMma>> {
-        let f = dev.function(Family::Encode, &encode_defines(fmt, input, pf, tuning), "encode_sketch_mma")?;
-        let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
-        let (s_bytes, per_warp) = sketch_smem(fmt);
-        let fit = dev.max_smem_optin.saturating_sub(static_bytes + s_bytes) / per_warp;
-        let warps = dev.tuning.encode_sketch_warps.min(fit);
-        let smem = s_bytes + warps * per_warp;
-        if warps == 0
-            || f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .is_err()
-        {
+    ) -> Result<Option<PagesKernel>> {
+        let (names, smem, max_warps, page_per_warp) = if has_sketch_mma(fmt, input, dev) {
+            (("encode_sketch_mma", "tensor cores"), sketch_smem(fmt), dev.tuning.encode_sketch_warps, true)
+        } else if fmt.kind == KernelKind::Vq {
+            (("encode_vq_pages", "block/page"), vq_pages_smem(fmt), 8, false)
+        } else {
             return Ok(None);
-        }
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem, None)
-            .map_err(drv("occupancy"))?
-            .max(1);
-        Ok(Some(SketchMma { f, smem: smem as u32, warps, max_grid: per_sm * dev.sm_count as u32 }))
+        };
+        let f = dev.function(Family::Encode, &encode_defines(fmt, input, pf, tuning), names.0)?;
+        PagesKernel::new(dev, f, names, smem, max_warps, page_per_warp)
     }
 
     /// The page kernel (thread per row; two per row for turboquant_mse codes) with as many of
@@ -291,13 +323,14 @@ impl GpuEncoder {
     /// Use the warp-per-row kernel even where a page kernel applies (benchmarks).
     pub fn force_warp_per_row(&mut self) {
         self.tpr = None;
-        self.sketch = None;
+        self.pages = None;
     }
 
-    /// The kernel launches use: "warp/row", "thread/row", "2 threads/row" or "tensor cores".
+    /// The kernel launches use: "warp/row", "thread/row", "2 threads/row", "tensor cores" or
+    /// "block/page".
     pub fn kernel(&self) -> &'static str {
-        if self.sketch.is_some() {
-            return "tensor cores";
+        if let Some(k) = &self.pages {
+            return k.label;
         }
         match &self.tpr {
             None => "warp/row",
@@ -361,15 +394,15 @@ impl GpuEncoder {
             unsafe { b.launch(cfg) }.map_err(drv("encode_pages_tpr"))?;
             return Ok(());
         }
-        // The sketch on tensor cores (a page per warp, up to 8 a block), else a warp per row
-        // (qjl, turboquant_prod: per RPW rows of a page; kivi's a warp per page: its kernel
-        // reads n_rows / T pages). Both take encode_rows' arguments, the count aside.
-        let (f, cfg, count, name) = match &self.sketch {
+        // A format's own page kernel (PagesKernel), else a warp per row (qjl, turboquant_prod:
+        // per RPW rows of a page; kivi's a warp per page: its kernel reads n_rows / T pages).
+        // All take encode_rows' arguments, the count aside.
+        let (f, cfg, count, name) = match &self.pages {
             Some(k) => {
-                let grid = (n_jobs.div_ceil(k.warps) as u32).min(k.max_grid);
+                let grid = (n_jobs.div_ceil(k.pages_per_block) as u32).min(k.max_grid);
                 let block = ((k.warps * 32) as u32, 1, 1);
                 let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: block, shared_mem_bytes: k.smem };
-                (&k.f, cfg, n_jobs as i32, "encode_sketch_mma")
+                (&k.f, cfg, n_jobs as i32, k.name)
             }
             None => {
                 let warps = if self.fmt.kind == KernelKind::Kivi {
@@ -396,10 +429,11 @@ impl GpuEncoder {
             .arg(&rot_scale)
             .arg(&self.thresholds)
             .arg(&self.centroids);
-        // SAFETY: argument list matches encode_rows in kernels/encode.cu (count: rows) and
-        // encode_sketch_mma in kernels/formats/qjl.cuh (count: pages); buffers are sized by the
-        // callers (x: n_jobs·T·D, pool: ≥ max(page_idx)+1 pages, signs: heads·TW); the sketch
-        // kernel traps (a failed launch) if its dynamic shared memory is short of what it uses.
+        // SAFETY: argument list matches encode_rows in kernels/encode.cu (count: rows),
+        // encode_sketch_mma in kernels/formats/qjl.cuh and encode_vq_pages in
+        // kernels/formats/vecinfer.cuh (count: pages); buffers are sized by the callers (x:
+        // n_jobs·T·D, pool: ≥ max(page_idx)+1 pages, signs: heads·TW); the page kernels trap (a
+        // failed launch) if their dynamic shared memory is short of what they use.
         unsafe { b.launch(cfg) }.map_err(drv(name))?;
         Ok(())
     }
@@ -455,4 +489,13 @@ pub fn sketch_smem(fmt: &GpuFormat) -> (usize, usize) {
     let (d, list) = (fmt.d, 256);
     let residuals = if fmt.kind == KernelKind::Prod { 32 * (d + 1) * 4 } else { 0 };
     (2 * d * d, 2 * 32 * (2 * d + 16) + residuals + 32 * d / 8 + 2 * list + 16)
+}
+
+/// `encode_vq_pages`' dynamic shared memory (kernels/formats/vecinfer.cuh: VQ_BASE,
+/// VQ_PER_WARP; the module states its own as `encode_vq_pages_smem`, held equal by the
+/// compile-all test): the block's 32 rotated rows (f32, stride d + 1) and their codes (a byte
+/// per sub-vector), then per warp one sub-vector's codebook and its ‖c‖² (f32).
+pub fn vq_pages_smem(fmt: &GpuFormat) -> (usize, usize) {
+    let (d, g, k) = (fmt.d, fmt.group.max(1), 1usize << fmt.bits);
+    ((32 * (d + 1) * 4 + 32 * (d / g)).div_ceil(16) * 16, k * (g + 1) * 4)
 }

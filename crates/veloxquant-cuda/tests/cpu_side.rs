@@ -723,7 +723,7 @@ fn static_shared_bytes(ptx: &str) -> usize {
 #[test]
 fn format_kernel_files_match_the_host() {
     use veloxquant_cuda::device::{compile_ptx, libraries_present_nvrtc, Family};
-    use veloxquant_cuda::encode::{encode_defines, has_page_kernel, sketch_smem};
+    use veloxquant_cuda::encode::{encode_defines, has_page_kernel, sketch_smem, vq_pages_smem};
     use veloxquant_cuda::format::KernelKind;
     use veloxquant_cuda::{InputKind, Tuning};
     if let Err(e) = libraries_present_nvrtc() {
@@ -760,6 +760,16 @@ fn format_kernel_files_match_the_host() {
             assert!(has("encode_rows"), "{spec} d={d} T={t}: {got:?}");
             assert_eq!(has("encode_pages_tpr"), tpr, "{spec} d={d} T={t}: {got:?}");
             assert_eq!(has("encode_pages_tpr2"), tpr && f.kind == KernelKind::Codes, "{spec} d={d} T={t}: {got:?}");
+            assert_eq!(has("encode_vq_pages"), f.kind == KernelKind::Vq, "{spec} d={d} T={t}: {got:?}");
+            if f.kind == KernelKind::Vq {
+                // The kernel's shared-memory layout as the module states it, against the host's.
+                let (base, per_warp) = vq_pages_smem(&f);
+                assert_eq!(
+                    global_u32s(&ptx, "encode_vq_pages_smem"),
+                    Some(vec![base as u32, per_warp as u32]),
+                    "{spec} d={d} T={t}"
+                );
+            }
         }
     }
     assert_eq!(kinds.len(), 11, "one spec per kernel kind");

@@ -1181,6 +1181,48 @@ fn decode_dense_rotation_sizes_match_cpu_reference() {
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
+/// 1-bit keys with 2-bit values by prmt from registers, the tuning's other choice
+/// (`Tuning::decode_lut1v` off; the default, byte lookups (decode.cu V1L), is what the other
+/// tests run): the FAST path's pairs at d ∈ {64, 128}, every G, windows, sinks, ragged lengths,
+/// row and page mode, split-K and stream grids.
+#[test]
+fn decode_lut1v_off_matches_cpu_reference() {
+    if device().is_none() {
+        return;
+    }
+    let tuning = veloxquant_cuda::Tuning { decode_lut1v: false, ..Default::default() };
+    let pairs = [
+        ("qjl", "turboquant_mse:2"),
+        ("qjl:orth", "turboquant_mse:2"),
+        ("rabitq", "turboquant_mse:2"),
+        ("turboquant_mse:1", "turboquant_mse:2"),
+    ];
+    let groups: Vec<(usize, (usize, &str, &str))> =
+        pairs.into_iter().flat_map(|(k, v)| [64, 128].map(|d| (d, k, v))).enumerate().collect();
+    let per_group = par_cases_with(tuning, &groups, |dev, &(pi, (d, k, v))| {
+        let mut errs = Vec::new();
+        let cases: [(usize, bool, &'static [usize]); 5] = [
+            (1, false, &[300, 33, 1]),
+            (2, true, &[97, 4097]),
+            (3, false, &[200, 17, 64]),
+            (4, true, &[300, 33, 1]),
+            (8, false, &[2900, 40, 1513]),
+        ];
+        for (gqa, page_mode, lens) in cases {
+            for grid in [attn::DecodeGrid::SplitK, attn::DecodeGrid::Stream] {
+                let opts = attn::DecodeOptions { grid, ..Default::default() };
+                let c = Case { k, v, d, gqa, recent: 8, sink: 4, page_mode, lens };
+                let e = run_case_with(dev, &c, (pi * 10 + gqa) as u64, opts);
+                errs.push((format!("d={d} {k}/{v} g={gqa} page_mode={page_mode} {grid:?}"), e));
+            }
+        }
+        errs
+    });
+    let (worst, bad) = worst_and_failures(per_group.into_iter().flatten());
+    eprintln!("decode parity, 1-bit keys with 2-bit values by prmt: worst rel err {worst:.2e}, failures {}", bad.len());
+    assert!(bad.is_empty(), "decode failures: {bad:#?}");
+}
+
 /// turboquant_rvq values (decode.cu V2SEG: both stages' accumulators, combine's
 /// R₁ᵀ·(a₁ + R₂ᵀ·a₂)) at every stage-2 width, with rvq and other keys, d ∈ {64, 80, 96, 112,
 /// 128, 256} (dense rotations and byte-read rows included), and qjl:2x keys at d ≤ 128 (two

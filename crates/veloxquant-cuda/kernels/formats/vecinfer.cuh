@@ -63,11 +63,11 @@ __device__ __forceinline__ u32 vq_nearest_f64(const float* __restrict__ cb, int 
     return bi == VQ_K ? 0u : (u32)bi;
 }
 
-// Rows [t0, t0 + n) of the page from their codes (codes[r * VQ_NS + s]), one word per lane
-// at a time.
-__device__ __forceinline__ void vq_pack_rows(const u8* codes, int n, u8* page, int t0, int lane) {
+// Rows [t0, t0 + n) of the page from their codes (codes[r * VQ_NS + s]), one word per thread
+// at a time (threads tid, tid + nthr, …).
+__device__ __forceinline__ void vq_pack_rows(const u8* codes, int n, u8* page, int t0, int tid, int nthr = 32) {
     constexpr int PER_WORD = 32 / BITS, RW = ROW_BYTES / 4;
-    for (int i = lane; i < n * RW; i += 32) {
+    for (int i = tid; i < n * RW; i += nthr) {
         const int r = i / RW, w = i % RW;
         u32 word = 0;
 #pragma unroll
@@ -326,5 +326,123 @@ __device__ __forceinline__ float value_post_fmt(float a, const float* __restrict
                                                 int hkv, int tid) {
     const float* const vt = vsigns + (size_t)hkv * ((2 + (1 << VVQB)) * D);
     return fwht_block(a, s, tid) * (vt[tid] * vrot_scale) * vt[D + tid];
+}
+#endif
+
+#if FMT_OWN && KIND == 10
+// encode_vq_pages: a block per page at a time, its rows 32 at a time, lane t the group's row t.
+// The rotated rows are staged once per block (stride D + 1: lane t reading row t is free of
+// bank conflicts); each warp takes sub-vectors s ≡ warp (mod warps): it stages s's codebook
+// and the centroids' ‖c‖² in its shared slot, then every lane scans all 2^BITS centroids in
+// the same order (broadcast reads) for its row — the warp-per-row kernel split each row's
+// centroids over lanes and reduced by shuffles, 2.5× the instructions per centroid. The
+// ranking is encode_rows_own's: r = ‖c‖² + Σ c_j·(−2 z_j) in f32 (‖c‖² an FMA chain of GRP
+// terms, then GRP more: at most 2·GRP roundings, each ≤ u of a value ≤ (‖c‖ + ‖z‖)²), the
+// least two kept; a gap above 2E, E = ((2·GRP + 2)·1.01 + 2.01)·u·(max‖c‖ + ‖z‖)² + 1e-36, picks
+// the CPU's centroid (kmeans.rs: f64 squares of f32 differences, ≤ 2.01u·‖c − z‖² off), else
+// the lane redoes the sub-vector as the CPU does (vq_nearest_f64, f64, first index of the least).
+// Dynamic shared memory (encode.rs vq_pages_smem): VQ_BASE bytes, then VQ_PER_WARP per warp.
+// Centroid c's GRP values from the warp's 16-byte-aligned slot (vector loads: broadcast).
+__device__ __forceinline__ void vq_centroid(const float* slot, int c, float* o) {
+    if constexpr (GRP % 4 == 0) {
+#pragma unroll
+        for (int q = 0; q < GRP / 4; q++) {
+            const float4 t = ((const float4*)(slot + c * GRP))[q];
+            o[4 * q] = t.x, o[4 * q + 1] = t.y, o[4 * q + 2] = t.z, o[4 * q + 3] = t.w;
+        }
+    } else if constexpr (GRP % 2 == 0) {
+#pragma unroll
+        for (int q = 0; q < GRP / 2; q++) {
+            const float2 t = ((const float2*)(slot + c * GRP))[q];
+            o[2 * q] = t.x, o[2 * q + 1] = t.y;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < GRP; j++) o[j] = slot[c * GRP + j];
+    }
+}
+#define VQ_ZS (D + 1)
+#define VQ_BASE ((32 * VQ_ZS * 4 + 32 * VQ_NS + 15) / 16 * 16)
+#define VQ_PER_WARP (VQ_K * (GRP + 1) * 4)
+extern "C" __device__ const u32 encode_vq_pages_smem[2] = {VQ_BASE, VQ_PER_WARP};
+extern "C" __global__ void __launch_bounds__(256) encode_vq_pages(
+    const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx, const int* __restrict__ head_idx,
+    u8* __restrict__ pool, const float* __restrict__ signs, float rot_scale, const float* __restrict__ thresholds,
+    const float* __restrict__ centroids) {
+    extern __shared__ __align__(16) u8 dsm[];
+    const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u32 dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    // A host layout short of this one would be a bug: fail the launch, never leave pages unwritten.
+    if (dyn < (u32)(VQ_BASE + nw * VQ_PER_WARP)) __trap();
+    float (*const z)[VQ_ZS] = (float (*)[VQ_ZS])dsm;
+    u8 (*const codes)[VQ_NS] = (u8 (*)[VQ_NS])(dsm + 32 * VQ_ZS * 4);
+    float* const cen = (float*)(dsm + VQ_BASE + warp * VQ_PER_WARP);  // VQ_K × GRP, 16-byte aligned
+    float* const n2s = cen + VQ_K * GRP;
+    const float INF = __int_as_float(0x7f800000);
+    for (int job = blockIdx.x; job < n_jobs; job += gridDim.x) {
+        const float* const sg = signs + (size_t)head_idx[job] * TW;
+        u8* const page = pool + (size_t)page_idx[job] * PAGE_BYTES;
+        for (int t0 = 0; t0 < T; t0 += 32) {
+            const int n = T - t0 < 32 ? T - t0 : 32;
+            const size_t row0 = (size_t)job * T + t0;
+            for (int r = warp; r < n; r += nw) {
+                float v[EPL];
+#pragma unroll
+                for (int k = 0; k < EPL; k++) v[k] = LIVE(k, lane) ? load_in(x, (row0 + r) * D + lane + 32 * k) : 0.0f;
+                row_pre_fmt(v, sg, lane);
+                rotate_warp(v, sg, rot_scale, lane);
+#pragma unroll
+                for (int k = 0; k < EPL; k++)
+                    if (LIVE(k, lane)) z[r][lane + 32 * k] = v[k];
+            }
+            __syncthreads();  // the rows staged
+            for (int s = warp; s < VQ_NS; s += nw) {
+                const float* const cs = sg + 2 * D + (size_t)s * VQ_K * GRP;  // 16-byte aligned: TW, 2D ≡ 0 (mod 4)
+                for (int i = lane; i < VQ_K * GRP / 4; i += 32) ((float4*)cen)[i] = __ldg((const float4*)cs + i);
+                __syncwarp();
+                float cmax2 = 0.0f;
+                for (int c = lane; c < VQ_K; c += 32) {
+                    float e2 = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < GRP; j++) e2 = fmaf(cen[c * GRP + j], cen[c * GRP + j], e2);
+                    n2s[c] = e2;
+                    cmax2 = fmaxf(cmax2, e2);
+                }
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) cmax2 = fmaxf(cmax2, __shfl_xor_sync(FULL_MASK, cmax2, off));
+                __syncwarp();
+                if (lane < n) {
+                    float zj[GRP], m2z[GRP], zn2 = 0.0f;
+#pragma unroll
+                    for (int j = 0; j < GRP; j++) {
+                        zj[j] = z[lane][s * GRP + j];
+                        zn2 = fmaf(zj[j], zj[j], zn2);
+                        m2z[j] = -2.0f * zj[j];
+                    }
+                    float b1 = INF, b2 = INF;
+                    int i1 = VQ_K;
+#pragma unroll 8
+                    for (int c = 0; c < VQ_K; c++) {
+                        float cv[GRP], rr = n2s[c];
+                        vq_centroid(cen, c, cv);
+#pragma unroll
+                        for (int j = 0; j < GRP; j++) rr = fmaf(cv[j], m2z[j], rr);
+                        b2 = fminf(b2, fmaxf(b1, rr));  // NaN rr: b2 = b1, never sure
+                        i1 = rr < b1 ? c : i1;            // ties keep the first: b2 = b1, never sure
+                        b1 = fminf(b1, rr);
+                    }
+                    const float rad = sqrtf(cmax2) + sqrtf(zn2);
+                    const float e = ((float)(2 * GRP + 2) * 1.01f + 2.01f) * 5.9604645e-8f * rad * rad + 1e-36f;
+                    const bool sure = b2 - b1 > 2.0f * e && e < 1e30f && i1 < VQ_K;
+                    codes[lane][s] = (u8)(sure ? (u32)i1 : vq_nearest_f64<1>(sg + 2 * D, s, zj, 0));
+                }
+                __syncwarp();  // cen and n2s free for the warp's next sub-vector
+            }
+            __syncthreads();  // every code of the group written
+            vq_pack_rows(&codes[0][0], n, page, t0, threadIdx.x, blockDim.x);
+            __syncthreads();  // z and the codes free for the next group
+        }
+    }
 }
 #endif
