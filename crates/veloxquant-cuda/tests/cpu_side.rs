@@ -1141,3 +1141,93 @@ fn kivi_pages_read_as_the_cpu_with_the_gpu_indexing() {
         }
     }
 }
+
+/// vecinfer's GPU encoders rank a sub-vector's centroids in f32 and trust the two least only
+/// when their gap exceeds 2E (kernels/formats/vecinfer.cuh): emulated here operation for
+/// operation (`mul_add` is the kernels' fmaf; both encoders: encode_vq_pages' chain from ‖c‖²
+/// and encode_rows_own's ‖c‖² − 2⟨c, z⟩), every trusted pick must be kmeans.rs `nearest`'s
+/// (f64 distances, the first of the least), and every rank within E of the CPU's distance less
+/// ‖z‖². Codebooks from k-means and adversarial ones (duplicated and 1-ulp-apart centroids,
+/// scales from 1e-20 to 1e18, zeros) against 2-, 4- and 8-dim sub-vectors.
+#[test]
+fn vecinfer_f32_ranking_bound_holds() {
+    use veloxquant::kmeans::nearest;
+    use veloxquant::rng::SplitMix64;
+    const U: f32 = 5.9604645e-8;
+    // (rank, E) for each centroid as a kernel computes them; `chain`: encode_vq_pages.
+    fn ranks(cb: &[f32], g: usize, z: &[f32], chain: bool) -> (Vec<f32>, f32) {
+        let n2 = |c: &[f32]| c.iter().fold(0f32, |a, &v| v.mul_add(v, a));
+        let cmax2 = cb.chunks_exact(g).map(n2).fold(0f32, f32::max);
+        let zn2 = n2(z);
+        let r = cb
+            .chunks_exact(g)
+            .map(|c| {
+                if chain {
+                    c.iter().zip(z).fold(n2(c), |a, (&cj, &zj)| cj.mul_add(-2.0 * zj, a))
+                } else {
+                    let dot = c.iter().zip(z).fold(0f32, |a, (&cj, &zj)| cj.mul_add(zj, a));
+                    (-2.0f32).mul_add(dot, n2(c))
+                }
+            })
+            .collect();
+        let rad = cmax2.sqrt() + zn2.sqrt();
+        let k = if chain { (2 * g + 2) as f32 * 1.01 + 2.01 } else { (g + 2) as f32 * 1.01 + 2.01 };
+        (r, k * U * rad * rad + 1e-36)
+    }
+    let mut rng = SplitMix64::new(0xb0);
+    let (mut trusted, mut total) = (0usize, 0usize);
+    for g in [2usize, 4, 8] {
+        for case in 0..24 {
+            let k = if case % 2 == 0 { 256 } else { 16 };
+            let scale = [1.0f32, 1e-20, 1e-3, 1e3, 1e18][case % 5];
+            let data: Vec<f32> = (0..64 * k * g).map(|_| rng.next_gaussian() as f32).collect();
+            let mut cb: Vec<f32> = veloxquant::kmeans::kmeans(&data, g, k, 8, case as u64).centroids;
+            if case % 3 == 1 {
+                // Ties and near ties: centroid 1 = 0, centroid 3 one ulp from 2.
+                let (c0, c2) = (cb[..g].to_vec(), cb[2 * g..3 * g].to_vec());
+                cb[g..2 * g].copy_from_slice(&c0);
+                cb[3 * g..4 * g].copy_from_slice(&c2);
+                cb[3 * g] = f32::from_bits(cb[3 * g].to_bits() + 1);
+            }
+            if case % 7 == 3 {
+                cb[5 * g..6 * g].fill(0.0);
+            }
+            cb.iter_mut().for_each(|v| *v *= scale);
+            for t in 0..200 {
+                let z: Vec<f32> = match t % 4 {
+                    // Near a centroid (ties between its neighbours), at a centroid, zero, random.
+                    0 => cb[(t % k) * g..(t % k + 1) * g].iter().map(|v| v + 1e-3 * scale).collect(),
+                    1 => cb[(t % 4) * g..(t % 4 + 1) * g].to_vec(),
+                    2 if t % 40 == 2 => vec![0.0; g],
+                    _ => (0..g).map(|_| rng.next_gaussian() as f32 * scale).collect(),
+                };
+                let (want, _) = nearest(&cb, g, &z);
+                let zn2: f64 = z.iter().map(|&v| (v as f64).powi(2)).sum();
+                for chain in [true, false] {
+                    let (r, e) = ranks(&cb, g, &z, chain);
+                    for (c, &rc) in r.iter().enumerate() {
+                        let cpu = nearest(&cb[c * g..(c + 1) * g], g, &z).1;
+                        let off = (rc as f64 + zn2 - cpu).abs();
+                        assert!(off <= e as f64 || e >= 1e30, "g={g} case {case} z {t} c {c}: off {off:e} > E {e:e}");
+                    }
+                    // The kernels' pick: the first of the least rank, trusted past a 2E gap.
+                    let (mut b1, mut b2, mut i1) = (f32::INFINITY, f32::INFINITY, k);
+                    for (c, &rc) in r.iter().enumerate() {
+                        b2 = b2.min(b1.max(rc));
+                        if rc < b1 {
+                            i1 = c;
+                        }
+                        b1 = b1.min(rc);
+                    }
+                    total += 1;
+                    if b2 - b1 > 2.0 * e && e < 1e30 && i1 < k {
+                        trusted += 1;
+                        assert_eq!(i1, want, "g={g} case {case} z {t} chain={chain}: trusted pick differs");
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("vecinfer ranking: {trusted} of {total} picks trusted in f32, all the CPU's");
+    assert!(trusted * 2 > total, "the bound should leave most picks to f32: {trusted} of {total}");
+}
