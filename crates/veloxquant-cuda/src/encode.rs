@@ -278,6 +278,10 @@ impl GpuEncoder {
     ) -> Result<Option<PagesKernel>> {
         let (names, smem, max_warps, page_per_warp) = if has_sketch_mma(fmt, input, dev) {
             (("encode_sketch_mma", "tensor cores"), sketch_smem(fmt), dev.tuning.encode_sketch_warps, true)
+        } else if fmt.kind == KernelKind::Vq && dev.tuning.encode_vq_pairs {
+            // Two codebook slots per warp.
+            let (base, slot) = vq_pages_smem(fmt);
+            (("encode_vq_pages2", "block/page, 2 rows a lane"), (base, 2 * slot), 8, false)
         } else if fmt.kind == KernelKind::Vq {
             (("encode_vq_pages", "block/page"), vq_pages_smem(fmt), 8, false)
         } else {
@@ -494,7 +498,8 @@ pub fn sketch_smem(fmt: &GpuFormat) -> (usize, usize) {
 /// `encode_vq_pages`' dynamic shared memory (kernels/formats/vecinfer.cuh: VQ_BASE,
 /// VQ_PER_WARP; the module states its own as `encode_vq_pages_smem`, held equal by the
 /// compile-all test): the block's 32 rotated rows (f32, stride d + 1) and their codes (a byte
-/// per sub-vector), then per warp one sub-vector's codebook and its ‖c‖² (f32).
+/// per sub-vector), then per codebook slot one sub-vector's codebook and its ‖c‖² (f32); a warp
+/// has one slot (`encode_vq_pages`) or two (`encode_vq_pages2`).
 pub fn vq_pages_smem(fmt: &GpuFormat) -> (usize, usize) {
     let (d, g, k) = (fmt.d, fmt.group.max(1), 1usize << fmt.bits);
     ((32 * (d + 1) * 4 + 32 * (d / g)).div_ceil(16) * 16, k * (g + 1) * 4)

@@ -55,6 +55,9 @@ pub struct Tuning {
     pub encode_sketch_mma: bool,
     /// `encode_sketch_mma`: warps (pages) per block, sharing the head's sketch (1..=8).
     pub encode_sketch_warps: usize,
+    /// vecinfer pages by `encode_vq_pages2`: each centroid read once for two rows of a lane
+    /// (two sub-vectors per warp) instead of one. Off until measured on a GPU.
+    pub encode_vq_pairs: bool,
     /// Two-threads-per-row encode: warps per block, and blocks per SM.
     pub encode_warps2: usize,
     pub encode_minb2: i64,
@@ -90,6 +93,7 @@ impl Default for Tuning {
             encode_frac_pages: true,
             encode_sketch_mma: true,
             encode_sketch_warps: 8,
+            encode_vq_pairs: false,
             encode_warps2: 8,
             encode_minb2: 2,
             prefill_warps: 4,

@@ -761,6 +761,7 @@ fn format_kernel_files_match_the_host() {
             assert_eq!(has("encode_pages_tpr"), tpr, "{spec} d={d} T={t}: {got:?}");
             assert_eq!(has("encode_pages_tpr2"), tpr && f.kind == KernelKind::Codes, "{spec} d={d} T={t}: {got:?}");
             assert_eq!(has("encode_vq_pages"), f.kind == KernelKind::Vq, "{spec} d={d} T={t}: {got:?}");
+            assert_eq!(has("encode_vq_pages2"), f.kind == KernelKind::Vq, "{spec} d={d} T={t}: {got:?}");
             if f.kind == KernelKind::Vq {
                 // The kernel's shared-memory layout as the module states it, against the host's.
                 let (base, per_warp) = vq_pages_smem(&f);

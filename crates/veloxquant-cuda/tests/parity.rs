@@ -702,7 +702,9 @@ fn a_99_kib_device_encodes_and_decodes_like_the_cpu() {
 /// vecinfer (calibrated: λ and k-means codebooks from the CPU format's state) encodes
 /// bit-identically to the CPU: the nearest centroid by the CPU's f64 distances (first index on
 /// ties), 4- and 8-bit indices of 2-, 4- and 8-dim sub-vectors, f32 and f16 input, d ∈ {64,
-/// 128, 256}; rows far outside the calibration (zeros, tiny, huge, ties) included.
+/// 128, 256}; rows far outside the calibration (zeros, tiny, huge, ties) included. Both page
+/// kernels: a row per lane (`encode_vq_pages`) and two (`encode_vq_pages2`,
+/// `Tuning::encode_vq_pairs`).
 #[test]
 fn vecinfer_encode_bit_identical_to_cpu() {
     let Some(dev) = device() else { return };
@@ -710,7 +712,9 @@ fn vecinfer_encode_bit_identical_to_cpu() {
     let specs = ["vecinfer:8", "vecinfer:4:g2", "vecinfer:8:g8", "vecinfer:4", "vecinfer:8:g2"]
         .map(|s| FormatSpec::parse(s).unwrap());
     let cases: Vec<(&FormatSpec, usize)> = specs.iter().flat_map(|s| [64usize, 128, 256].map(|d| (s, d))).collect();
+    let pairs = veloxquant_cuda::Tuning { encode_vq_pairs: true, ..Default::default() };
     let checked = par_cases(&cases, |dev, &(spec, d)| {
+        let pairs_dev = GpuDevice::new_with(0, pairs, None).expect("a second device handle");
         let seed = 0x7e0 + d as u64;
         let mut rng = SplitMix64::new(seed);
         let mut ctx = FormatCtx::new(d, t, Stream::Values, seed);
@@ -723,7 +727,10 @@ fn vecinfer_encode_bit_identical_to_cpu() {
         assert_eq!(gf.page_bytes, cpu.page_bytes(), "{spec} d={d}");
         let n_pages = 8;
         let x = awkward_rows(&mut rng, n_pages * t, d);
-        assert_encodes_like_cpu(dev, cpu.as_ref(), &gf, &x, &format!("{spec} d={d}"));
+        for (dev, kernel) in [(dev, "block/page"), (&pairs_dev, "block/page, 2 rows a lane")] {
+            assert_eq!(GpuEncoder::new(dev, &gf, InputKind::F16).unwrap().kernel(), kernel, "{spec} d={d}");
+            assert_encodes_like_cpu(dev, cpu.as_ref(), &gf, &x, &format!("{spec} d={d} {kernel}"));
+        }
     })
     .len();
     // The placeholder state (no calibration) codes nothing: refused, typed.

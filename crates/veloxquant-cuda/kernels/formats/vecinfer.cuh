@@ -330,19 +330,7 @@ __device__ __forceinline__ float value_post_fmt(float a, const float* __restrict
 #endif
 
 #if FMT_OWN && KIND == 10
-// encode_vq_pages: a block per page at a time, its rows 32 at a time, lane t the group's row t.
-// The rotated rows are staged once per block (stride D + 1: lane t reading row t is free of
-// bank conflicts); each warp takes sub-vectors s ≡ warp (mod warps): it stages s's codebook
-// and the centroids' ‖c‖² in its shared slot, then every lane scans all 2^BITS centroids in
-// the same order (broadcast reads) for its row — the warp-per-row kernel split each row's
-// centroids over lanes and reduced by shuffles, 2.5× the instructions per centroid. The
-// ranking is encode_rows_own's: r = ‖c‖² + Σ c_j·(−2 z_j) in f32 (‖c‖² an FMA chain of GRP
-// terms, then GRP more: at most 2·GRP roundings, each ≤ u of a value ≤ (‖c‖ + ‖z‖)²), the
-// least two kept; a gap above 2E, E = ((2·GRP + 2)·1.01 + 2.01)·u·(max‖c‖ + ‖z‖)² + 1e-36, picks
-// the CPU's centroid (kmeans.rs: f64 squares of f32 differences, ≤ 2.01u·‖c − z‖² off), else
-// the lane redoes the sub-vector as the CPU does (vq_nearest_f64, f64, first index of the least).
-// Dynamic shared memory (encode.rs vq_pages_smem): VQ_BASE bytes, then VQ_PER_WARP per warp.
-// Centroid c's GRP values from the warp's 16-byte-aligned slot (vector loads: broadcast).
+// Centroid c's GRP values from a 16-byte-aligned codebook slot (vector loads: broadcast).
 __device__ __forceinline__ void vq_centroid(const float* slot, int c, float* o) {
     if constexpr (GRP % 4 == 0) {
 #pragma unroll
@@ -361,23 +349,42 @@ __device__ __forceinline__ void vq_centroid(const float* slot, int c, float* o) 
         for (int j = 0; j < GRP; j++) o[j] = slot[c * GRP + j];
     }
 }
+
+// encode_vq_pages (P = 1) and encode_vq_pages2 (P = 2; Tuning::encode_vq_pairs): a block per
+// page at a time, its rows 32 at a time. The rotated rows are staged once per block (stride
+// D + 1: a lane reading its row is free of bank conflicts); each warp takes P sub-vectors at a
+// time (s ≡ P·warp + lane / (32/P)), stages each one's codebook and the centroids' ‖c‖² in a
+// slot of its own, then every lane scans all 2^BITS centroids in the same order (broadcast
+// reads) for its P rows (rows q, q + 32/P, … with q = lane mod 32/P) — the warp-per-row
+// kernel split each row's centroids over lanes and reduced by shuffles. P = 2 reads each
+// centroid once for two rows: a 16-byte load takes a wavefront per quarter-warp even when
+// every lane reads one address, so P = 1 may be bound by the shared-memory pipe. The ranking
+// is encode_rows_own's: r = ‖c‖² + Σ c_j·(−2 z_j) in f32 (‖c‖² an FMA chain of GRP terms,
+// then GRP more: at most 2·GRP roundings, each ≤ u of a value ≤ (‖c‖ + ‖z‖)²), the least two
+// kept; a gap above 2E, E = ((2·GRP + 2)·1.01 + 2.01)·u·(max‖c‖ + ‖z‖)² + 1e-36, picks the
+// CPU's centroid (kmeans.rs: f64 squares of f32 differences, ≤ 2.01u·‖c − z‖² off; checked by
+// cpu_side's vecinfer_f32_ranking_bound_holds), else the lane redoes the sub-vector as the
+// CPU does (vq_nearest_f64, f64, first index of the least). Dynamic shared memory (encode.rs
+// vq_pages_smem): VQ_BASE bytes, then VQ_PER_WARP per slot, P slots per warp.
 #define VQ_ZS (D + 1)
 #define VQ_BASE ((32 * VQ_ZS * 4 + 32 * VQ_NS + 15) / 16 * 16)
 #define VQ_PER_WARP (VQ_K * (GRP + 1) * 4)
 extern "C" __device__ const u32 encode_vq_pages_smem[2] = {VQ_BASE, VQ_PER_WARP};
-extern "C" __global__ void __launch_bounds__(256) encode_vq_pages(
-    const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx, const int* __restrict__ head_idx,
-    u8* __restrict__ pool, const float* __restrict__ signs, float rot_scale, const float* __restrict__ thresholds,
-    const float* __restrict__ centroids) {
+template <int P>
+__device__ __forceinline__ void vq_pages(const void* __restrict__ x, int n_jobs, const int* __restrict__ page_idx,
+                                         const int* __restrict__ head_idx, u8* __restrict__ pool,
+                                         const float* __restrict__ signs, float rot_scale) {
+    constexpr int LPS = 32 / P;  // lanes per sub-vector
     extern __shared__ __align__(16) u8 dsm[];
     const int nw = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int q = lane % LPS, half = lane / LPS;
     u32 dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     // A host layout short of this one would be a bug: fail the launch, never leave pages unwritten.
-    if (dyn < (u32)(VQ_BASE + nw * VQ_PER_WARP)) __trap();
+    if (dyn < (u32)(VQ_BASE + nw * P * VQ_PER_WARP)) __trap();
     float (*const z)[VQ_ZS] = (float (*)[VQ_ZS])dsm;
     u8 (*const codes)[VQ_NS] = (u8 (*)[VQ_NS])(dsm + 32 * VQ_ZS * 4);
-    float* const cen = (float*)(dsm + VQ_BASE + warp * VQ_PER_WARP);  // VQ_K × GRP, 16-byte aligned
+    float* const cen = (float*)(dsm + VQ_BASE + (warp * P + half) * VQ_PER_WARP);  // VQ_K × GRP, 16-byte aligned
     float* const n2s = cen + VQ_K * GRP;
     const float INF = __int_as_float(0x7f800000);
     for (int job = blockIdx.x; job < n_jobs; job += gridDim.x) {
@@ -397,12 +404,15 @@ extern "C" __global__ void __launch_bounds__(256) encode_vq_pages(
                     if (LIVE(k, lane)) z[r][lane + 32 * k] = v[k];
             }
             __syncthreads();  // the rows staged
-            for (int s = warp; s < VQ_NS; s += nw) {
+            for (int s0 = P * warp; s0 < VQ_NS; s0 += P * nw) {
+                // This lane's sub-vector (past the last: the first one's codebook, no codes).
+                const int s = s0 + half < VQ_NS ? s0 + half : s0;
+                const bool live = s0 + half < VQ_NS;
                 const float* const cs = sg + 2 * D + (size_t)s * VQ_K * GRP;  // 16-byte aligned: TW, 2D ≡ 0 (mod 4)
-                for (int i = lane; i < VQ_K * GRP / 4; i += 32) ((float4*)cen)[i] = __ldg((const float4*)cs + i);
+                for (int i = q; i < VQ_K * GRP / 4; i += LPS) ((float4*)cen)[i] = __ldg((const float4*)cs + i);
                 __syncwarp();
                 float cmax2 = 0.0f;
-                for (int c = lane; c < VQ_K; c += 32) {
+                for (int c = q; c < VQ_K; c += LPS) {
                     float e2 = 0.0f;
 #pragma unroll
                     for (int j = 0; j < GRP; j++) e2 = fmaf(cen[c * GRP + j], cen[c * GRP + j], e2);
@@ -410,39 +420,67 @@ extern "C" __global__ void __launch_bounds__(256) encode_vq_pages(
                     cmax2 = fmaxf(cmax2, e2);
                 }
 #pragma unroll
-                for (int off = 16; off > 0; off >>= 1) cmax2 = fmaxf(cmax2, __shfl_xor_sync(FULL_MASK, cmax2, off));
+                for (int off = LPS / 2; off > 0; off >>= 1) cmax2 = fmaxf(cmax2, __shfl_xor_sync(FULL_MASK, cmax2, off));
                 __syncwarp();
-                if (lane < n) {
-                    float zj[GRP], m2z[GRP], zn2 = 0.0f;
+                // P = 1: lanes past the group's rows skip the scan (P = 2: a row past n scans
+                // row 0's values and writes no code).
+                if (P > 1 || lane < n) {
+                    float zj[P][GRP], m2z[P][GRP], zn2[P], b1[P], b2[P];
+                    int i1[P];
 #pragma unroll
-                    for (int j = 0; j < GRP; j++) {
-                        zj[j] = z[lane][s * GRP + j];
-                        zn2 = fmaf(zj[j], zj[j], zn2);
-                        m2z[j] = -2.0f * zj[j];
+                    for (int p = 0; p < P; p++) {
+                        const int r = q + LPS * p < n ? q + LPS * p : 0;
+                        zn2[p] = 0.0f;
+#pragma unroll
+                        for (int j = 0; j < GRP; j++) {
+                            zj[p][j] = z[r][s * GRP + j];
+                            zn2[p] = fmaf(zj[p][j], zj[p][j], zn2[p]);
+                            m2z[p][j] = -2.0f * zj[p][j];
+                        }
+                        b1[p] = INF, b2[p] = INF, i1[p] = VQ_K;
                     }
-                    float b1 = INF, b2 = INF;
-                    int i1 = VQ_K;
 #pragma unroll 8
                     for (int c = 0; c < VQ_K; c++) {
-                        float cv[GRP], rr = n2s[c];
+                        const float c2 = n2s[c];
+                        float cv[GRP];
                         vq_centroid(cen, c, cv);
 #pragma unroll
-                        for (int j = 0; j < GRP; j++) rr = fmaf(cv[j], m2z[j], rr);
-                        b2 = fminf(b2, fmaxf(b1, rr));  // NaN rr: b2 = b1, never sure
-                        i1 = rr < b1 ? c : i1;            // ties keep the first: b2 = b1, never sure
-                        b1 = fminf(b1, rr);
+                        for (int p = 0; p < P; p++) {
+                            float rr = c2;
+#pragma unroll
+                            for (int j = 0; j < GRP; j++) rr = fmaf(cv[j], m2z[p][j], rr);
+                            b2[p] = fminf(b2[p], fmaxf(b1[p], rr));  // NaN rr: b2 = b1, never sure
+                            i1[p] = rr < b1[p] ? c : i1[p];          // ties keep the first: b2 = b1, never sure
+                            b1[p] = fminf(b1[p], rr);
+                        }
                     }
-                    const float rad = sqrtf(cmax2) + sqrtf(zn2);
-                    const float e = ((float)(2 * GRP + 2) * 1.01f + 2.01f) * 5.9604645e-8f * rad * rad + 1e-36f;
-                    const bool sure = b2 - b1 > 2.0f * e && e < 1e30f && i1 < VQ_K;
-                    codes[lane][s] = (u8)(sure ? (u32)i1 : vq_nearest_f64<1>(sg + 2 * D, s, zj, 0));
+#pragma unroll
+                    for (int p = 0; p < P; p++) {
+                        const int r = q + LPS * p;
+                        if (live && r < n) {
+                            const float rad = sqrtf(cmax2) + sqrtf(zn2[p]);
+                            const float e = ((float)(2 * GRP + 2) * 1.01f + 2.01f) * 5.9604645e-8f * rad * rad + 1e-36f;
+                            const bool sure = b2[p] - b1[p] > 2.0f * e && e < 1e30f && i1[p] < VQ_K;
+                            codes[r][s] = (u8)(sure ? (u32)i1[p] : vq_nearest_f64<1>(sg + 2 * D, s, zj[p], 0));
+                        }
+                    }
                 }
-                __syncwarp();  // cen and n2s free for the warp's next sub-vector
+                __syncwarp();  // cen and n2s free for the warp's next sub-vectors
             }
             __syncthreads();  // every code of the group written
             vq_pack_rows(&codes[0][0], n, page, t0, threadIdx.x, blockDim.x);
             __syncthreads();  // z and the codes free for the next group
         }
     }
+}
+#define VQ_PAGES_ARGS                                                                                            \
+    const void *__restrict__ x, int n_jobs, const int *__restrict__ page_idx, const int *__restrict__ head_idx, \
+        u8 *__restrict__ pool, const float *__restrict__ signs, float rot_scale,                                  \
+        const float *__restrict__ thresholds, const float *__restrict__ centroids
+extern "C" __global__ void __launch_bounds__(256) encode_vq_pages(VQ_PAGES_ARGS) {
+    vq_pages<1>(x, n_jobs, page_idx, head_idx, pool, signs, rot_scale);
+}
+extern "C" __global__ void __launch_bounds__(256) encode_vq_pages2(VQ_PAGES_ARGS) {
+    vq_pages<2>(x, n_jobs, page_idx, head_idx, pool, signs, rot_scale);
 }
 #endif
