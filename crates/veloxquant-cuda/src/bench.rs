@@ -158,7 +158,7 @@ const D: usize = 128;
 
 /// The benchmark's device: kernel variants from `VELOXQUANT_DECODE_{STAGES,WARPS,MINB,FUSEQ,
 /// EXPFTZ,SLACK,PDL,STREAM,BALANCE,LUT2,LUT1V}`, `VELOXQUANT_ENCODE_{WARPS,LOCKSTEP,MINB,PF,TPR2,
-/// FRAC_PAGES,SKETCH_MMA,SKETCH_WARPS,VQ_PAIRS,WARPS2,MINB2}`, `VELOXQUANT_SMEM_LIMIT` and
+/// FRAC_PAGES,SKETCH_MMA,SKETCH_MMA_2X,SKETCH_WARPS,VQ_PAIRS,WARPS2,MINB2}`, `VELOXQUANT_SMEM_LIMIT` and
 /// `VELOXQUANT_PREFILL_WARPS`,
 /// PTX kept in `VELOXQUANT_PTX_DIR` (A/B runs of variants; the library reads none of these).
 pub fn bench_device() -> Result<Arc<GpuDevice>> {
@@ -187,6 +187,7 @@ pub fn bench_device() -> Result<Arc<GpuDevice>> {
         encode_sketch_mma: knob("ENCODE_SKETCH_MMA", d.encode_sketch_mma as i64) != 0,
         encode_sketch_warps: knob("ENCODE_SKETCH_WARPS", d.encode_sketch_warps as i64) as usize,
         encode_vq_pairs: knob("ENCODE_VQ_PAIRS", d.encode_vq_pairs as i64) != 0,
+        encode_sketch_mma_2x: knob("ENCODE_SKETCH_MMA_2X", d.encode_sketch_mma_2x as i64) != 0,
         encode_warps2: knob("ENCODE_WARPS2", d.encode_warps2 as i64) as usize,
         encode_minb2: knob("ENCODE_MINB2", d.encode_minb2),
         prefill_warps: knob("PREFILL_WARPS", d.prefill_warps as i64) as usize,

@@ -85,7 +85,7 @@ pub fn has_page_kernel(fmt: &GpuFormat, t: &Tuning) -> bool {
 /// qjl or turboquant_prod, pages of 32, d 64 or 128, f16 input, sm_80+, and the tuning asks.
 pub fn has_sketch_mma(fmt: &GpuFormat, input: InputKind, dev: &GpuDevice) -> bool {
     matches!(fmt.kind, KernelKind::Sketch | KernelKind::Prod)
-        && fmt.sketch_halves() == 1
+        && (fmt.sketch_halves() == 1 || dev.tuning.encode_sketch_mma_2x)
         && fmt.t == 32
         && matches!(fmt.d, 64 | 128)
         && input == InputKind::F16
@@ -492,7 +492,8 @@ impl GpuEncoder {
 pub fn sketch_smem(fmt: &GpuFormat) -> (usize, usize) {
     let (d, list) = (fmt.d, 256);
     let residuals = if fmt.kind == KernelKind::Prod { 32 * (d + 1) * 4 } else { 0 };
-    (2 * d * d, 2 * 32 * (2 * d + 16) + residuals + 32 * d / 8 + 2 * list + 16)
+    let blocks = if fmt.kind == KernelKind::Sketch { fmt.sketch_halves() } else { 1 };
+    (blocks * 2 * d * d, 2 * 32 * (2 * d + 16) + residuals + 32 * d / 8 + 2 * list + 16)
 }
 
 /// `encode_vq_pages`' dynamic shared memory (kernels/formats/vecinfer.cuh: VQ_BASE,

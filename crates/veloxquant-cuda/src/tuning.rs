@@ -55,6 +55,9 @@ pub struct Tuning {
     pub encode_sketch_mma: bool,
     /// `encode_sketch_mma`: warps (pages) per block, sharing the head's sketch (1..=8).
     pub encode_sketch_warps: usize,
+    /// qjl:2x pages on tensor cores too (`encode_sketch_mma`, each block of S staged as its own
+    /// S'). Off until measured on a GPU.
+    pub encode_sketch_mma_2x: bool,
     /// vecinfer pages by `encode_vq_pages2`: each centroid read once for two rows of a lane
     /// (two sub-vectors per warp) instead of one. Off until measured on a GPU.
     pub encode_vq_pairs: bool,
@@ -93,6 +96,7 @@ impl Default for Tuning {
             encode_frac_pages: true,
             encode_sketch_mma: true,
             encode_sketch_warps: 8,
+            encode_sketch_mma_2x: false,
             encode_vq_pairs: false,
             encode_warps2: 8,
             encode_minb2: 2,

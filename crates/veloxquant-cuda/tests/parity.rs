@@ -375,8 +375,8 @@ fn prod_bound_check(spec: &FormatSpec, gf: &GpuFormat, seed: u64, x: &[f32]) -> 
     (differs_n, unsure, worst)
 }
 
-/// qjl and turboquant_prod with their sketch on tensor cores (`Tuning::encode_sketch_mma`: f16
-/// input, d 64 and 128): pages of two heads interleaved (the kernel's blocks share one head's
+/// qjl (m = d and 2d; `Tuning::encode_sketch_mma_2x`) and turboquant_prod with their sketch on
+/// tensor cores (`Tuning::encode_sketch_mma`: f16 input, d 64 and 128): pages of two heads interleaved (the kernel's blocks share one head's
 /// S' at a time), of the awkward rows (zeros, f16 subnormals, outliers), N(0, 1) rows, and for
 /// qjl rows with one output at the f16 rounding level (x = g − (⟨g, S_i⟩/‖S_i‖²)·S_i, then
 /// f16), bit-identical to the CPU. The host
@@ -388,10 +388,12 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
     let t = 32;
     let n_pages = 24;
     let mut cases = Vec::new();
-    for spec in ["qjl", "qjl:orth"].map(|s| FormatSpec::parse(s).unwrap()) {
+    for spec in ["qjl", "qjl:orth", "qjl:2x", "qjl:2x:orth"].map(|s| FormatSpec::parse(s).unwrap()) {
         for d in [64usize, 128] {
             let seeds = [0x61 + d as u64, 0x7a + d as u64];
             let gfs = seeds.map(|seed| GpuFormat::new(&spec, d, t, seed).unwrap());
+            // m = d outputs, or 2d (qjl:2x: Sᵀ's second block of d rows after the first's).
+            let m = gfs[0].sketch_halves() * d;
             // Page p's head: runs of one and of several, so rounds see one head and two.
             let head_of: fn(usize) -> usize = |p| [0, 1, 1, 0, 0, 0, 1, 0][p % 8];
             let mut rng = SplitMix64::new(d as u64 ^ 0x6d6d);
@@ -399,7 +401,8 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
             let (mut tc_differs, mut unsure, mut worst) = (0, 0, 0f64);
             for p in 0..n_pages {
                 let (st, _) = gfs[head_of(p)].sketch.clone().unwrap();
-                let s_row = |i: usize| (0..d).map(|e| st[e * d + i] as f64).collect::<Vec<f64>>();
+                let s_at = |e: usize, i: usize| st[(i / d) * d * d + e * d + i % d];
+                let s_row = |i: usize| (0..d).map(|e| s_at(e, i) as f64).collect::<Vec<f64>>();
                 let rows: Vec<f32> = match p % 3 {
                     0 => awkward_rows(&mut rng, t, d),
                     1 => (0..t * d).map(|_| rng.next_gaussian() as f32).collect(),
@@ -421,10 +424,10 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
                     // exact sum), and the kernel's test: beyond its bound the signs must agree.
                     let nrm = xv.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
                     let bound = sketch_mma_eps(d, false) * nrm + 0.505 * (d as f64).sqrt();
-                    for i in 0..d {
+                    for i in 0..m {
                         let si = s_row(i);
                         let norm = si.iter().map(|v| v * v).sum::<f64>().sqrt();
-                        let cpu: f32 = xv.iter().enumerate().map(|(e, v)| st[e * d + i] * v).sum();
+                        let cpu: f32 = xv.iter().enumerate().map(|(e, v)| s_at(e, i) * v).sum();
                         let tc: f64 = xv
                             .iter()
                             .zip(&si)
@@ -448,7 +451,7 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
             eprintln!(
                 "{spec} d={d}: the f16 operands alone differ in {tc_differs} outputs, all within the bound (at most \
                  {worst:.3} of it); {unsure} of {} outputs within it",
-                n_pages * t * d
+                n_pages * t * m
             );
             cases.push((spec.clone(), d, seeds, gfs, x16, head_of));
         }
@@ -484,7 +487,7 @@ fn sketch_mma_encode_bit_identical_to_cpu() {
             cases.push((spec.clone(), d, seeds, gfs, x16, head_of));
         }
     }
-    let tuning = veloxquant_cuda::Tuning { encode_sketch_mma: true, ..Default::default() };
+    let tuning = veloxquant_cuda::Tuning { encode_sketch_mma: true, encode_sketch_mma_2x: true, ..Default::default() };
     let Ok(dev) = GpuDevice::new_with(0, tuning, None) else {
         eprintln!("SKIPPED: no usable GPU");
         return;

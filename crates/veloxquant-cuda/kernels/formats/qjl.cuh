@@ -8,8 +8,8 @@
 #define SKM (MSE_BYTES ? 2 : 1)  // the sketch's blocks of d rows
 #define TW (SKM * D * D)
 #endif
-#if FMT_ROW && (KIND == 4 || KIND == 5) && T == 32 && (D == 64 || D == 128) && IN_KIND == 1 && (KIND == 5 || SKM == 1)
-#define PAGE_MMA 1  // encode_sketch_mma (FMT_PAGE below)
+#if FMT_ROW && (KIND == 4 || KIND == 5) && T == 32 && (D == 64 || D == 128) && IN_KIND == 1
+#define PAGE_MMA 1  // encode_sketch_mma (FMT_PAGE below; qjl:2x only with Tuning::encode_sketch_mma_2x)
 #endif
 #if FMT_ROW && (KIND == 4 || KIND == 5)
 // Sign bits of S·x for the row held by the warp (lane l: x_l, x_{l+32}, …) into `row`. Each
@@ -243,7 +243,8 @@ __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, si
 
 #if FMT_PAGE && (KIND == 4 || KIND == 5) && PAGE_MMA
 // The sketch's signs on tensor cores (encode_sketch_mma: f16 input, pages of 32 rows, d = 64
-// or 128), bit-identical to the CPU: qjl's of the input rows, turboquant_prod's of the
+// or 128), bit-identical to the CPU: qjl's of the input rows (qjl:2x: each block of d rows of
+// S as its own S', one after the other), turboquant_prod's of the
 // residuals its stage 1 leaves (a lane per row, as the thread-per-row codecs). A block's warps
 // take one page each and share the head's sketch in shared memory as S' (row i of S scaled to ‖S'_i‖ = 2^13,
 // in f16: no f16 subnormals in practice, products and sums far inside f32's range). Each
@@ -270,7 +271,12 @@ __device__ __forceinline__ void query_fmt(float x, float* __restrict__ qprep, si
 #define SK_XEPS 0.0f
 #endif
 #define SK_WARP (2 * SK_RAW + SK_XS + 32 * (D / 8) + 2 * SK_CAP + 16)  // per warp: two stages, residuals, words, list, counters
-#define SK_S (2 * D * D)                        // S' (f16), once per block
+#if KIND == 4
+#define SK_BLOCKS SKM                           // qjl:2x: S's two blocks of d rows, each its own S'
+#else
+#define SK_BLOCKS 1
+#endif
+#define SK_S (SK_BLOCKS * 2 * D * D)            // S' (f16), once per block
 // The layout's sizes as the module states them: the compile-all test compares them with the
 // host's (encode.rs sketch_smem), which sizes the launch.
 extern "C" __device__ const u32 encode_sketch_mma_smem[2] = {SK_S, SK_WARP};
@@ -434,9 +440,9 @@ __device__ __forceinline__ float sk_bound(float nrm, float eps_rel) {
 }
 
 #if KIND == 4
-static_assert(ROW_BYTES == D / 8, "qjl rows are d sign bits");
-// One qjl page: ‖x‖ of row `lane` (norm_tpr), the signs of the f16 input as it is, the rows
-// and ‖x‖ into the page.
+static_assert(ROW_BYTES == SK_BLOCKS * D / 8, "qjl rows are m = SK_BLOCKS·d sign bits");
+// One qjl page: ‖x‖ of row `lane` (norm_tpr), the signs of the f16 input as it is (each block
+// of S against its own S', block b's at byte b·d/8 of the row), the rows and ‖x‖ into the page.
 __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, const float* __restrict__ sg,
                                         float rot_scale, const float* __restrict__ thresholds,
                                         const float* __restrict__ centroids, float* xs, u32* words, u16* list,
@@ -447,15 +453,19 @@ __device__ __forceinline__ void sk_page(u8* raw, const u8* sS, float eps_rel, co
         row_tpr(raw + lane * RS, v);
         nrm = norm_tpr(v);
     }
-    u32 wout[D / 32];
     auto x_at = [&](int row, int e) { return h2f(((const u16*)(raw + row * RS))[e]); };
-    sk_signs(smem_addr(raw), x_at, sk_bound(nrm, eps_rel), sS, sg + SK_ST, words, list, ctl, wout, lane);
-    u8* const row = page + lane * ROW_BYTES;
+#pragma unroll
+    for (int b = 0; b < SK_BLOCKS; b++) {
+        u32 wout[D / 32];
+        sk_signs(smem_addr(raw), x_at, sk_bound(nrm, eps_rel), sS + b * 2 * D * D, sg + SK_ST + b * D * D, words,
+                 list, ctl, wout, lane);
+        u8* const row = page + lane * ROW_BYTES + b * (D / 8);
 #if D == 128
-    *(vec4u*)row = vec4u{wout[0], wout[1], wout[2], wout[3]};
+        *(vec4u*)row = vec4u{wout[0], wout[1], wout[2], wout[3]};
 #else
-    *(vec2u*)row = vec2u{wout[0], wout[1]};
+        *(vec2u*)row = vec2u{wout[0], wout[1]};
 #endif
+    }
     ((u16*)(page + 32 * ROW_BYTES))[lane] = f2h(nrm);
     for (int o = 32 * ROW_BYTES + 64 + 4 * lane; o < PAGE_BYTES; o += 128) *(u32*)(page + o) = 0u;
 }
@@ -604,7 +614,8 @@ extern "C" __global__ void __launch_bounds__(256) encode_sketch_mma(
                     s_staged = need;
                 }
                 __syncthreads();
-                sk_stage(signs + (size_t)need * TW + SK_ST, sS, &s_nsub);
+                for (int b = 0; b < SK_BLOCKS; b++)
+                    sk_stage(signs + (size_t)need * TW + SK_ST + b * D * D, sS + b * 2 * D * D, &s_nsub);
             }
             __syncthreads();  // S' and s_nsub complete; s_head read by every thread
             if (h == need) {
