@@ -194,23 +194,30 @@ impl PagesKernel {
         let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
         let warps = max_warps.min(dev.max_smem_optin.saturating_sub(static_bytes + base) / per_warp);
         let smem = base + warps * per_warp;
-        if warps == 0
-            || f.set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .is_err()
-        {
+        if warps == 0 || !allow_dynamic_smem(&f, smem) {
             return Ok(None);
         }
-        let per_sm = f
-            .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem, None)
-            .map_err(drv("occupancy"))?
-            .max(1);
-        let max_grid = per_sm * dev.sm_count as u32;
+        let max_grid = resident_blocks(dev, &f, warps, smem)?;
         let pages_per_block = if page_per_warp { warps } else { 1 };
         Ok(Some(Self { f, name, label, smem: smem as u32, warps, pages_per_block, max_grid }))
     }
+}
+
+/// Lets `f` launch with `smem` dynamic shared bytes; false where the device refuses.
+fn allow_dynamic_smem(f: &CudaFunction, smem: usize) -> bool {
+    f.set_attribute(
+        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem as i32,
+    )
+    .is_ok()
+}
+
+/// Blocks of `warps` warps and `smem` dynamic shared bytes the whole device holds at once (the
+/// grid cap of kernels that loop over their jobs).
+fn resident_blocks(dev: &GpuDevice, f: &CudaFunction, warps: usize, smem: usize) -> Result<u32> {
+    let per_sm =
+        f.occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem, None).map_err(drv("occupancy"))?;
+    Ok(per_sm.max(1) * dev.sm_count as u32)
 }
 
 pub struct GpuEncoder {
@@ -242,13 +249,10 @@ impl GpuEncoder {
         let s = &dev.stream;
         let tpr = match tpr {
             Some((PageKernel { f, smem, warps, units_per_job }, _)) => {
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor((warps * 32) as u32, smem as usize, None)
-                    .map_err(drv("occupancy"))?
-                    .max(1);
+                let max_grid = resident_blocks(dev, &f, warps, smem as usize)?;
                 let table = fmt.bins.clone().unwrap_or_else(|| vec![0u32; 4]);
                 let td = s.clone_htod(&table).map_err(drv("htod"))?;
-                Some((f, td, smem, per_sm * dev.sm_count as u32, warps, units_per_job))
+                Some((f, td, smem, max_grid, warps, units_per_job))
             }
             None => None,
         };
@@ -309,13 +313,7 @@ impl GpuEncoder {
             let static_bytes = f.shared_size_bytes().map_err(drv("shared_size_bytes"))? as usize;
             let smem = plan.dynamic_bytes(warps);
             // Past the device's opt-in limit the attribute call fails: not attempted.
-            if static_bytes + smem <= dev.max_smem_optin
-                && f.set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )
-                .is_ok()
-            {
+            if static_bytes + smem <= dev.max_smem_optin && allow_dynamic_smem(&f, smem) {
                 let units_per_job = plan.units_per_job;
                 return Ok(Some((PageKernel { f, smem: smem as u32, warps, units_per_job }, tw)));
             }
@@ -330,8 +328,8 @@ impl GpuEncoder {
         self.pages = None;
     }
 
-    /// The kernel launches use: "warp/row", "thread/row", "2 threads/row", "tensor cores" or
-    /// "block/page".
+    /// The kernel launches use: "warp/row", "thread/row", "2 threads/row", "tensor cores",
+    /// "block/page" or "block/page, 2 rows a lane".
     pub fn kernel(&self) -> &'static str {
         if let Some(k) = &self.pages {
             return k.label;
