@@ -192,14 +192,20 @@ __device__ __forceinline__ u32 ints_h2(u32 x) { return hsub2(x | 0x64006400u, 0x
 // INTS (2- and 4-bit codes whose table is the integers 0, 1, …: kivi): the same f16 values
 // by the 1024-magic in registers, no table lookups.
 // MAXV: the widest vector load (words) the row's start allows beyond ROWW's own alignment.
-template <int BITS, int N, int ROWW, bool INTS = false, int MAXV = 4>
-__device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16* tab, u32* out) {
+// OFF: the bit where code 0 lies (a row's second segment); windows are word-aligned when OFF
+// and N·BITS are whole words, else funnel-shifted. PAIRS: codes two at a time from ptab, the
+// table of f16x2 (tab[c₀], tab[c₁]) at entry c₀ | c₁ << BITS (BITS ≤ 3: at most 64 words, so a
+// lookup is at worst a two-way bank conflict), one load per pair instead of two and a prmt.
+template <int BITS, int N, int ROWW, bool INTS = false, int MAXV = 4, int OFF = 0, bool PAIRS = false>
+__device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16* tab, u32* out,
+                                            const u32* ptab = nullptr) {
+    static_assert(!PAIRS || BITS <= 3, "pair tables of at most 64 entries");
     static_assert(!INTS || BITS == 2 || BITS == 4, "integer codes by the magic: 2 or 4 bits");
-    const bool ALIGNED = (N * BITS) % 32 == 0;
+    const bool ALIGNED = (N * BITS) % 32 == 0 && OFF % 32 == 0;
     const int NW = ALIGNED ? (N * BITS) / 32 : (N * BITS + 31) / 32 + 1;
     u32 sw[NW + 1];
     if (ALIGNED) {
-        const u32* src = row + (first * BITS) / 32;
+        const u32* src = row + (OFF + first * BITS) / 32;
         if (NW % 4 == 0 && ROWW % 4 == 0 && MAXV >= 4) {
 #pragma unroll
             for (int i = 0; i < NW / 4; i++) {
@@ -218,7 +224,7 @@ __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16
         }
         sw[NW] = 0u;
     } else {
-        int s = first * BITS, w0 = s >> 5, sh = s & 31;
+        int s = OFF + first * BITS, w0 = s >> 5, sh = s & 31;
         u32 w[NW + 1];
 #pragma unroll
         for (int i = 0; i < NW; i++) w[i] = (w0 + i < ROWW) ? row[w0 + i] : 0u;
@@ -229,6 +235,13 @@ __device__ __forceinline__ void codes_to_h2(const u32* row, int first, const u16
     }
 #pragma unroll
     for (int c = 0; c < N; c += 2) {
+        if (PAIRS) {
+            const int bit = c * BITS, lo = bit >> 5, o = bit & 31;
+            u32 v = sw[lo] >> o;
+            if (o + 2 * BITS > 32) v |= sw[lo + 1] << (32 - o);
+            out[c / 2] = ptab[v & ((1u << (2 * BITS)) - 1u)];
+            continue;
+        }
         if (INTS) {
             // Codes c, c + 1: 2·BITS bits at a multiple of 2·BITS (first is even), in one word;
             // b + (b << (16 − BITS)) moves code c + 1 to bit 16 without overlapping code c.
@@ -327,6 +340,9 @@ __device__ __forceinline__ float vscale(const u16* vn, int i) { return h2f(vn[i]
 #endif
 #ifndef KDIM_FMT
 #define KDIM_FMT 0
+#endif
+#ifndef VDIM_FMT
+#define VDIM_FMT 0
 #endif
 
 // FAST 1-bit rows (k1_dequant): word i = 2ks + j/2 pairs bits (15 − i, 31 − i) of the
@@ -526,6 +542,8 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 __device__ __forceinline__ int vdim(int g, int mt, int hf) {
 #if FAST && VB == 2 && !V2L
     return VC == 16 ? g * VC + (mt & 1) * 8 + (mt >> 1) + 4 * hf : g * VC + mt + 4 * hf;
+#elif VDIM_FMT
+    return vdim_fmt(g, mt, hf);
 #else
     return g * VC + 2 * mt + hf;
 #endif
@@ -951,6 +969,21 @@ extern "C" __global__ void DECODE_BOUNDS decode_pages(
     decode_setup_fmt(dsm, ksigns, vsigns, h, tid, NWARPS * 32);  // a format's per-block state
 #endif
     __syncthreads();
+#if !FAST && defined(DECODE_TABLES_FMT)
+    // A format's tables derived from the code tables (turboquant_frac's pair tables).
+#if KK == 5 || KK == 9
+    const u16* const k2t = k2tab;
+#else
+    const u16* const k2t = ktab;
+#endif
+#if VK == 5 || VK == 9
+    const u16* const v2t = v2tab;
+#else
+    const u16* const v2t = vtab;
+#endif
+    decode_tables_fmt(ktab, k2t, vtab, v2t, tid, NWARPS * 32);
+    __syncthreads();
+#endif
 #if FAST
     {
         // Entry e's 32 K words are equal (as are its 32 V words, K2L: its 32 second K words):

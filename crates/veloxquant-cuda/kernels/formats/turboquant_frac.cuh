@@ -256,7 +256,62 @@ __device__ __forceinline__ void split_words_to_h2(const u8* row, int first, cons
     }
 }
 #endif
-#if FMT_DECODE && KK == 9 && KNHI % QD == 0 && (KNHI * KB) % 32 == 0 && K_ROW_BYTES % 4 == 0
+// EVEN (rows of whole words, both segments present, a multiple of 2·P wide channels): part p
+// of P (the P threads sharing a row) reads the p-th share of each segment — NH/P wide codes,
+// then (D − NH)/P narrow ones — so every thread runs the same code: with a thread's window in
+// one segment (the slot order), lanes of both widths split the warp and the two paths were
+// issued one after the other (H100, (8, 32k): 2,693 instructions per page). kdim_fmt and
+// vdim_fmt map the thread's slots to channels for the query and the output.
+#if FMT_DECODE && (KK == 9 || VK == 9)
+// Segments of at most 3 bits are read a pair of codes at a time (codes_to_h2 PAIRS) from the
+// block's pair tables: the keys' wide and narrow codes, then the values'.
+__shared__ u32 frac_pairs[4][64];
+#define DECODE_TABLES_FMT 1
+__device__ __forceinline__ void decode_tables_fmt(const u16* kt, const u16* k2t, const u16* vt, const u16* v2t,
+                                                  int tid, int nthreads) {
+#if KK == 9
+    const int bits[2] = {KB, KLB};
+#else
+    const int bits[2] = {4, 4};
+#endif
+#if VK == 9
+    const int vbits[2] = {VB, VLB};
+#else
+    const int vbits[2] = {4, 4};
+#endif
+    for (int i = tid; i < 4 * 64; i += nthreads) {
+        const int which = i >> 6, e = i & 63;
+        const int b = which < 2 ? bits[which] : vbits[which - 2];
+        const u16* t = which == 0 ? kt : (which == 1 ? k2t : (which == 2 ? vt : v2t));
+        const int m = (1 << b) - 1;
+        frac_pairs[which][e] = b <= 3 ? ((u32)t[e & m] | ((u32)t[(e >> b) & m] << 16)) : 0u;
+    }
+}
+template <int HB, int LB, int NH, int N, int ROWW>
+__device__ __forceinline__ void split_even_to_h2(const u8* row, int part, const u16* thi, const u16* tlo,
+                                                 const u32* phi, const u32* plo, u32* out) {
+    constexpr int P = D / N, NW = NH / P, NN = N - NW, OFFW = NH * HB / 32;
+    static_assert(NW % 2 == 0 && NN % 2 == 0 && NW > 0 && NN > 0, "each share is whole pairs");
+    codes_to_h2<HB, NW, ROWW, false, 4, 0, HB <= 3>((const u32*)row, part * NW, thi, out, phi);
+    constexpr int MAXV = OFFW % 4 == 0 ? 4 : (OFFW % 2 == 0 ? 2 : 1);
+    codes_to_h2<LB, NN, ROWW, false, MAXV, NH * HB, LB <= 3>((const u32*)row, part * NN, tlo, out + NW / 2, plo);
+}
+// Element i of part p's list (wide codes first) as its storage slot.
+template <int NH, int N>
+__device__ __forceinline__ int even_slot(int p, int i) {
+    constexpr int NW = NH / (D / N);
+    return i < NW ? p * NW + i : NH + p * (N - NW) + (i - NW);
+}
+#endif
+#define K_EVEN (FMT_DECODE && KK == 9 && KNHI > 0 && KNHI < D && KNHI % 8 == 0 && K_ROW_BYTES % 4 == 0)
+#define V_EVEN (FMT_DECODE && VK == 9 && VNHI > 0 && VNHI < D && VNHI % 16 == 0 && V_ROW_BYTES % 4 == 0)
+#if K_EVEN
+#define K_ROW(kp, row, t, tab, out) \
+    split_even_to_h2<KB, KLB, KNHI, QD, K_ROW_BYTES / 4>((kp) + (row) * K_ROW_BYTES, t, ktab, k2tab, frac_pairs[0], \
+                                                          frac_pairs[1], out)
+#define KDIM_FMT 1
+__device__ __forceinline__ int kdim_fmt(int t, int ks, int j) { return even_slot<KNHI, QD>(t, 4 * ks + j); }
+#elif FMT_DECODE && KK == 9 && KNHI % QD == 0 && (KNHI * KB) % 32 == 0 && K_ROW_BYTES % 4 == 0
 #define K_ROW(kp, row, t, tab, out) \
     split_words_to_h2<KB, KLB, KNHI, QD, K_ROW_BYTES>((kp) + (row) * K_ROW_BYTES, (t) * QD, ktab, k2tab, out)
 #elif FMT_DECODE && KK == 9
@@ -266,7 +321,13 @@ __device__ __forceinline__ void split_words_to_h2(const u8* row, int first, cons
 #define KSCALE_FMT 1
 __device__ __forceinline__ float kscale(const u16* kn, int i) { return log_u8_unit(kn, i); }
 #endif
-#if FMT_DECODE && VK == 9 && VNHI % VC == 0 && (VNHI * VB) % 32 == 0 && V_ROW_BYTES % 4 == 0
+#if V_EVEN
+#define V_ROW(vp, row, g, tab, out) \
+    split_even_to_h2<VB, VLB, VNHI, VC, V_ROW_BYTES / 4>((vp) + (row) * V_ROW_BYTES, g, vtab, v2tab, \
+                                                          frac_pairs[2], frac_pairs[3], out)
+#define VDIM_FMT 1
+__device__ __forceinline__ int vdim_fmt(int g, int mt, int hf) { return even_slot<VNHI, VC>(g, 2 * mt + hf); }
+#elif FMT_DECODE && VK == 9 && VNHI % VC == 0 && (VNHI * VB) % 32 == 0 && V_ROW_BYTES % 4 == 0
 #define V_ROW(vp, row, g, tab, out) \
     split_words_to_h2<VB, VLB, VNHI, VC, V_ROW_BYTES>((vp) + (row) * V_ROW_BYTES, (g) * VC, vtab, v2tab, out)
 #elif FMT_DECODE && VK == 9
