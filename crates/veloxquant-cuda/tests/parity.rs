@@ -1183,7 +1183,17 @@ fn decode_dense_rotation_sizes_match_cpu_reference() {
     let per_pair = par_cases(&pairs, |dev, &(pi, (d, k, v))| {
         [(1, false), (3, true), (4, false)].map(|(gqa, page_mode)| {
             let c = Case { k, v, d, gqa, recent: 8, sink: 4, page_mode, lens: &[300, 33, 1] };
-            (format!("d={d} {k}/{v} g={gqa} page_mode={page_mode}"), run_case(dev, &c, (pi * 10 + gqa) as u64))
+            let seed = (pi * 10 + gqa) as u64;
+            let e = run_case(dev, &c, seed);
+            let mut what = format!("d={d} {k}/{v} g={gqa} page_mode={page_mode}");
+            if !(e <= 2e-3) {
+                // Still a failure; the reruns tell a wrong result every time from one that
+                // comes and goes (two d ∈ {96, 112} turboquant_rvq-key cases failed once each
+                // under load and passed when run again, 2026-12-07 and -08).
+                let again: Vec<String> = (0..2).map(|_| format!("{:.2e}", run_case(dev, &c, seed))).collect();
+                what += &format!(" (the same case again: {})", again.join(", "));
+            }
+            (what, e)
         })
     });
     let (worst, bad) = worst_and_failures(per_pair.into_iter().flatten());
