@@ -698,7 +698,7 @@ fn a_99_kib_device_encodes_and_decodes_like_the_cpu() {
         let c = Case { k, v, d: 128, gqa: 4, recent: 8, sink: 4, page_mode: false, lens: &[300, 33, 1] };
         worst = worst.max(run_case(&small, &c, 3));
     }
-    assert!(worst <= 2e-3, "{worst:.2e}");
+    assert!(worst <= DECODE_TOL, "{worst:.2e}");
     eprintln!("decode at 99 KiB: worst rel err {worst:.2e}");
 }
 
@@ -939,12 +939,15 @@ fn decode_matches_cpu_reference() {
     assert!(bad.is_empty(), "decode failures: {bad:#?}");
 }
 
-/// The worst error and the cases out of tolerance (> 2e-3, or NaN) of labelled errors.
+/// Decode attention's tolerance against the CPU reference (relative error).
+const DECODE_TOL: f64 = 2e-3;
+
+/// The worst error and the cases out of tolerance (> DECODE_TOL, or NaN) of labelled errors.
 fn worst_and_failures(errs: impl IntoIterator<Item = (String, f64)>) -> (f64, Vec<String>) {
     let (mut worst, mut bad) = (0f64, Vec::new());
     for (what, e) in errs {
         #[allow(clippy::neg_cmp_op_on_partial_ord)]
-        if !(e <= 2e-3) {
+        if !(e <= DECODE_TOL) {
             bad.push(format!("{what}: {e:.2e}"));
         }
         worst = worst.max(e);
@@ -1186,7 +1189,8 @@ fn decode_dense_rotation_sizes_match_cpu_reference() {
             let seed = (pi * 10 + gqa) as u64;
             let e = run_case(dev, &c, seed);
             let mut what = format!("d={d} {k}/{v} g={gqa} page_mode={page_mode}");
-            if !(e <= 2e-3) {
+            #[allow(clippy::neg_cmp_op_on_partial_ord)] // NaN counts as a failure too
+            if !(e <= DECODE_TOL) {
                 // Still a failure; the reruns tell a wrong result every time from one that
                 // comes and goes (two d ∈ {96, 112} turboquant_rvq-key cases failed once each
                 // under load and passed when run again, 2026-12-07 and -08).
@@ -1462,7 +1466,7 @@ fn fork_trim_and_copy_on_write_match_cpu() {
     for (i, cpu) in [&cpu_a, &cpu_b].into_iter().enumerate() {
         let want = decode_attention_ref(cpu, 0, &q[i * hq * d..(i + 1) * hq * d], hq).unwrap();
         let e = rel_err(&out[i * hq * d..(i + 1) * hq * d], &want);
-        assert!(e <= 2e-3, "sequence {i}: rel err {e:.2e}");
+        assert!(e <= DECODE_TOL, "sequence {i}: rel err {e:.2e}");
     }
     gpu.remove_seq(a).unwrap();
     gpu.remove_seq(b).unwrap();
@@ -1564,7 +1568,7 @@ fn sanitizer_cases_match_cpu() {
         eprintln!("sanitizer case grid={grid:?} max_blocks={max_blocks}: {e:.2e}");
         worst = worst.max(e);
     }
-    assert!(worst <= 2e-3, "{worst:.2e}");
+    assert!(worst <= DECODE_TOL, "{worst:.2e}");
     for (spec, d) in [
         ("turboquant_mse:4", 128),
         ("turboquant_mse:3", 64),

@@ -242,8 +242,9 @@ __device__ __forceinline__ float log_u8_unit(const void* scales, int i) {
 }
 #endif
 // Where each thread's window lies in one segment and the segments start at whole words (NHI
-// a multiple of the window, e.g. d = 128 at 3.5 or 2.5 bits), a window is plain codes of its
-// segment's width: read by word loads (codes_to_h2), not code by code.
+// a multiple of the window), a window is plain codes of its segment's width: read by word
+// loads (codes_to_h2), not code by code. Rows of two segments take the EVEN readers below
+// where they can; this serves rows of one width (NHI 0 or d).
 #if FMT_DECODE && (KK == 9 || VK == 9)
 template <int HB, int LB, int NH, int N, int RB>
 __device__ __forceinline__ void split_words_to_h2(const u8* row, int first, const u16* thi, const u16* tlo, u32* out) {
